@@ -1,0 +1,5 @@
+import sys
+
+from pyengine.cli import main
+
+sys.exit(main())

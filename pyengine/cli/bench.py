@@ -1,0 +1,30 @@
+"""`pyengine bench [WHAT]`: benchmarks that print figures and ratios measured in the same run.
+
+Each benchmark is a module `pyengine.bench.<what>` with ``HELP``, ``add_arguments(parser)`` and ``run(args)``.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+
+HELP = "run a benchmark (default: single-stream decode/prefill against the NumPy roofline)"
+
+BENCHMARKS = {
+    "engine": "pyengine.bench.engine",        # S03/S05/S12: decode, prefill, roofline, KV-cache scaling
+    "dequant": "pyengine.bench.dequant",      # S08: dequantization MB/s per format
+    "tokenizer": "pyengine.bench.tokenizer",  # S02: encode throughput
+    "paging": "pyengine.bench.paging",        # S06/S07/S09/S11: KV waste, prefix cache TTFT, batching, chunking
+    "serve": "pyengine.bench.serve",          # S20: Poisson load against an OpenAI-compatible server
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("what", nargs="?", default="engine", choices=sorted(BENCHMARKS))
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (see pyengine bench WHAT -h)")
+
+
+def run(args) -> int:
+    module = importlib.import_module(BENCHMARKS[args.what])
+    p = argparse.ArgumentParser(prog=f"pyengine bench {args.what}", description=module.HELP)
+    module.add_arguments(p)
+    return int(module.run(p.parse_args(args.rest)) or 0)

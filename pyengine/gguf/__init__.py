@@ -1,0 +1,34 @@
+"""S21: the GGUF file format (reader) and S08: its quantization formats.
+
+``GGUFError`` lives here so that the reader and the quant kernels share one exception type without
+importing each other; everything else is imported on first use.
+"""
+from __future__ import annotations
+
+import importlib
+
+
+class GGUFError(ValueError):
+    """A malformed or unsupported GGUF file / tensor, with a reason naming the key, tensor or type."""
+
+
+_EXPORTS = {
+    "GGUFFile": "pyengine.gguf.reader",
+    "TensorInfo": "pyengine.gguf.reader",
+    "GGMLType": "pyengine.gguf.quants",
+    "GGML_BLOCK": "pyengine.gguf.quants",
+    "dequantize": "pyengine.gguf.quants",
+    "quantize_q8_0": "pyengine.gguf.quants",
+    "quantize_q4_0": "pyengine.gguf.quants",
+}
+
+__all__ = ["GGUFError", *sorted(_EXPORTS)]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pyengine.gguf' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,118 @@
+"""S22 end to end: the demo page in headless Chromium, both engines in their web workers.
+
+Greedy generation from the Python (Pyodide) and TypeScript engines must give identical token ids, equal to
+HF transformers' greedy tokens (tests/golden/generation_smollm2.json); cancel stops a generation; a corrupt
+file shows a readable error and the page keeps generating afterwards.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+N_TOKENS = 32
+N_PROMPTS = 3
+ENGINES = ("python", "ts")
+
+
+def _js(page, script: str, arg=None):
+    return page.evaluate(script, arg)
+
+
+@pytest.fixture(scope="module")
+def loaded(demo):
+    """The demo page with the server's default model loaded into both engines (load time recorded)."""
+    page, log = demo
+    t0 = time.perf_counter()
+    try:
+        infos = _js(page, "() => window.pyengineDemo.loadModel('./model/default.gguf')")
+    except Exception as exc:
+        pytest.fail(f"loading the default model failed: {exc}\n{log}")
+    infos["_wall_s"] = round(time.perf_counter() - t0, 1)
+    print("model loaded:", infos)
+    return page, log, infos
+
+
+def test_page_boots_pyodide_and_lists_engines(demo):
+    page, log = demo
+    assert "pyengine" in page.title()
+    # The Pyodide worker reports its runtime (Pyodide + numpy + the pyengine wheel) without any model.
+    page.wait_for_function("() => window.pyengineDemo.state().python.status !== 'starting'", timeout=180_000)
+    state = _js(page, "() => window.pyengineDemo.state()")
+    assert state["python"]["status"] in ("idle", "loading", "ready"), state
+    assert not log.errors(), str(log)
+
+
+def test_both_engines_load_the_model(loaded):
+    page, log, infos = loaded
+    for name in ENGINES:
+        assert name in infos, f"{name} engine did not load: {_js(page, '() => window.pyengineDemo.state()')}"
+    assert infos["python"]["layers"] == 30
+    assert infos["python"]["wasmBytes"] > 98_000_000        # the GGUF bytes live in the wasm heap
+
+
+def test_greedy_tokens_match_each_other_and_golden(loaded, golden):
+    page, log, _ = loaded
+    cases = sorted(golden["cases"], key=lambda c: len(c["prompt_ids"]))[:N_PROMPTS]
+    report = []
+    for case in cases:
+        results = {}
+        for name in ENGINES:
+            results[name] = _js(page, """async ([engine, prompt, n]) =>
+                window.pyengineDemo.generate({engine, prompt, maxTokens: n, temperature: 0, seed: 0})""",
+                                [name, case["prompt"], N_TOKENS])
+            report.append((name, case["prompt"][:20], round(results[name]["tokensPerSecond"], 2)))
+        want = case["greedy_ids"][:N_TOKENS]
+        for name in ENGINES:
+            got = results[name]["tokenIds"]
+            assert len(got) == N_TOKENS or results[name]["finishReason"] == "stop", (name, results[name])
+            assert got == want[:len(got)], f"{name} engine on {case['prompt'][:30]!r}: {got} != golden {want}"
+        assert results["python"]["tokenIds"] == results["ts"]["tokenIds"]
+    print("decode tok/s:", report)
+
+
+def test_cancel_stops_generation(loaded):
+    page, log, _ = loaded
+    for name in ENGINES:
+        result = _js(page, """async (engine) => {
+            const d = window.pyengineDemo;
+            const p = d.generate({engine, prompt: 'Once upon a time', maxTokens: 500, temperature: 0});
+            // cancel once a few tokens have streamed in
+            while (d.state()[engine].running && document.querySelector(`#engine-${engine} [data-role=output]`)
+                   .textContent.length < 8) await new Promise(r => setTimeout(r, 20));
+            d.cancel(engine);
+            const r = await p;
+            return {n: r.tokenIds.length, finishReason: r.finishReason, running: d.state()[engine].running};
+        }""", name)
+        assert result["finishReason"] == "abort", (name, result)
+        assert 1 <= result["n"] < 500, (name, result)
+        assert result["running"] == 0
+
+
+def test_corrupt_file_shows_error_and_page_keeps_working(loaded, server):
+    page, log, _ = loaded
+    # The first 64 KiB of the real file (fetched with a Range request): a valid header, truncated tensors.
+    message = _js(page, """async () => {
+        const r = await fetch('./model/default.gguf', {headers: {Range: 'bytes=0-65535'}});
+        if (r.status !== 206) return 'no range support: ' + r.status;
+        try { await window.pyengineDemo.loadModel(await r.arrayBuffer(), 'corrupt.gguf'); return 'loaded?!'; }
+        catch (e) { return e.message; }
+    }""")
+    assert "GGUF" in message or "truncat" in message.lower() or "beyond" in message.lower(), message
+    banner = page.inner_text("#error")
+    assert banner.strip() and "Traceback" not in banner, banner
+    assert page.is_visible("#error")
+    # Garbage without the magic gets a readable error too.
+    message2 = _js(page, """async () => {
+        try { await window.pyengineDemo.loadModel(new Uint8Array(1000).fill(7).buffer, 'junk.gguf'); return 'loaded?!'; }
+        catch (e) { return e.message; }
+    }""")
+    assert "magic" in message2.lower() or "GGUF" in message2, message2
+    # The previous model still serves both engines.
+    for name in ENGINES:
+        r = _js(page, """async (engine) => window.pyengineDemo.generate(
+            {engine, prompt: 'The capital of France is', maxTokens: 4, temperature: 0})""", name)
+        assert len(r["tokenIds"]) == 4, (name, r)
+    assert not log.errors(), str(log)

@@ -1,0 +1,77 @@
+"""The dev server behind `pyengine web` (no browser): MIME types, Range requests on the model, config."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def client(model_path):
+    from starlette.testclient import TestClient
+
+    from pyengine.web_server import create_app
+    with TestClient(create_app(model=model_path)) as c:
+        yield c
+
+
+def test_page_and_config(client):
+    r = client.get("/")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    assert 'src="app.js"' in r.text
+    r = client.get("/config.js")
+    assert r.headers["content-type"].startswith("text/javascript")
+    cfg = json.loads(r.text.split("=", 1)[1].strip().rstrip(";"))
+    assert cfg["defaultModel"] == "./model/default.gguf"
+
+
+@pytest.mark.parametrize("path,mime", [("/app.js", "text/javascript"), ("/worker.js", "text/javascript"),
+                                       ("/styles.css", "text/css"),
+                                       ("/vendor/pyodide/pyodide.mjs", "text/javascript"),
+                                       ("/vendor/pyodide/pyodide.asm.wasm", "application/wasm"),
+                                       ("/vendor/manifest.json", "application/json")])
+def test_mime_types(client, path, mime):
+    if path.startswith("/vendor/") and not (ROOT / "web" / "vendor" / "manifest.json").is_file():
+        pytest.fail("web/vendor not assembled: run scripts/setup_web.sh")
+    r = client.get(path)
+    assert r.status_code == 200, path
+    assert r.headers["content-type"].split(";")[0] == mime
+
+
+def test_model_range_requests(client, model_path):
+    size = os.path.getsize(model_path)
+    with open(model_path, "rb") as f:
+        head = f.read(4096)
+        f.seek(size - 100)
+        tail = f.read()
+    r = client.get("/model/default.gguf", headers={"Range": "bytes=0-4095"})
+    assert r.status_code == 206
+    assert r.headers["content-range"] == f"bytes 0-4095/{size}"
+    assert r.content == head and r.content[:4] == b"GGUF"
+    r = client.get("/model/default.gguf", headers={"Range": "bytes=-100"})
+    assert r.status_code == 206 and r.content == tail
+    r = client.get("/model/default.gguf", headers={"Range": f"bytes={size}-{size + 10}"})
+    assert r.status_code == 416
+    r = client.head("/model/default.gguf")
+    assert r.status_code == 200 and int(r.headers["content-length"]) == size
+    assert r.headers.get("accept-ranges") == "bytes"
+
+
+def test_no_model_and_traversal():
+    from starlette.testclient import TestClient
+
+    from pyengine.web_server import create_app
+    with TestClient(create_app(model=None)) as c:
+        assert c.get("/model/default.gguf").status_code == 404
+        cfg = c.get("/config.js").text
+        assert '"defaultModel": null' in cfg
+        assert c.get("/../pyproject.toml").status_code == 404
+        assert c.get("/vendor/../../pyproject.toml").status_code == 404
+    with pytest.raises(FileNotFoundError, match="model file not found"):
+        create_app(model="/nonexistent.gguf")

@@ -1,0 +1,295 @@
+"""S06/S07/S09/S11 `pyengine bench paging`: what paging, prefix caching, continuous batching and chunked
+prefill buy, each measured against its baseline in the same run.
+
+  waste     (S06) replay a mixed workload through the real Scheduler/BlockManager (no model) and compare
+            the share of reserved KV memory that holds no token: contiguous slabs (max_model_len per
+            sequence, or prompt+max_tokens per sequence) vs 16-token pages.
+  prefix    (S07) a long shared system prompt: TTFT of later requests / TTFT of the first (target <= 0.2).
+  batching  (S09) the same requests with mixed output lengths, static batches (a batch runs until its
+            longest member ends) vs continuous batching (target >= 2x); plus the aggregate decode rate
+            with N sequences running (target >= 330 tok/s at 32).
+  chunked   (S11) 8 running decodes while a long prompt arrives: ITL p99 / median with and without
+            chunked prefill (target with chunking <= 3x). The chunk budget is derived from measured step
+            costs so one step stays within ~2.5 decode steps (an SLO-style choice); --chunk-budget overrides.
+
+Timings on a shared machine are noisy; every ratio compares runs made moments apart in this process.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+HELP = "paging benchmarks: KV waste, prefix-cache TTFT, continuous vs static batching, chunked-prefill ITL"
+ALL = ("waste", "prefix", "batching", "chunked")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--only", nargs="+", choices=ALL, default=list(ALL), help="sub-benchmarks to run")
+    p.add_argument("--model", default=None, help="GGUF path (default model otherwise)")
+    p.add_argument("--quick", action="store_true", help="smaller sizes everywhere (about a minute or two)")
+    p.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("waste")
+    g.add_argument("--waste-requests", type=int, default=400)
+    g.add_argument("--max-model-len", type=int, default=2048)
+    g = p.add_argument_group("prefix")
+    g.add_argument("--system-tokens", type=int, default=1024)
+    g.add_argument("--prefix-requests", type=int, default=4, help="requests after the first")
+    g = p.add_argument_group("batching")
+    g.add_argument("--concurrency", type=int, default=32)
+    g.add_argument("--batch-requests", type=int, default=64)
+    g.add_argument("--long-output", type=int, default=192, help="output length of the long requests")
+    g.add_argument("--decode-steps", type=int, default=16, help="decode steps timed for the aggregate rate")
+    g = p.add_argument_group("chunked")
+    g.add_argument("--long-prompt", type=int, default=4096)
+    g.add_argument("--decoders", type=int, default=8)
+    g.add_argument("--chunk-budget", type=int, default=None, help="max_num_batched_tokens with chunking")
+
+
+def _verdict(ok: bool) -> str:
+    return "meets target" if ok else "MISSES target"
+
+
+def _line(name: str, value: str, ratio: float, target: str, ok: bool) -> None:
+    print(f"  {name:<46} {value:<28} ratio {ratio:8.3f}   target {target:<8} {_verdict(ok)}", flush=True)
+
+
+# --- (a) KV waste: pure bookkeeping replay ---------------------------------------------------------
+def kv_waste(num_requests: int, max_model_len: int = 2048, block_size: int = 16, num_blocks: int = 4096,
+             max_num_seqs: int = 64, seed: int = 0) -> dict:
+    """Replay a mixed workload through Scheduler + BlockManager (each step: every scheduled sequence that
+    reached its end gains a token) and integrate, over steps, the tokens held vs the memory reserved."""
+    from pyengine.engine.block_manager import BlockManager
+    from pyengine.engine.scheduler import Scheduler
+    from pyengine.engine.sequence import Sequence
+
+    rng = np.random.default_rng(seed)
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+    sch = Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048, max_model_len=max_model_len)
+    seqs = []
+    for i in range(num_requests):
+        plen = int(np.clip(rng.lognormal(np.log(200), 0.9), 8, 1024))
+        max_tokens = int(rng.choice([128, 256, 512]))
+        # real outputs usually end (EOS) well before max_tokens
+        out = max(1, int(max_tokens * rng.uniform(0.05, 1.0)))
+        s = Sequence(i, f"w{i}", 0, [1] * plen, max_tokens=max_tokens)
+        s.target_len = out
+        seqs.append(s)
+    pending = list(seqs)
+    held = paged = slab_max = slab_req = 0
+    steps = 0
+    while pending or sch.has_unfinished():
+        # arrivals: a few per step keeps the batch full but varied
+        for _ in range(min(len(pending), int(rng.integers(0, 3)))):
+            s = pending.pop(0)
+            sch.add(s)
+        out = sch.schedule()
+        sch.on_step_done(out)
+        for s, _ in out.scheduled:
+            if s.num_computed_tokens == s.num_tokens:
+                s.append_token(2)
+                if s.num_output_tokens >= s.target_len:
+                    sch.finish(s)
+        running = sch.running
+        held += sum(s.num_computed_tokens for s in running)
+        paged += bm.num_used_blocks() * block_size
+        slab_max += len(running) * max_model_len
+        slab_req += sum(s.num_prompt_tokens + s.max_tokens for s in running)
+        steps += 1
+    return {"steps": steps, "waste_paged": 1 - held / paged, "waste_slab_max_len": 1 - held / slab_max,
+            "waste_slab_request": 1 - held / slab_req}
+
+
+def bench_waste(args) -> None:
+    n = 120 if args.quick else args.waste_requests
+    r = kv_waste(n, args.max_model_len, seed=args.seed)
+    print(f"(a) KV memory reserved but holding no token ({n} requests, {r['steps']} steps, "
+          f"prompts 8-1024, outputs 5-100% of max_tokens 128/256/512):")
+    print(f"  contiguous, max_model_len={args.max_model_len} per sequence:  {100 * r['waste_slab_max_len']:5.1f}% wasted")
+    print(f"  contiguous, prompt+max_tokens per sequence:      {100 * r['waste_slab_request']:5.1f}% wasted")
+    print(f"  paged, 16-token blocks:                          {100 * r['waste_paged']:5.1f}% wasted")
+    ratio = r["waste_slab_max_len"] / max(r["waste_paged"], 1e-9)
+    _line("max-length slabs waste / paged waste", f"{100 * r['waste_paged']:.1f}% vs "
+          f"{100 * r['waste_slab_max_len']:.1f}%", ratio, "< 4% pg", r["waste_paged"] < 0.04)
+
+
+# --- engine helpers --------------------------------------------------------------------------------
+def _engine(args, **kw):
+    from pyengine.engine.llm_engine import LLMEngine
+    kw.setdefault("max_model_len", 2048)
+    return LLMEngine(model=args.model, seed=args.seed, **kw)
+
+
+def _token_prompt(rng, n: int, lo: int = 1000, hi: int = 30000) -> list[int]:
+    return rng.integers(lo, hi, size=n).tolist()
+
+
+def _greedy(max_tokens: int):
+    from pyengine.sampling_params import SamplingParams
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _run_until_done(engine) -> float:
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return time.perf_counter() - t0
+
+
+# --- (b) prefix caching ------------------------------------------------------------------------------
+def bench_prefix(args) -> None:
+    n_sys = 256 if args.quick else args.system_tokens
+    k = 2 if args.quick else args.prefix_requests
+    rng = np.random.default_rng(args.seed)
+    system = _token_prompt(rng, n_sys)
+    eng = _engine(args, max_num_batched_tokens=max(2048, n_sys + 64))
+    ttfts = []
+    for i in range(k + 1):
+        prompt = system + _token_prompt(rng, 16)
+        eng.add_request(f"p{i}", {"prompt_token_ids": prompt}, _greedy(1))
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                if out.finished:
+                    ttfts.append(out.metrics.ttft)
+    later = float(np.mean(ttfts[1:]))
+    st = eng.stats()
+    print(f"(b) prefix caching, {n_sys}-token shared system prompt + 16 own tokens, {k} later requests "
+          f"(hit rate {st['prefix_cache_hit_rate']:.2f}):")
+    _line("TTFT later / TTFT first", f"{1000 * later:.0f} ms / {1000 * ttfts[0]:.0f} ms", later / ttfts[0],
+          "<= 0.2", later / ttfts[0] <= 0.2)
+
+
+# --- (c) continuous vs static batching -------------------------------------------------------------
+def _batching_workload(args):
+    rng = np.random.default_rng(args.seed + 1)
+    conc = 8 if args.quick else args.concurrency
+    n = 2 * conc if args.quick else args.batch_requests
+    long_out = 64 if args.quick else args.long_output
+    prompts = [_token_prompt(rng, int(rng.integers(8, 48))) for _ in range(n)]
+    # mixed output lengths: most requests are short, one in four is long (chat-like heavy tail)
+    outs = [int(rng.integers(long_out // 2, long_out + 1)) if rng.random() < 0.25 else int(rng.integers(4, 24))
+            for _ in range(n)]
+    return conc, prompts, outs
+
+
+def bench_batching(args) -> None:
+    conc, prompts, outs = _batching_workload(args)
+    total = sum(outs)
+    # static: waves of `conc` requests; the next wave starts when the whole wave is done
+    eng = _engine(args, max_num_seqs=conc, max_num_batched_tokens=max(2048, conc))
+    t_static = 0.0
+    for w in range(0, len(prompts), conc):
+        for i in range(w, min(w + conc, len(prompts))):
+            eng.add_request(f"s{i}", {"prompt_token_ids": prompts[i]}, _greedy(outs[i]))
+        t_static += _run_until_done(eng)
+    # continuous: everything queued, slots refilled as soon as a request ends
+    eng = _engine(args, max_num_seqs=conc, max_num_batched_tokens=max(2048, conc))
+    for i, p in enumerate(prompts):
+        eng.add_request(f"c{i}", {"prompt_token_ids": p}, _greedy(outs[i]))
+    t_cont = _run_until_done(eng)
+    print(f"(c) batching, {len(prompts)} requests, outputs {min(outs)}-{max(outs)} tokens (total {total}), "
+          f"{conc} slots:")
+    ratio = (total / t_cont) / (total / t_static)
+    _line("continuous / static throughput", f"{total / t_cont:.1f} vs {total / t_static:.1f} tok/s", ratio,
+          ">= 2x", ratio >= 2.0)
+    # aggregate decode rate with `conc` sequences all decoding
+    steps = 6 if args.quick else args.decode_steps
+    eng = _engine(args, max_num_seqs=conc, max_num_batched_tokens=max(2048, conc))
+    for i in range(conc):
+        eng.add_request(f"d{i}", {"prompt_token_ids": prompts[i % len(prompts)]}, _greedy(steps + 4))
+    while eng.stats()["running"] < conc or any(s.is_prefill for s in eng.scheduler.running):
+        eng.step()
+    eng.step()                                     # warm-up decode step
+    t0 = time.perf_counter()
+    produced = 0
+    for _ in range(steps):
+        produced += sum(len(o.outputs[0].delta_token_ids) for o in eng.step())
+    rate = produced / (time.perf_counter() - t0)
+    _line(f"aggregate decode rate, {conc} sequences", f"{rate:.1f} tok/s", rate / 330.0, ">= 330",
+          rate >= 330.0 and conc >= 32)
+
+
+# --- (d) chunked prefill -------------------------------------------------------------------------------
+def _itl_run(args, budget: int, chunked: bool, long_prompt: list[int], decoder_prompts: list[list[int]],
+             warm_steps: int) -> tuple[list[float], int]:
+    eng = _engine(args, max_model_len=max(2048, len(long_prompt) + 16), max_num_seqs=len(decoder_prompts) + 1,
+                  max_num_batched_tokens=budget, enable_chunked_prefill=chunked, enable_prefix_caching=False)
+    for i, p in enumerate(decoder_prompts):
+        eng.add_request(f"d{i}", {"prompt_token_ids": p}, _greedy(1500))
+    last: dict[str, float] = {}
+    gaps: list[float] = []
+    steps = 0
+    added = False
+    done_after = None
+    while True:
+        for out in eng.step():
+            now = out.metrics.token_times[-1] if out.metrics.token_times else None
+            if out.request_id.startswith("d") and now is not None:
+                if out.request_id in last and steps > 2:
+                    gaps.append(now - last[out.request_id])
+                last[out.request_id] = now
+            if out.request_id == "long" and out.outputs[0].token_ids and done_after is None:
+                done_after = steps + warm_steps        # keep decoding a while after the prefill
+        steps += 1
+        if steps == warm_steps and not added:
+            eng.add_request("long", {"prompt_token_ids": long_prompt}, _greedy(1))
+            added = True
+        if done_after is not None and steps >= done_after:
+            break
+    for rid in list(eng.requests):
+        eng.abort_request(rid)
+    return gaps, steps
+
+
+def bench_chunked(args) -> None:
+    n_long = 1024 if args.quick else args.long_prompt
+    rng = np.random.default_rng(args.seed + 2)
+    long_prompt = _token_prompt(rng, n_long)
+    decoders = [_token_prompt(rng, 16) for _ in range(args.decoders)]
+    budget = args.chunk_budget
+    if budget is None:
+        budget = _calibrate_budget(args, decoders)
+    warm = 10 if args.quick else 24
+    plain, _ = _itl_run(args, n_long + args.decoders, False, long_prompt, decoders, warm)
+    chunk, steps = _itl_run(args, budget, True, long_prompt, decoders, warm)
+    print(f"(d) chunked prefill: {args.decoders} decodes running while a {n_long}-token prompt is prefilled "
+          f"(chunk budget {budget} tokens/step, {steps} steps):")
+    for name, gaps in (("without chunking", plain), ("with chunking", chunk)):
+        med, p99 = float(np.median(gaps)), float(np.percentile(gaps, 99))
+        target = name == "with chunking"
+        _line(f"ITL p99 / median, {name}", f"{1000 * p99:.0f} ms / {1000 * med:.0f} ms", p99 / med,
+              "<= 3x" if target else "(base)", (p99 / med <= 3.0) if target else True)
+
+
+def _calibrate_budget(args, decoders) -> int:
+    """Token budget so that a step of decodes + one prefill chunk costs about 2.5 pure decode steps:
+    measure a decode step of the running set and the per-token cost of a 64-token chunk."""
+    eng = _engine(args, max_num_seqs=len(decoders) + 1, max_num_batched_tokens=2048, enable_prefix_caching=False)
+    for i, p in enumerate(decoders):
+        eng.add_request(f"d{i}", {"prompt_token_ids": p}, _greedy(40))
+    eng.step()
+    eng.step()
+    t0 = time.perf_counter()
+    for _ in range(4):
+        eng.step()
+    t_dec = (time.perf_counter() - t0) / 4
+    rng = np.random.default_rng(args.seed + 3)
+    eng.add_request("probe", {"prompt_token_ids": _token_prompt(rng, 64)}, _greedy(1))
+    t0 = time.perf_counter()
+    eng.step()
+    t_mixed = time.perf_counter() - t0
+    per_token = max((t_mixed - t_dec) / 64, 1e-6)
+    budget = len(decoders) + int(1.5 * t_dec / per_token)
+    return max(len(decoders) + 8, budget)
+
+
+def run(args) -> int:
+    print("pyengine bench paging (timings on a shared machine are noisy; ratios compare runs made in this process)")
+    for what, fn in (("waste", bench_waste), ("prefix", bench_prefix), ("batching", bench_batching),
+                     ("chunked", bench_chunked)):
+        if what in args.only:
+            t0 = time.perf_counter()
+            fn(args)
+            print(f"  [{what}: {time.perf_counter() - t0:.1f} s]", flush=True)
+    return 0

@@ -1,0 +1,89 @@
+"""`pyengine serve`: the OpenAI-compatible HTTP server (S19) on one engine.
+
+    pyengine serve --port 8000
+    curl -N localhost:8000/v1/chat/completions -H 'content-type: application/json' \\
+         -d '{"messages": [{"role": "user", "content": "Hi"}], "stream": true}'
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+
+HELP = "serve the OpenAI-compatible API (chat/completions, streaming, /metrics) over HTTP"
+
+# The web demo's dev-server app factory (the demo owns that module): create_app(model=path, pyodide=None).
+DEMO_MODULE = "pyengine.web_server"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model", default=None, help="GGUF path (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--served-model-name", default=None, help="model id clients send (default: the file name)")
+    p.add_argument("--api-key", default=os.environ.get("PYENGINE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $PYENGINE_API_KEY)")
+    p.add_argument("--max-waiting", type=int, default=64,
+                   help="bounded waiting queue; requests beyond it get 429 (default: 64)")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
+    p.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    p.add_argument("--with-demo", action="store_true", help="also serve the web demo at / (same process)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def build_engine(args):
+    from pyengine.engine.llm_engine import LLMEngine
+    from pyengine.model_files import resolve_model
+
+    path = resolve_model(args.model)
+    engine = LLMEngine(path, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens,
+                       enable_prefix_caching=not args.no_prefix_cache,
+                       enable_chunked_prefill=not args.no_chunked_prefill, max_waiting=args.max_waiting)
+    return engine, path
+
+
+def demo_app(model_path: str):
+    """The web demo's ASGI app for the same model file, to be mounted at / next to the API."""
+    module = importlib.import_module(DEMO_MODULE)
+    return module.create_app(model=model_path)
+
+
+def make_app(args):
+    """Engine + API app (+ the demo) from parsed arguments; used by `serve` and `bench serve`."""
+    from pyengine.server.app import create_app, served_names
+
+    engine, path = build_engine(args)
+    model_id, aliases = served_names(path)
+    if getattr(args, "served_model_name", None):
+        aliases, model_id = aliases + [model_id], args.served_model_name
+    demo = demo_app(path) if getattr(args, "with_demo", False) else None
+    app = create_app(engine, model_id=model_id, aliases=aliases, api_key=getattr(args, "api_key", None),
+                     max_model_len=args.max_model_len, max_body_bytes=getattr(args, "max_body_bytes", 1 << 20),
+                     demo_app=demo)
+    return app, engine, model_id
+
+
+def run(args) -> int:
+    try:
+        import uvicorn
+    except ImportError:
+        print("pyengine serve needs the server extras: pip install 'pyengine[server]'", file=sys.stderr)
+        return 1
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        print(f"warning: serving on {args.host} without --api-key: anyone who can reach it can use it",
+              file=sys.stderr)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    app, engine, model_id = make_app(args)
+    print(f"pyengine serve: model {model_id} on http://{args.host}:{args.port} "
+          f"(prefix cache {'off' if args.no_prefix_cache else 'on'}, chunked prefill "
+          f"{'off' if args.no_chunked_prefill else 'on'}, max waiting {args.max_waiting})", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, http="h11", ws="none",
+                timeout_graceful_shutdown=5)
+    return 0

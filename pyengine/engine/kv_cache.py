@@ -1,0 +1,86 @@
+"""S05/S06: the paged KV cache, carved from the arena.
+
+Per layer, K and V are arrays of shape (num_blocks, block_size, Hkv, hd). A sequence's token at position p
+lives in slot ``block_table[p // block_size] * block_size + p % block_size`` of the flattened
+(num_blocks * block_size, Hkv, hd) view, so sequences grow block by block without reserving max_model_len
+and blocks can be shared (prefix caching). Block tables come from the BlockManager; this class only
+stores and gathers.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from pyengine.arena import Arena, ArenaSpec, spec
+
+
+class PagedKVCache:
+    def __init__(self, arena: Arena, n_layers: int, num_blocks: int, block_size: int, n_kv_heads: int,
+                 head_dim: int):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
+        self.n_layers, self.num_blocks, self.block_size = n_layers, num_blocks, block_size
+        self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
+        shape = (n_layers, num_blocks, block_size, n_kv_heads, head_dim)
+        # self.k[layer]: (num_blocks, block_size, Hkv, hd); carved now unless the arena was planned with them
+        self.k, self.v = (arena.views[n] if n in arena.views else arena.alloc(n, shape)
+                          for n in ("kv_cache.k", "kv_cache.v"))
+        if self.k.shape != shape or self.v.shape != shape:
+            raise ValueError(f"arena KV regions have shape {self.k.shape}, expected {shape}")
+        flat = (n_layers, num_blocks * block_size, n_kv_heads, head_dim)
+        self.k_slots = self.k.reshape(flat)          # views: per layer, one row per slot
+        self.v_slots = self.v.reshape(flat)
+
+    @staticmethod
+    def arena_specs(n_layers: int, num_blocks: int, block_size: int, n_kv_heads: int,
+                    head_dim: int) -> list[ArenaSpec]:
+        shape = (n_layers, num_blocks, block_size, n_kv_heads, head_dim)
+        return [spec("kv_cache.k", shape), spec("kv_cache.v", shape)]
+
+    @staticmethod
+    def bytes_per_block(n_layers: int, block_size: int, n_kv_heads: int, head_dim: int) -> int:
+        return 2 * n_layers * block_size * n_kv_heads * head_dim * 4
+
+    def write(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+        """Store K/V rows (T, Hkv, hd) of this step's tokens into their slots."""
+        self.k_slots[layer][slots] = k
+        self.v_slots[layer][slots] = v
+
+
+def slot_mapping(positions: np.ndarray, block_table: np.ndarray, block_size: int) -> np.ndarray:
+    """Cache slot of each position of one sequence."""
+    positions = np.asarray(positions, dtype=np.int64)
+    return np.asarray(block_table, dtype=np.int64)[positions // block_size] * block_size + positions % block_size
+
+
+def contiguous_start(block_table: np.ndarray, context_len: int, block_size: int) -> int | None:
+    """First slot if the blocks covering ``context_len`` tokens are one consecutive run (then the context is
+    a zero-copy slice of the cache), else None."""
+    n = -(-context_len // block_size)
+    if n == 0:
+        return 0
+    table = np.asarray(block_table[:n], dtype=np.int64)
+    if n == 1 or bool(np.all(np.diff(table) == 1)):
+        return int(table[0]) * block_size
+    return None
+
+
+class ContextView:
+    """How one sequence reads its context from the cache: a slice, or a gather through its slots."""
+
+    __slots__ = ("context_len", "start", "slots")
+
+    def __init__(self, block_table: np.ndarray, context_len: int, block_size: int):
+        self.context_len = context_len
+        self.start = contiguous_start(block_table, context_len, block_size)
+        self.slots = None if self.start is not None else slot_mapping(np.arange(context_len), block_table,
+                                                                      block_size)
+
+    def kv(self, kv: PagedKVCache, layer: int, k_out: np.ndarray, v_out: np.ndarray):
+        """(K, V) of shape (context_len, Hkv, hd): views of the cache, or gathered into k_out/v_out."""
+        n = self.context_len
+        if self.start is not None:
+            return kv.k_slots[layer][self.start:self.start + n], kv.v_slots[layer][self.start:self.start + n]
+        k, v = k_out[:n], v_out[:n]
+        np.take(kv.k_slots[layer], self.slots, axis=0, out=k)
+        np.take(kv.v_slots[layer], self.slots, axis=0, out=v)
+        return k, v

@@ -1,0 +1,299 @@
+"""S09: `LLMEngine`, the continuous-batching loop (vLLM's shape, nano-vllm's size).
+
+One ``step()`` = schedule -> build one ragged `ForwardBatch` -> ``runner.run`` -> sample the sequences that
+reached the end of their known tokens -> stop checks -> `RequestOutput` snapshots with cumulative text and
+the new delta. Nothing runs in the background: a server loop, the `LLM` class or a browser worker simply
+calls ``step()`` while ``has_unfinished_requests()``.
+
+A request with ``n > 1`` becomes n sequences. The first one prefills the prompt; the others wait until it
+has produced its first token, by which time the prompt's full blocks are in the prefix cache, so they
+only compute the last partial block (with prefix caching off they simply compute the prompt again).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from pyengine.engine.block_manager import BlockManager
+from pyengine.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, snapshot_metrics
+from pyengine.engine.scheduler import Scheduler, SchedulerOutput
+from pyengine.engine.sequence import Sequence
+
+
+class EngineOverloaded(RuntimeError):
+    """The waiting queue is full (``max_waiting``); the HTTP server answers 429."""
+
+
+class _Request:
+    def __init__(self, request_id, prompt, prompt_token_ids, params, priority, arrival_time):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.priority = priority
+        self.seqs: list[Sequence] = []
+        self.checkers: list = []
+        self.rngs: list = []
+        self.logprobs: list[list | None] = []
+        self.cumulative_logprob: list[float | None] = []
+        self.metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids))
+        self.admitted = False
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, model=None, max_model_len: int = 2048, block_size: int = 16, num_blocks: int | None = None,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
+                 enable_chunked_prefill: bool = True, max_waiting: int | None = None, *,
+                 runner=None, tokenizer=None, seed: int | None = None, watermark: float = 0.01,
+                 aging_steps: int = 64):
+        """``runner``/``tokenizer`` (keyword-only extension): inject any object with the ModelRunner contract
+        (tests use a fake one); by default a `ModelRunner` is built for ``model`` (path, bytes, GGUFFile or
+        None for the default model)."""
+        if runner is None:
+            from pyengine.engine.model_runner import ModelRunner
+            if model is None or isinstance(model, str):
+                from pyengine.model_files import resolve_model
+                model = resolve_model(model)
+            runner = ModelRunner(model, max_model_len=max_model_len, num_blocks=num_blocks, block_size=block_size,
+                                 max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
+        if max_waiting is not None and max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0 or None, got {max_waiting}")
+        self.runner = runner
+        self.tokenizer = tokenizer if tokenizer is not None else runner.tokenizer
+        self.max_model_len = max_model_len
+        self.max_waiting = max_waiting
+        self.block_manager = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
+                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                                   enable_chunked_prefill=enable_chunked_prefill, watermark=watermark,
+                                   aging_steps=aging_steps)
+        from pyengine.layers.sampler import Sampler
+        self.sampler = Sampler()
+        self.rng = np.random.default_rng(seed)
+        tok = self.tokenizer
+        stop_ids = getattr(tok, "stop_token_ids", None)
+        if stop_ids is None:
+            stop_ids = [tok.eos_token_id] if getattr(tok, "eos_token_id", None) is not None else []
+        self.eos_token_ids = {int(t) for t in stop_ids}
+        self.vocab_size = int(getattr(tok, "vocab_size", 0) or runner.config.vocab_size)
+        self.requests: dict[str, _Request] = {}
+        self._seq_owner: dict[int, _Request] = {}
+        self._next_seq_id = 0
+        self.counters = {"prompt_tokens": 0, "computed_prompt_tokens": 0, "generation_tokens": 0,
+                         "finished_requests": 0, "aborted_requests": 0, "steps": 0}
+
+    # requests ------------------------------------------------------------------------------------
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def _encode(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            bos = getattr(self.tokenizer, "bos_token_id", None)
+            # SmolLM2/HF adds no BOS; Gemma does: follow the GGUF's tokenizer.ggml.add_bos_token flag.
+            if getattr(self.tokenizer, "add_bos_token", False) and bos is not None and ids[:1] != [bos]:
+                ids = [bos] + ids
+            return prompt, list(ids)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
+            return None, [int(t) for t in prompt]
+        raise ValueError("prompt must be a str, a list of token ids or {'prompt_token_ids': [...]}, "
+                         f"got {type(prompt).__name__}")
+
+    def num_waiting_requests(self) -> int:
+        return sum(1 for r in self.requests.values() if not r.admitted)
+
+    def add_request(self, request_id: str, prompt, params=None, priority: int = 0,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request. ValueError if it is malformed or can never fit; EngineOverloaded if the
+        waiting queue is full. ``arrival_time`` (extension) defaults to ``time.monotonic()``."""
+        from pyengine.engine.stop_checker import StopChecker
+        from pyengine.layers.sampler import make_rng
+        from pyengine.sampling_params import SamplingParams
+
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in the engine")
+        if self.max_waiting is not None and self.num_waiting_requests() >= self.max_waiting:
+            raise EngineOverloaded(f"waiting queue is full ({self.max_waiting} requests)")
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(priority, int):
+            raise ValueError(f"priority must be an int, got {priority!r}")
+        text, ids = self._encode(prompt)
+        if not ids:
+            raise ValueError("prompt is empty (no tokens)")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is out of range for vocab size {self.vocab_size}")
+        params.validate_for_vocab(self.vocab_size)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
+        if max_tokens <= 0:
+            raise ValueError(f"prompt ({len(ids)} tokens) leaves no room in max_model_len ({self.max_model_len})")
+        self.scheduler.check_fits(len(ids), max_tokens)
+
+        req = _Request(request_id, text, ids, params, priority,
+                       time.monotonic() if arrival_time is None else arrival_time)
+        for i in range(params.n):
+            seq = Sequence(self._next_seq_id, request_id, i, ids, params, priority, max_tokens=max_tokens)
+            self._next_seq_id += 1
+            if i > 0 and self.block_manager.enable_prefix_caching:
+                seq.wait_for = req.seqs[0]
+            req.seqs.append(seq)
+            req.checkers.append(StopChecker(self.tokenizer, params, self.eos_token_ids, max_tokens=max_tokens))
+            req.rngs.append(None if params.greedy else make_rng(params, self.rng, i))
+            req.logprobs.append([] if params.logprobs is not None else None)
+            req.cumulative_logprob.append(0.0 if params.logprobs is not None else None)
+            self._seq_owner[seq.seq_id] = req
+        self.requests[request_id] = req
+        for seq in req.seqs:
+            self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free all its blocks; returns its final output (None if unknown)."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        for seq, checker in zip(req.seqs, req.checkers):
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+                checker.finish("abort")
+                seq.finish_reason = "abort"
+        for seq in req.seqs:
+            self._seq_owner.pop(seq.seq_id, None)
+        req.metrics.finished_time = time.monotonic()
+        self.counters["aborted_requests"] += 1
+        return self._make_output(req, {})
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def num_used_blocks(self) -> int:
+        return self.block_manager.num_used_blocks()
+
+    # the step ------------------------------------------------------------------------------------
+    def _build_batch(self, sched: SchedulerOutput):
+        from pyengine.engine.forward_batch import ForwardBatch
+
+        token_ids: list[int] = []
+        positions: list[int] = []
+        query_lens, context_lens, block_tables, logits_indices, sampled = [], [], [], [], []
+        for seq, n in sched.scheduled:
+            start = seq.num_computed_tokens
+            token_ids.extend(seq.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            query_lens.append(n)
+            context_lens.append(start + n)
+            block_tables.append(np.asarray(seq.block_table, dtype=np.int32))
+            if start + n == seq.num_tokens:      # the prompt (or recompute) is complete: sample the next token
+                logits_indices.append(len(token_ids) - 1)
+                sampled.append(seq)
+        batch = ForwardBatch(token_ids=np.asarray(token_ids, dtype=np.int64),
+                             positions=np.asarray(positions, dtype=np.int64),
+                             query_lens=query_lens, context_lens=context_lens, block_tables=block_tables,
+                             logits_indices=np.asarray(logits_indices, dtype=np.int64))
+        return batch, sampled
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            if self.scheduler.has_unfinished():
+                # add_request's checks make this unreachable; fail loudly rather than spin forever
+                raise RuntimeError("scheduler could not schedule any of the unfinished requests")
+            return []
+        now = time.monotonic()
+        self.counters["steps"] += 1
+        for seq, n in sched.scheduled:
+            req = self._seq_owner[seq.seq_id]
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+                req.metrics.num_cached_tokens = seq.num_cached_tokens
+                self.counters["prompt_tokens"] += seq.num_prompt_tokens
+            req.admitted = True
+            # prompt tokens actually run through the model (cache hits excluded, recomputes included)
+            self.counters["computed_prompt_tokens"] += max(0, min(n, seq.num_prompt_tokens - seq.num_computed_tokens))
+        for seq in sched.preempted:
+            self._seq_owner[seq.seq_id].metrics.num_preemptions += 1
+
+        batch, sampled = self._build_batch(sched)
+        logits = self.runner.run(batch) if batch.token_ids.size else None
+        self.scheduler.on_step_done(sched)
+
+        deltas: dict[str, dict[int, tuple[int, str]]] = {}
+        if sampled:
+            reqs = [self._seq_owner[s.seq_id] for s in sampled]
+            tokens, infos = self.sampler.sample(
+                logits, [r.params for r in reqs], [s.prompt_token_ids for s in sampled],
+                [s.output_token_ids for s in sampled], [r.rngs[s.index] for r, s in zip(reqs, sampled)])
+            now = time.monotonic()
+            for seq, req, tok, info in zip(sampled, reqs, tokens.tolist(), infos):
+                self._append_token(seq, req, int(tok), info, now, deltas)
+        outputs = []
+        for rid, d in deltas.items():
+            req = self.requests[rid]
+            outputs.append(self._make_output(req, d))
+            if req.finished:
+                del self.requests[rid]
+                for s in req.seqs:
+                    self._seq_owner.pop(s.seq_id, None)
+                self.counters["finished_requests"] += 1
+        return outputs
+
+    def _append_token(self, seq: Sequence, req: _Request, tok: int, info, now: float, deltas: dict) -> None:
+        seq.append_token(tok)
+        self.counters["generation_tokens"] += 1
+        m = req.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        if not m.token_times or m.token_times[-1] != now:
+            m.token_times.append(now)
+        if info is not None:
+            req.logprobs[seq.index].append(info.as_dict())
+            req.cumulative_logprob[seq.index] += info.logprob
+        checker = req.checkers[seq.index]
+        res = checker.append(tok)
+        delta = res.delta_text
+        if not res.finished and seq.num_tokens >= self.max_model_len:
+            res = checker.finish("length")
+            delta += res.delta_text
+        if res.finished:
+            seq.finish_reason, seq.stop_reason = res.finish_reason, res.stop_reason
+            self.scheduler.finish(seq)
+            if req.finished:
+                m.finished_time = now
+        deltas.setdefault(req.request_id, {})[seq.index] = (tok, delta)
+
+    def _make_output(self, req: _Request, deltas: dict[int, tuple[int, str]]) -> RequestOutput:
+        outs = []
+        for seq, checker in zip(req.seqs, req.checkers):
+            tok, delta = deltas.get(seq.index, (None, ""))
+            lps = req.logprobs[seq.index]
+            outs.append(CompletionOutput(
+                index=seq.index, text=checker.text, token_ids=list(seq.output_token_ids),
+                logprobs=list(lps) if lps is not None else None, finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason, delta_text=delta, delta_token_ids=[] if tok is None else [tok],
+                cumulative_logprob=req.cumulative_logprob[seq.index]))
+        return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), outs, req.finished,
+                             snapshot_metrics(req.metrics))
+
+    # introspection -------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        bm, sch = self.block_manager, self.scheduler
+        return {
+            "running": len(sch.running), "waiting": len(sch.waiting), "preempted": len(sch.preempted),
+            "unfinished_requests": len(self.requests),
+            "used_blocks": bm.num_used_blocks(), "free_blocks": bm.num_free_blocks(), "total_blocks": bm.num_blocks,
+            "kv_cache_usage": bm.num_used_blocks() / bm.num_blocks, "cached_blocks": bm.num_cached_blocks(),
+            "prefix_cache_hits": bm.hits, "prefix_cache_misses": bm.misses,
+            "prefix_cache_hit_rate": bm.hit_rate(), "prefix_cache_hit_tokens": bm.hit_tokens,
+            "prefix_cache_query_tokens": bm.query_tokens, "prefix_cache_evictions": bm.evictions,
+            "num_preemptions": sch.num_preemptions, **self.counters,
+        }

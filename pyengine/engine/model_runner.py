@@ -1,0 +1,104 @@
+"""S05: the model runner — owns the GGUF file, config, weights, arena and paged KV cache; ``run(batch)``.
+
+Everything that changes at runtime lives in one arena sized here, up front, from the config and the limits
+(max_model_len, max_num_batched_tokens, max_num_seqs, num_blocks). The runner never decides block tables:
+the engine's BlockManager does, and passes them in each ForwardBatch.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from pyengine.arena import Arena
+from pyengine.engine.forward_batch import ForwardBatch
+from pyengine.engine.kv_cache import PagedKVCache
+
+DEFAULT_KV_BUDGET_BYTES = 512 << 20       # cap of the default num_blocks (the full-size default would need 3.8 GB)
+
+
+class ModelRunner:
+    def __init__(self, model, max_model_len: int = 2048, num_blocks: int | None = None, block_size: int = 16,
+                 max_num_batched_tokens: int = 2048, max_num_seqs: int = 64, weights_mode: str = "resident",
+                 kv_budget_bytes: int = DEFAULT_KV_BUDGET_BYTES, max_logits: int | None = None,
+                 flash_min_query: int = 128):
+        from pyengine.config import ModelConfig
+        from pyengine.gguf.reader import GGUFFile
+        from pyengine.models.llama import LlamaModel, LlamaWeights, check_arch
+
+        for name, value in (("max_model_len", max_model_len), ("block_size", block_size),
+                            ("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs)):
+            if not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if num_blocks is not None and (not isinstance(num_blocks, (int, np.integer)) or num_blocks < 1):
+            raise ValueError(f"num_blocks must be a positive integer or None, got {num_blocks!r}")
+        self.gguf = model if isinstance(model, GGUFFile) else GGUFFile(model)
+        self.config = ModelConfig.from_gguf(self.gguf)
+        check_arch(self.config)
+        c = self.config
+        self.max_model_len = int(max_model_len)
+        self.block_size = int(block_size)
+        self.max_num_batched_tokens = int(max_num_batched_tokens)
+        self.max_num_seqs = int(max_num_seqs)
+        per_block = PagedKVCache.bytes_per_block(c.n_layers, block_size, c.n_kv_heads, c.head_dim)
+        if num_blocks is None:
+            # enough for every sequence at full length, unless that exceeds the memory budget
+            want = max_num_seqs * -(-max_model_len // block_size)
+            num_blocks = max(-(-max_model_len // block_size), min(want, kv_budget_bytes // per_block))
+        self.num_blocks = int(num_blocks)
+
+        self.weights = LlamaWeights.from_gguf(self.gguf, c, mode=weights_mode)
+        self.model = LlamaModel(c, self.weights, flash_min_query=flash_min_query)
+        self.max_logits = int(max_logits or max(max_num_seqs, 1))
+        specs = (self.model.arena_specs(self.max_num_batched_tokens, self.max_model_len, self.max_logits)
+                 + PagedKVCache.arena_specs(c.n_layers, self.num_blocks, block_size, c.n_kv_heads, c.head_dim))
+        self.arena = Arena.from_specs(specs)
+        self.kv_cache = PagedKVCache(self.arena, c.n_layers, self.num_blocks, block_size, c.n_kv_heads,
+                                     c.head_dim)
+        self.model.prepare(self.arena)
+        self._tokenizer = None
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from pyengine.tokenizer import Tokenizer      # lazy: the runner's tests need no tokenizer
+            self._tokenizer = Tokenizer.from_gguf(self.gguf)
+        return self._tokenizer
+
+    def run(self, batch: ForwardBatch) -> np.ndarray:
+        """(len(logits_indices), V) float32 logits: a view into the arena, valid until the next run."""
+        batch.validate(self.block_size, self.num_blocks, self.config.vocab_size)
+        if batch.num_tokens > self.max_num_batched_tokens:
+            raise ValueError(f"batch has {batch.num_tokens} tokens, max_num_batched_tokens is "
+                             f"{self.max_num_batched_tokens}")
+        if batch.context_lens and max(batch.context_lens) > self.max_model_len:
+            raise ValueError(f"context length {max(batch.context_lens)} exceeds max_model_len {self.max_model_len}")
+        return self.model.forward(batch, self.kv_cache, self.arena)
+
+    # --- helpers for tests and benchmarks (the real generation loop is the engine's) -------------------
+    def contiguous_batch(self, token_ids, start: int, logits_all: bool = False) -> ForwardBatch:
+        """One sequence whose blocks are 0, 1, 2, ... (block table = arange): tokens at start.. start+n."""
+        ids = np.asarray(token_ids, dtype=np.int64)
+        n = len(ids)
+        table = np.arange(-(-(start + n) // self.block_size), dtype=np.int32)
+        return ForwardBatch(token_ids=ids, positions=np.arange(start, start + n, dtype=np.int64), query_lens=[n],
+                            context_lens=[start + n], block_tables=[table],
+                            logits_indices=np.arange(n) if logits_all else np.array([n - 1]))
+
+    def generate_greedy(self, prompt_ids, n: int) -> list[int]:
+        """Greedy tokens for one sequence: prefill (in max_num_batched_tokens chunks), then n-1 decodes."""
+        ids = list(int(t) for t in prompt_ids)
+        if not ids or len(ids) + n > self.max_model_len:
+            raise ValueError(f"prompt of {len(ids)} tokens + {n} new exceeds max_model_len {self.max_model_len}")
+        out: list[int] = []
+        pos = 0
+        while pos < len(ids):
+            chunk = ids[pos:pos + self.max_num_batched_tokens]
+            logits = self.run(self.contiguous_batch(chunk, pos))
+            pos += len(chunk)
+        for _ in range(n):
+            tok = int(np.argmax(logits[0]))
+            out.append(tok)
+            if len(out) == n:
+                break
+            logits = self.run(self.contiguous_batch([tok], pos))
+            pos += 1
+        return out

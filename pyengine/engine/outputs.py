@@ -1,0 +1,65 @@
+"""S01: what the engine hands back after each step (vLLM's shapes, plus streaming deltas and timings).
+
+Every `RequestOutput` is a snapshot: lists are copies, so a consumer may keep it while the engine runs on.
+Times come from ``time.monotonic()`` (the engine's clock; only differences are meaningful).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int                              # which of the request's n completions
+    text: str                               # cumulative released text
+    token_ids: list[int]                    # cumulative generated ids
+    logprobs: list[dict[int, float]] | None = None   # per generated token {id: logprob} (sampled + top-n)
+    finish_reason: str | None = None        # None | "stop" | "length" | "abort"
+    stop_reason: str | int | None = None    # the stop string or stop token id that ended it
+    delta_text: str = ""                    # text released by this step
+    delta_token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)   # one entry per step that produced tokens
+    finished_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0              # prompt tokens served by the prefix cache at first admission
+    num_preemptions: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    def inter_token_latencies(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    error: str | None = None                # reserved for requests ended by an engine-side error
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.metrics.num_cached_tokens if self.metrics else 0
+
+
+def snapshot_metrics(m: RequestMetrics) -> RequestMetrics:
+    return RequestMetrics(m.arrival_time, m.first_scheduled_time, m.first_token_time, list(m.token_times),
+                          m.finished_time, m.num_prompt_tokens, m.num_cached_tokens, m.num_preemptions)
+

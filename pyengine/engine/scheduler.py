@@ -1,0 +1,180 @@
+"""S10/S11: the scheduler decides, every step, which sequences compute how many tokens.
+
+One rule covers prompts, chunks, decodes and recomputation (the vLLM-v1 / nano-vllm view): a scheduled
+sequence computes ``num_new`` of its ``num_tokens - num_computed_tokens`` missing tokens. A step is planned as
+
+1. running sequences first, decodes before prefill chunks, best key first; each grows its block table by
+   the slots it needs. If the pool is empty, the *worst* running sequence (lowest priority, latest arrival)
+   is preempted by recompute: its blocks are freed and it goes back to the preempted queue with its tokens.
+2. then (only in a step without preemption) preempted and waiting sequences are admitted, best key first,
+   while there is token budget, a free sequence slot and KV room beyond the watermark. A prefix-cache hit
+   counts as already computed. A prompt longer than the remaining budget is split into chunks (S11).
+
+Keys: ``(priority - age // aging_steps, arrival order)`` with the vLLM convention that a lower priority value
+is served first; age is counted in scheduler steps, so a long-waiting request eventually outranks any new
+arrival (no starvation) and the order is deterministic.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pyengine.engine.block_manager import BlockManager
+from pyengine.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)   # (sequence, tokens to compute)
+    preempted: list[Sequence] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 max_model_len: int = 2048, enable_chunked_prefill: bool = True, watermark: float = 0.01,
+                 aging_steps: int = 64):
+        if max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be positive, got {max_num_seqs}")
+        if max_num_batched_tokens < max_num_seqs:
+            # every running sequence must be able to decode in one step, or decodes could starve
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= "
+                             f"max_num_seqs ({max_num_seqs})")
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        if aging_steps <= 0:
+            raise ValueError(f"aging_steps must be positive, got {aging_steps}")
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.watermark_blocks = int(watermark * block_manager.num_blocks)
+        self.aging_steps = aging_steps
+        self.waiting: list[Sequence] = []
+        self.preempted: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.step_count = 0
+        self.num_preemptions = 0
+
+    # queue management ----------------------------------------------------------------------------
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """ValueError if a request could never run: too long for the model or for the whole KV pool."""
+        total = num_prompt_tokens + max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
+                             f"exceeds max_model_len ({self.max_model_len})")
+        if self.bm.blocks_for(total) > self.bm.num_blocks:
+            raise ValueError(f"prompt + max_tokens = {total} tokens needs {self.bm.blocks_for(total)} KV blocks; "
+                             f"the pool has only {self.bm.num_blocks}")
+        if not self.enable_chunked_prefill and num_prompt_tokens > self.max_num_batched_tokens:
+            raise ValueError(f"prompt ({num_prompt_tokens} tokens) exceeds max_num_batched_tokens "
+                             f"({self.max_num_batched_tokens}) and chunked prefill is disabled")
+
+    def add(self, seq: Sequence) -> None:
+        seq.arrival_step = self.step_count
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Take ``seq`` out of whatever queue holds it and free all its blocks (finish or abort)."""
+        for queue in (self.running, self.waiting, self.preempted):
+            if seq in queue:
+                queue.remove(seq)
+                break
+        self.bm.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting or self.preempted)
+
+    def key(self, seq: Sequence) -> tuple[int, int]:
+        age = self.step_count - seq.arrival_step
+        return (seq.priority - age // self.aging_steps, seq.seq_id)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.free(seq)
+        seq.status = SequenceStatus.PREEMPTED
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.preempted.append(seq)
+
+    def _num_new_tokens(self, remaining: int, budget: int) -> int:
+        """Tokens a prefill may compute this step (0 = not this step)."""
+        if self.enable_chunked_prefill or remaining > self.max_num_batched_tokens:
+            # (without chunking, only a recompute longer than any step is split; prompts are checked at add)
+            return min(remaining, budget)
+        return remaining if remaining <= budget else 0
+
+    # planning ------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        self.step_count += 1
+        out = SchedulerOutput()
+        planned: dict[int, tuple[Sequence, int]] = {}
+        budget = self.max_num_batched_tokens
+
+        # 1. running sequences: decodes first, then chunks of prompts already under way
+        order = sorted(self.running, key=self.key)
+        order = [s for s in order if not s.is_prefill] + [s for s in order if s.is_prefill]
+        for seq in order:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue                                   # preempted earlier in this loop
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            n = 1 if remaining == 1 else self._num_new_tokens(remaining, budget)
+            if n <= 0 or n > budget:
+                continue
+            while not self.bm.can_append(seq, n):
+                victim = max(self.running, key=self.key)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim.seq_id in planned:               # give back what it had been promised
+                    budget += planned.pop(victim.seq_id)[1]
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            self.bm.append_slots(seq, n)
+            planned[seq.seq_id] = (seq, n)
+            budget -= n
+
+        # 2. admissions: preempted (recompute) and waiting sequences compete on the same key
+        if not out.preempted:
+            candidates = sorted(self.preempted + self.waiting, key=self.key)
+            for seq in candidates:
+                if len(self.running) >= self.max_num_seqs or budget <= 0:
+                    break
+                if seq.wait_for is not None:
+                    lead = seq.wait_for
+                    if not (lead.is_finished or lead.num_output_tokens > 0):
+                        continue                           # n > 1 sibling: wait until the prompt is cached
+                    seq.wait_for = None
+                cached = self.bm.get_computed_blocks(seq)
+                remaining = seq.num_tokens - len(cached) * self.bm.block_size
+                n = self._num_new_tokens(remaining, budget)
+                if n <= 0:
+                    break
+                # Room for the whole rest of the prompt (not just this chunk), so an admitted prefill does
+                # not stall half-way; the watermark keeps room for running decodes unless nothing runs.
+                reserve = self.watermark_blocks if self.running else 0
+                if not self.bm.can_allocate(seq, cached, remaining, reserve):
+                    break                                  # strict order: nothing jumps ahead of it
+                self.bm.allocate(seq, cached, n)
+                (self.preempted if seq.status is SequenceStatus.PREEMPTED else self.waiting).remove(seq)
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                planned[seq.seq_id] = (seq, n)
+                budget -= n
+
+        out.scheduled = list(planned.values())
+        out.num_batched_tokens = self.max_num_batched_tokens - budget
+        return out
+
+    def on_step_done(self, out: SchedulerOutput) -> None:
+        """The runner has written K/V for the scheduled tokens: advance and publish full blocks."""
+        for seq, n in out.scheduled:
+            seq.num_computed_tokens += n
+            self.bm.cache_computed_blocks(seq)

@@ -1,0 +1,138 @@
+"""S03/S12: causal self-attention with grouped-query heads (GQA).
+
+Shapes: q (Tq, H, hd); k, v (Tk, Hkv, hd) with H = Hkv * g. Query row i sits at position ``offset + i``
+(default Tk - Tq: the new tokens are the last ones of the context) and sees keys 0 .. offset + i.
+Query head h uses KV head h // g (HF's repeat_kv order).
+
+Three forms, all computing the same numbers:
+  attention           readable reference: repeats K/V per query head, materializes all scores.
+  grouped_attention   fast plain softmax: no repeat (q is regrouped as (Hkv, hd, Tq*g) so one matmul per KV
+                      head covers its whole query group), scores written into caller scratch.
+  flash_attention     S12: tiles over keys (and queries) with an online softmax (running max m and sum l),
+                      so memory is O(tile^2) instead of O(Tq * Tk); fully-masked key tiles are skipped.
+Scores are kept keys-major, (Hkv, Tk, Tq*g): the K operand is then a plain strided view of the KV cache
+(row stride Hkv*hd), which BLAS takes directly, instead of a transposed view NumPy would copy.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, offset: int | None = None,
+              scale: float | None = None) -> np.ndarray:
+    """Reference causal attention (allocates freely; for tests and forward_reference)."""
+    Tq, H, hd = q.shape
+    Tk, Hkv, _ = k.shape
+    offset = Tk - Tq if offset is None else offset
+    scale = hd ** -0.5 if scale is None else scale
+    k = np.repeat(k, H // Hkv, axis=1)                                   # (Tk, H, hd)
+    v = np.repeat(v, H // Hkv, axis=1)
+    scores = np.einsum("qhd,khd->hqk", q, k) * scale                    # (H, Tq, Tk)
+    masked = np.arange(Tk)[None, :] > (offset + np.arange(Tq))[:, None]  # key after the query
+    scores = np.where(masked, -np.inf, scores)
+    p = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    return np.einsum("hqk,khd->qhd", p, v).astype(q.dtype)
+
+
+def _regroup_q(q: np.ndarray, n_kv: int, scale: float) -> np.ndarray:
+    """(Tq, H, hd) -> scaled (Hkv, hd, Tq*g); column i*g + j is query i, head (kv*g + j)."""
+    Tq, H, hd = q.shape
+    qT = q.reshape(Tq, n_kv, H // n_kv, hd).transpose(1, 3, 0, 2).reshape(n_kv, hd, Tq * (H // n_kv))
+    return qT * np.float32(scale)
+
+
+def _write_out(acc: np.ndarray, out: np.ndarray, n_kv: int) -> None:
+    """(Hkv, Tq*g, hd) -> out (Tq, H, hd)."""
+    Tq, H, hd = out.shape
+    np.copyto(out.reshape(Tq, n_kv, H // n_kv, hd), acc.reshape(n_kv, Tq, H // n_kv, hd).transpose(1, 0, 2, 3))
+
+
+def _causal_bias(k0: int, k1: int, q0: int, q1: int, offset: int, g: int) -> np.ndarray | None:
+    """(k1-k0, (q1-q0)*g) additive mask for keys k0..k1 and queries q0..q1, or None if nothing is masked."""
+    if k1 - 1 <= offset + q0:
+        return None
+    keys = np.arange(k0, k1)[:, None, None]
+    qpos = offset + np.arange(q0, q1)[None, :, None]
+    bias = np.where(keys > qpos, np.float32(-np.inf), np.float32(0))
+    return np.broadcast_to(bias, (k1 - k0, q1 - q0, g)).reshape(k1 - k0, (q1 - q0) * g)
+
+
+def grouped_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, offset: int | None = None,
+                      scale: float | None = None, out: np.ndarray | None = None,
+                      scratch: np.ndarray | None = None) -> np.ndarray:
+    """Plain softmax GQA attention. ``scratch``: float32 buffer of >= Hkv*Tk*Tq*g elements for the scores."""
+    Tq, H, hd = q.shape
+    Tk, Hkv, _ = k.shape
+    g = H // Hkv
+    offset = Tk - Tq if offset is None else offset
+    scale = hd ** -0.5 if scale is None else scale
+    if out is None:
+        out = np.empty(q.shape, np.float32)
+    n = Hkv * Tk * Tq * g
+    s = (np.empty(n, np.float32) if scratch is None else scratch.reshape(-1)[:n]).reshape(Hkv, Tk, Tq * g)
+    np.matmul(k.transpose(1, 0, 2), _regroup_q(q, Hkv, scale), out=s)   # (Hkv, Tk, Tq*g)
+    bias = _causal_bias(0, Tk, 0, Tq, offset, g)
+    if bias is not None:
+        s += bias
+    s -= s.max(axis=1, keepdims=True)
+    np.exp(s, out=s)
+    denom = s.sum(axis=1)[..., None]                                     # (Hkv, Tq*g, 1)
+    acc = np.matmul(s.transpose(0, 2, 1), v.transpose(1, 0, 2))         # (Hkv, Tq*g, hd): small
+    acc /= denom
+    _write_out(acc, out, Hkv)
+    return out
+
+
+def flash_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, offset: int | None = None,
+                    scale: float | None = None, tile: int = 256, q_tile: int | None = 128,
+                    out: np.ndarray | None = None, scratch: np.ndarray | None = None) -> np.ndarray:
+    """Tiled online-softmax attention; never holds more than a (Hkv, tile, q_tile*g) block of scores.
+
+    For each query tile, key tiles are visited left to right (key 0 is visible to every query, so the running
+    max m is finite after the first tile); each tile rescales the partial sums by exp(m_old - m_new).
+    ``scratch``: float32 buffer of >= Hkv*tile*q_tile*g elements (else one is allocated).
+    """
+    Tq, H, hd = q.shape
+    Tk, Hkv, _ = k.shape
+    g = H // Hkv
+    offset = Tk - Tq if offset is None else offset
+    scale = hd ** -0.5 if scale is None else scale
+    if tile < 1 or (q_tile is not None and q_tile < 1):
+        raise ValueError(f"flash_attention tiles must be >= 1, got tile={tile}, q_tile={q_tile}")
+    q_tile = Tq if q_tile is None else min(q_tile, Tq)
+    if out is None:
+        out = np.empty(q.shape, np.float32)
+    need = Hkv * min(tile, Tk) * q_tile * g
+    buf = np.empty(need, np.float32) if scratch is None else scratch.reshape(-1)
+    if buf.size < need:
+        raise ValueError(f"flash_attention scratch has {buf.size} floats, tiles need {need}")
+    qT = _regroup_q(q, Hkv, scale)                                       # (Hkv, hd, Tq*g)
+    kt, vt = k.transpose(1, 0, 2), v.transpose(1, 0, 2)                 # (Hkv, Tk, hd) views
+    for q0 in range(0, Tq, q_tile):
+        q1 = min(Tq, q0 + q_tile)
+        cols = (q1 - q0) * g
+        qblk = qT[:, :, q0 * g:q1 * g]
+        m = np.full((Hkv, 1, cols), -np.inf, np.float32)
+        l = np.zeros((Hkv, 1, cols), np.float32)
+        acc = np.zeros((Hkv, cols, hd), np.float32)
+        k_end = min(Tk, offset + q1)                # keys after the tile's last query are never seen
+        for k0 in range(0, k_end, tile):
+            k1 = min(k_end, k0 + tile)
+            s = buf[:Hkv * (k1 - k0) * cols].reshape(Hkv, k1 - k0, cols)
+            np.matmul(kt[:, k0:k1], qblk, out=s)
+            bias = _causal_bias(k0, k1, q0, q1, offset, g)
+            if bias is not None:
+                s += bias
+            m_new = np.maximum(m, s.max(axis=1, keepdims=True))
+            corr = np.exp(m - m_new)                # rescales what was accumulated under the old max
+            s -= m_new
+            np.exp(s, out=s)
+            l *= corr
+            l += s.sum(axis=1, keepdims=True)
+            acc *= corr.transpose(0, 2, 1)
+            acc += np.matmul(s.transpose(0, 2, 1), vt[:, k0:k1])
+            m = m_new
+        acc /= l.transpose(0, 2, 1)
+        _write_out(acc, out[q0:q1], Hkv)
+    return out

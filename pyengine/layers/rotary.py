@@ -1,0 +1,97 @@
+"""S03: rotary position embeddings (RoPE).
+
+Each head vector is split in pairs of dimensions; pair i is rotated by the angle position * inv_freq[i].
+Two pairings exist: llama.cpp's "normal" mode rotates adjacent dims (2i, 2i+1) ("interleaved"), while HF
+transformers rotates dim i with dim i + hd/2 ("half", rotate_half). They are the same rotation up to a fixed
+permutation of the head dimensions, which is why llama.cpp's converter stores Q/K weight rows permuted.
+We un-permute Q/K rows at load (models/llama.py) and use the half-split form: its two halves are
+contiguous slices, so the rotation is a few vectorized multiplies.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling_type: str = "none", factor: float = 1.0,
+                  orig_context: int | None = None, low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
+                  freq_factors: np.ndarray | None = None) -> np.ndarray:
+    """(head_dim/2,) float64 inverse frequencies theta^(-2i/hd), adjusted for context-extension scaling.
+
+    linear: positions are divided by ``factor`` (= inv_freq / factor).
+    llama3: long wavelengths (> orig/low_freq_factor) are divided by ``factor``, short ones (< orig/high)
+            kept, and the band in between interpolated smoothly (Llama 3.1's recipe).
+    freq_factors: llama.cpp's per-dimension divisors (tensor rope_freqs.weight), applied on top.
+    """
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
+    inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    kind = (scaling_type or "none").lower()
+    if kind in ("none", "") or factor == 1.0 and kind == "linear":
+        pass
+    elif kind == "linear":
+        inv = inv / factor
+    elif kind == "llama3":
+        if not orig_context:
+            raise ValueError("llama3 RoPE scaling needs the original context length")
+        low_wavelen = orig_context / low_freq_factor
+        high_wavelen = orig_context / high_freq_factor
+        wavelen = 2 * math.pi / inv
+        smooth = (orig_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        mid = (1 - smooth) * inv / factor + smooth * inv
+        inv = np.where(wavelen < high_wavelen, inv, np.where(wavelen > low_wavelen, inv / factor, mid))
+    else:
+        raise ValueError(f"RoPE scaling type {scaling_type!r} is not supported (supported: none, linear, llama3)")
+    if freq_factors is not None:
+        freq_factors = np.asarray(freq_factors, dtype=np.float64).reshape(-1)
+        if freq_factors.shape != inv.shape:
+            raise ValueError(f"rope freq_factors must have {inv.size} entries, got {freq_factors.size}")
+        inv = inv / freq_factors
+    return inv
+
+
+def rope_cos_sin(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin tables (len(positions), hd/2) float32. Angles are computed in float64 (rounded once at
+    the end) so large positions stay accurate; float32 angles would lose ~1e-5 rad at position 200."""
+    angles = np.outer(np.asarray(positions, dtype=np.float64), inv_freq)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, out: np.ndarray | None = None,
+               tmp: np.ndarray | None = None) -> np.ndarray:
+    """Rotate x (T, n_heads, hd) half-split style with cos/sin (T, hd/2). ``out`` must not alias x;
+    ``tmp`` (T, n_heads, hd/2) is scratch so that no array is allocated."""
+    half = x.shape[-1] // 2
+    if out is None:
+        out = np.empty(x.shape, dtype=x.dtype)
+    if tmp is None:
+        tmp = np.empty(x.shape[:-1] + (half,), dtype=x.dtype)
+    c, s = cos[:, None, :], sin[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    o1, o2 = out[..., :half], out[..., half:]
+    np.multiply(x1, c, out=o1)          # o1 = x1 cos - x2 sin
+    np.multiply(x2, s, out=tmp)
+    o1 -= tmp
+    np.multiply(x2, c, out=o2)          # o2 = x2 cos + x1 sin
+    np.multiply(x1, s, out=tmp)
+    o2 += tmp
+    return out
+
+
+def apply_rope_interleaved(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """llama.cpp's normal mode: rotate adjacent pairs (2i, 2i+1). Readable reference (allocates)."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    c, s = cos[:, None, :], sin[:, None, :]
+    out = np.empty_like(x)
+    out[..., 0::2] = x1 * c - x2 * s
+    out[..., 1::2] = x2 * c + x1 * s
+    return out
+
+
+def interleaved_to_half(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Reorder the output rows of a Q/K weight (n_heads*hd, ...) stored for interleaved RoPE (as in GGUF)
+    so the half-split RoPE gives the same attention scores: per head, rows (0,2,4,...,1,3,5,...)."""
+    rows = w.shape[0]
+    hd = rows // n_heads
+    return (w.reshape(n_heads, hd // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))

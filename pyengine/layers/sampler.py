@@ -1,0 +1,252 @@
+"""S04 sampling: turn a row of logits into the next token.
+
+Each logits processor is a plain function ``logits -> logits`` over the last axis (works on (V,) and
+(B, V)), returns a new array, and marks removed tokens with -inf. The order of the pipeline is
+the one HF transformers uses:
+
+    logit_bias -> repetition penalty -> presence/frequency penalties      (shape the scores)
+    -> greedy argmax, or: temperature -> top-k -> top-p -> min-p -> draw   (shape the distribution)
+
+`Sampler.sample` runs that pipeline over a batch where every row has its own `SamplingParams` and
+its own `np.random.Generator`. Logprobs reported back are those of the *raw* model distribution
+(log-softmax of the unprocessed logits), as vLLM does by default.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pyengine.sampling_params import SamplingParams
+
+NEG_INF = -np.inf
+TOP_P_CANDIDATES = 512     # top-p first tries to find the nucleus among this many tokens
+
+
+# --- distributions ------------------------------------------------------------------------------
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """log p over the last axis in float64 (max subtracted so exp never overflows)."""
+    x = np.asarray(logits, dtype=np.float64)
+    m = np.max(x, axis=-1, keepdims=True)
+    shifted = x - m
+    return shifted - np.log(np.sum(np.exp(shifted), axis=-1, keepdims=True))
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """p over the last axis in float64; -inf logits get probability exactly 0."""
+    x = np.asarray(logits, dtype=np.float64)
+    e = np.exp(x - np.max(x, axis=-1, keepdims=True))
+    return e / np.sum(e, axis=-1, keepdims=True)
+
+
+# --- logits processors --------------------------------------------------------------------------
+def apply_logit_bias(logits: np.ndarray, bias: dict[int, float]) -> np.ndarray:
+    """Add ``bias[id]`` to the logit of each listed token (OpenAI ``logit_bias``)."""
+    out = np.array(logits, dtype=np.float64)
+    if bias:
+        ids = np.fromiter(bias.keys(), dtype=np.int64, count=len(bias))
+        out[..., ids] += np.fromiter(bias.values(), dtype=np.float64, count=len(bias))
+    return out
+
+
+def apply_repetition_penalty(logits: np.ndarray, seen_ids, penalty: float) -> np.ndarray:
+    """HF/vLLM (CTRL paper) repetition penalty on every token seen in prompt + output.
+
+    A positive logit is divided by ``penalty`` and a negative one multiplied by it, so for
+    penalty > 1 a seen token always becomes less likely, whatever the sign of its logit.
+    """
+    out = np.array(logits, dtype=np.float64)
+    if penalty != 1.0 and len(seen_ids):
+        ids = np.unique(np.asarray(seen_ids, dtype=np.int64))
+        sel = out[..., ids]
+        out[..., ids] = np.where(sel > 0, sel / penalty, sel * penalty)
+    return out
+
+
+def apply_presence_frequency_penalties(logits: np.ndarray, output_ids, presence: float,
+                                       frequency: float) -> np.ndarray:
+    """OpenAI penalties over the *generated* tokens only (as vLLM):
+    ``logit[t] -= frequency * count(t) + presence * (count(t) > 0)``."""
+    out = np.array(logits, dtype=np.float64)
+    if (presence or frequency) and len(output_ids):
+        ids, counts = np.unique(np.asarray(output_ids, dtype=np.int64), return_counts=True)
+        out[..., ids] -= frequency * counts + presence
+    return out
+
+
+def apply_temperature(logits: np.ndarray, temperature: float) -> np.ndarray:
+    """Divide by the temperature: < 1 sharpens, > 1 flattens. Greedy (T ~ 0) never gets here."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be positive here (greedy is argmax), got {temperature}")
+    return np.asarray(logits, dtype=np.float64) / temperature
+
+
+def apply_top_k(logits: np.ndarray, k: int) -> np.ndarray:
+    """Keep the k highest logits (ties with the k-th are kept too); k <= 0 or k >= V: no-op."""
+    x = np.asarray(logits, dtype=np.float64)
+    V = x.shape[-1]
+    if k <= 0 or k >= V:
+        return x.copy()
+    kth = np.partition(x, V - k, axis=-1)[..., V - k:V - k + 1]   # k-th largest per row
+    return np.where(x < kth, NEG_INF, x)
+
+
+def apply_top_p(logits: np.ndarray, p: float) -> np.ndarray:
+    """Nucleus: keep the smallest set of most likely tokens whose probability sums to >= p.
+
+    A token is kept when the mass of the strictly more likely tokens is still < p, so the top
+    token always survives and the token that crosses p is included. Tokens tied with the last kept
+    one are kept too (the set does not depend on how a sort breaks ties).
+    """
+    x = np.asarray(logits, dtype=np.float64)
+    if p >= 1.0:
+        return x.copy()
+    probs = softmax(x)
+    V = probs.shape[-1]
+    desc = None
+    if V > 4 * TOP_P_CANDIDATES:
+        # The nucleus is usually far smaller than V: if the largest m probabilities already reach p,
+        # sorting just those gives the same cutoff (every token beyond them has mass_before >= p).
+        top = np.partition(probs, V - TOP_P_CANDIDATES, axis=-1)[..., V - TOP_P_CANDIDATES:]
+        if np.all(np.sum(top, axis=-1) >= p):
+            desc = -np.sort(-top, axis=-1)
+    if desc is None:
+        desc = -np.sort(-probs, axis=-1)
+    mass_before = np.cumsum(desc, axis=-1) - desc
+    n_keep = np.maximum(np.sum(mass_before < p, axis=-1, keepdims=True), 1)
+    cutoff = np.take_along_axis(desc, n_keep - 1, axis=-1)
+    return np.where(probs >= cutoff, x, NEG_INF)
+
+
+def apply_min_p(logits: np.ndarray, min_p: float) -> np.ndarray:
+    """Keep tokens with p >= min_p * p_max, i.e. logit >= max_logit + log(min_p)."""
+    x = np.asarray(logits, dtype=np.float64)
+    if min_p <= 0.0:
+        return x.copy()
+    floor = np.max(x, axis=-1, keepdims=True) + np.log(min_p)
+    return np.where(x >= floor, x, NEG_INF)
+
+
+def sample_from_logits(logits: np.ndarray, rng: np.random.Generator) -> int:
+    """Draw one index of a 1-D logits vector by inverting the CDF with a single uniform number."""
+    probs = softmax(logits)
+    cdf = np.cumsum(probs)
+    idx = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+    if idx >= len(probs) or probs[idx] == 0.0:    # u * total rounded up to total: take the last live token
+        idx = int(np.flatnonzero(probs)[-1])
+    return idx
+
+
+def process_logits(logits: np.ndarray, params: SamplingParams, prompt_ids=(), output_ids=()) -> np.ndarray:
+    """The score-shaping half of the pipeline (bias and penalties) on one row, float64."""
+    x = np.array(logits, dtype=np.float64)
+    if params.logit_bias:
+        x = apply_logit_bias(x, params.logit_bias)
+    if params.repetition_penalty != 1.0:
+        seen = np.concatenate([np.asarray(prompt_ids, dtype=np.int64), np.asarray(output_ids, dtype=np.int64)])
+        x = apply_repetition_penalty(x, seen, params.repetition_penalty)
+    if params.presence_penalty or params.frequency_penalty:
+        x = apply_presence_frequency_penalties(x, output_ids, params.presence_penalty, params.frequency_penalty)
+    return x
+
+
+def sample_row(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator | None,
+               prompt_ids=(), output_ids=()) -> int:
+    """Full pipeline for one row of logits."""
+    x = process_logits(logits, params, prompt_ids, output_ids)
+    if params.greedy:
+        return int(np.argmax(x))
+    if rng is None:
+        raise ValueError("a random generator is required for temperature > 0")
+    x = apply_temperature(x, params.temperature)
+    # After each truncation only live tokens matter: compacting to them makes the next steps work on
+    # k (or the nucleus) values instead of V. `live` maps compact positions back to token ids.
+    live = None
+    if 0 < params.top_k < x.shape[-1]:
+        x, live = _compact(apply_top_k(x, params.top_k), live)
+    if params.top_p < 1.0:
+        x, live = _compact(apply_top_p(x, params.top_p), live)
+    x = apply_min_p(x, params.min_p)
+    j = sample_from_logits(x, rng)
+    return int(live[j]) if live is not None else j
+
+
+def _compact(x: np.ndarray, live: np.ndarray | None):
+    keep = np.flatnonzero(x != NEG_INF)
+    if len(keep) == len(x):
+        return x, live
+    return x[keep], (keep if live is None else live[keep])
+
+
+# --- logprobs -----------------------------------------------------------------------------------
+@dataclass
+class SampleLogprobs:
+    """Raw-distribution logprobs for one sampled token."""
+    token_id: int
+    logprob: float              # log p(token_id) under the unprocessed logits
+    rank: int                   # 1 = most likely token
+    top_ids: list[int]          # the `params.logprobs` most likely ids, best first
+    top_logprobs: list[float]
+
+    def as_dict(self) -> dict[int, float]:
+        """{id: logprob} for the top-n plus the sampled token (vLLM's per-position shape)."""
+        d = dict(zip(self.top_ids, self.top_logprobs))
+        d[self.token_id] = self.logprob
+        return d
+
+
+def token_logprobs(logits: np.ndarray, token_id: int, top_n: int) -> SampleLogprobs:
+    """Logprob and rank of `token_id` and the top-n (id, logprob) of one raw logits row."""
+    lp = log_softmax(logits)
+    chosen = lp[token_id]
+    rank = int(np.count_nonzero(lp > chosen)) + 1
+    top_ids: list[int] = []
+    top_lps: list[float] = []
+    if top_n > 0:
+        n = min(top_n, lp.shape[-1])
+        cand = np.argpartition(-lp, n - 1)[:n]
+        cand = cand[np.lexsort((cand, -lp[cand]))]     # by logprob desc, then id asc: deterministic
+        top_ids = [int(i) for i in cand]
+        top_lps = [float(lp[i]) for i in cand]
+    return SampleLogprobs(int(token_id), float(chosen), rank, top_ids, top_lps)
+
+
+# --- the batch sampler --------------------------------------------------------------------------
+def make_rng(params: SamplingParams, engine_rng: np.random.Generator, index: int = 0) -> np.random.Generator:
+    """The per-sequence generator: from `params.seed` (choice `index` of n gets its own stream, and
+    choice 0 equals a plain seed), else a child of the engine's generator."""
+    if params.seed is not None:
+        if index == 0:
+            return np.random.default_rng(params.seed)
+        return np.random.default_rng(np.random.SeedSequence(params.seed, spawn_key=(index,)))
+    return engine_rng.spawn(1)[0]
+
+
+class Sampler:
+    """Samples one token per row of a (B, V) logits batch, each row with its own params and rng."""
+
+    def sample(self, logits: np.ndarray, params: list[SamplingParams], prompt_ids: list,
+               output_ids: list, rngs: list) -> tuple[np.ndarray, list[SampleLogprobs | None]]:
+        """Returns token ids (B,) int64 and per row a `SampleLogprobs` (when params.logprobs is not
+        None) or None. `rngs[i]` may be None for greedy rows; the logits are only read."""
+        logits = np.asarray(logits)
+        if logits.ndim != 2:
+            raise ValueError(f"logits must be (batch, vocab), got shape {logits.shape}")
+        B, V = logits.shape
+        for name, seq in (("params", params), ("prompt_ids", prompt_ids), ("output_ids", output_ids),
+                          ("rngs", rngs)):
+            if len(seq) != B:
+                raise ValueError(f"{name} has {len(seq)} entries for a batch of {B} logits rows")
+        tokens = np.empty(B, dtype=np.int64)
+        # Plain greedy rows (no bias/penalties) need no copy: one argmax over all of them.
+        plain = [i for i, p in enumerate(params) if p.greedy and not p.logit_bias and not p.has_penalties]
+        if plain:
+            tokens[plain] = np.argmax(logits[plain], axis=-1)
+        plain_set = set(plain)
+        for i, p in enumerate(params):
+            if i not in plain_set:
+                tokens[i] = sample_row(logits[i], p, rngs[i], prompt_ids[i], output_ids[i])
+        infos: list[SampleLogprobs | None] = [
+            token_logprobs(logits[i], int(tokens[i]), p.logprobs) if p.logprobs is not None else None
+            for i, p in enumerate(params)]
+        return tokens, infos

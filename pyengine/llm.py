@@ -1,0 +1,286 @@
+"""S01 `LLM`: the offline, vLLM-style front door to the engine.
+
+    llm = LLM()                                     # default model (SmolLM2-135M-Instruct)
+    outs = llm.generate(["The capital of France is", "1, 2, 3,"], SamplingParams(temperature=0))
+    reply = llm.chat([{"role": "user", "content": "Hi!"}])[0].outputs[0].text
+    for piece in (s := llm.stream("Once upon a time")): print(piece, end="")
+    s.output                                        # the final RequestOutput
+
+All prompts of one `generate` call go into the engine together, so they share every forward pass
+(continuous batching). Requests are validated and queued all-or-nothing before the first step: a
+bad prompt or parameter raises ValueError without any model work.
+"""
+from __future__ import annotations
+
+import itertools
+import numbers
+import sys
+import time
+from collections import deque
+
+from pyengine.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model=None, **engine_kwargs):
+        """``model``: None (default model), a GGUF path, or the file's bytes. Other keyword arguments
+        go to `LLMEngine` (max_model_len, block_size, num_blocks, max_num_seqs, seed, ...)."""
+        from pyengine.engine.llm_engine import LLMEngine   # lazy: `import pyengine` stays light
+
+        self.llm_engine = LLMEngine(model=model, **engine_kwargs)
+        self._ids = itertools.count()
+        # Outputs of each request this object is waiting for. Several consumers (a stream left open
+        # while generate() runs) step the same engine, so every step's outputs are routed by id.
+        self._inbox: dict[str, deque] = {}
+
+    # --- public API -------------------------------------------------------------------------------
+    def get_tokenizer(self):
+        return self.llm_engine.get_tokenizer()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.llm_engine.max_model_len
+
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = False) -> list:
+        """Complete each prompt; returns the final `RequestOutput`s in input order.
+
+        A prompt is a str, ``{"prompt_token_ids": [...]}`` (optionally with "prompt" text), or a
+        list of those; ``sampling_params`` is one `SamplingParams` for all, or a list (one each).
+        """
+        prompts = self._prompt_list(prompts)
+        ids = self._add_all(prompts, self._params_list(sampling_params, len(prompts)))
+        return self._run_to_completion(ids, use_tqdm)
+
+    def chat(self, messages, sampling_params=None, add_generation_prompt: bool = True,
+             use_tqdm: bool = False) -> list:
+        """Reply to one conversation (a list of {"role", "content"} dicts) or to a list of them,
+        formatted with the model's chat template. Returns one `RequestOutput` per conversation."""
+        convs = self._conversations(messages)
+        prompts = [self.chat_prompt(c, add_generation_prompt) for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def chat_prompt(self, conversation: list[dict], add_generation_prompt: bool = True) -> str:
+        """The conversation rendered by the tokenizer's chat template (text, special tokens inline)."""
+        self._conversations(conversation)
+        return self.get_tokenizer().apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt, tokenize=False)
+
+    def stream(self, prompt, sampling_params=None) -> "TextStream":
+        """Start one request and return a `TextStream`: iterate it for text deltas as they are
+        decided; afterwards ``.output`` is the final `RequestOutput`. ``close()`` aborts it early."""
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if params.n != 1:
+            raise ValueError(f"stream() yields one completion; got n={params.n} (use generate for n > 1)")
+        (rid,) = self._add_all(self._single(prompt), [params])
+        return TextStream(self, rid)
+
+    # --- input checking ---------------------------------------------------------------------------
+    @staticmethod
+    def _check_prompt(p):
+        if isinstance(p, str):
+            return p
+        if isinstance(p, dict):
+            if "prompt_token_ids" in p:
+                ids = p["prompt_token_ids"]
+                if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+                    raise ValueError(f"prompt_token_ids must be a list of ints, got {type(ids).__name__}")
+                ids = list(ids)
+                bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+                if bad:
+                    raise ValueError(f"prompt_token_ids must contain ints, got {bad[0]!r}")
+                if not ids:
+                    raise ValueError("prompt_token_ids is empty")
+                out = {"prompt_token_ids": [int(t) for t in ids]}
+                if isinstance(p.get("prompt"), str):
+                    out["prompt"] = p["prompt"]
+                return out
+            if isinstance(p.get("prompt"), str):
+                return p["prompt"]
+            raise ValueError("a dict prompt needs 'prompt_token_ids' (list of ints) or 'prompt' (str)")
+        raise ValueError(f"a prompt must be a str or {{'prompt_token_ids': [...]}}, got {type(p).__name__}")
+
+    def _prompt_list(self, prompts) -> list:
+        if isinstance(prompts, (str, dict)):
+            return [self._check_prompt(prompts)]
+        if isinstance(prompts, (list, tuple)):
+            if not prompts:
+                raise ValueError("prompts is empty")
+            if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+                raise ValueError("a list of ints is ambiguous as prompts: pass {'prompt_token_ids': [...]}")
+            return [self._check_prompt(p) for p in prompts]
+        raise ValueError(f"prompts must be a str, a dict or a list of them, got {type(prompts).__name__}")
+
+    def _single(self, prompt) -> list:
+        items = self._prompt_list(prompt)
+        if len(items) != 1:
+            raise ValueError(f"stream() takes one prompt, got {len(items)}")
+        return items
+
+    @staticmethod
+    def _params_list(sampling_params, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * n
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != n:
+                raise ValueError(f"got {len(sampling_params)} sampling_params for {n} prompts")
+            for p in sampling_params:
+                if not isinstance(p, SamplingParams):
+                    raise ValueError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
+            return list(sampling_params)
+        raise ValueError(f"sampling_params must be a SamplingParams or a list of them, "
+                         f"got {type(sampling_params).__name__}")
+
+    @staticmethod
+    def _conversations(messages) -> list[list[dict]]:
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts (or a list of such lists)")
+        convs = [messages] if isinstance(messages[0], dict) else list(messages)
+        for conv in convs:
+            if not isinstance(conv, (list, tuple)) or not conv:
+                raise ValueError("each conversation must be a non-empty list of messages")
+            for m in conv:
+                if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                    raise ValueError(f"each message needs string 'role' and 'content', got {m!r}")
+        return [list(c) for c in convs]
+
+    # --- driving the engine -----------------------------------------------------------------------
+    def _add_all(self, prompts: list, params: list[SamplingParams]) -> list[str]:
+        """Queue every request or none: the engine validates each one in add_request (prompt length
+        vs max_model_len, token ids vs vocab, params vs vocab); on the first error the ones already
+        queued are withdrawn before any step ran."""
+        engine = self.llm_engine
+        added: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params):
+                rid = f"llm-{next(self._ids)}"
+                engine.add_request(rid, prompt, p)
+                added.append(rid)
+                self._inbox[rid] = deque()
+        except BaseException:
+            self._abort(added)
+            raise
+        return added
+
+    def _abort(self, request_ids) -> None:
+        for rid in request_ids:
+            self._inbox.pop(rid, None)
+            self.llm_engine.abort_request(rid)
+
+    def _step(self) -> None:
+        for out in self.llm_engine.step():
+            box = self._inbox.get(out.request_id)
+            if box is not None:
+                box.append(out)
+
+    def _run_to_completion(self, request_ids: list[str], use_tqdm: bool) -> list:
+        final: dict[str, object] = {}
+        progress = _Progress(len(request_ids)) if use_tqdm else None
+        try:
+            while len(final) < len(request_ids):
+                if not self.llm_engine.has_unfinished_requests():
+                    missing = [r for r in request_ids if r not in final]
+                    raise RuntimeError(f"engine has no unfinished requests but {missing} did not finish")
+                self._step()
+                for rid in request_ids:
+                    box = self._inbox.get(rid)
+                    while box:
+                        out = box.popleft()
+                        if out.finished:
+                            final[rid] = out
+                            del self._inbox[rid]
+                            if progress:
+                                progress.update(out)
+                            break
+        except BaseException:          # Ctrl-C or an engine error: leave the engine clean
+            self._abort([r for r in request_ids if r not in final])
+            raise
+        finally:
+            if progress:
+                progress.close()
+        return [final[r] for r in request_ids]
+
+
+class TextStream:
+    """Iterator of text deltas of one request (see `LLM.stream`).
+
+    ``output`` holds the latest `RequestOutput` (the final one once iteration ends); ``close()``
+    aborts the request if it is still running (use it, or ``with``, on Ctrl-C).
+    """
+
+    def __init__(self, llm: LLM, request_id: str):
+        self._llm = llm
+        self.request_id = request_id
+        self.output = None
+        self.done = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        box = self._llm._inbox.get(self.request_id)
+        while not self.done:
+            while box:
+                self.output = box.popleft()
+                if self.output.finished:
+                    self.done = True
+                    self._llm._inbox.pop(self.request_id, None)
+                delta = self.output.outputs[0].delta_text
+                if delta:
+                    return delta
+                if self.done:
+                    break
+            if self.done:
+                break
+            try:
+                self._llm._step()
+            except BaseException:
+                self.close()
+                raise
+        raise StopIteration
+
+    def text(self) -> str:
+        """Run to the end and return the whole completion text."""
+        for _ in self:
+            pass
+        return self.output.outputs[0].text
+
+    def close(self) -> None:
+        if not self.done:
+            self.done = True
+            self._llm._inbox.pop(self.request_id, None)
+            out = self._llm.llm_engine.abort_request(self.request_id)
+            if out is not None:
+                self.output = out
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _Progress:
+    """A one-line progress counter on stderr (no tqdm dependency)."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.tokens, self.start = total, 0, 0, time.monotonic()
+        self._draw()
+
+    def update(self, out) -> None:
+        self.done += 1
+        self.tokens += sum(len(c.token_ids) for c in out.outputs)
+        self._draw()
+
+    def _draw(self) -> None:
+        dt = max(time.monotonic() - self.start, 1e-9)
+        sys.stderr.write(f"\rProcessed prompts: {self.done}/{self.total}  "
+                         f"({self.tokens} tokens, {self.tokens / dt:.1f} tok/s)")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        sys.stderr.write("\n")
+        sys.stderr.flush()

@@ -1,0 +1,324 @@
+"""S03: the Llama forward pass (SmolLM2 is a Llama), over GGUF weights.
+
+    x = embed(tokens)
+    per layer:  x += Wo · attention(rope(Wq · norm(x)), rope(Wk · norm(x)), Wv · norm(x))
+                x += Wdown · (silu(Wgate · norm(x)) * Wup · norm(x))
+    logits = head · norm(x)          (head = token_embd when the embeddings are tied)
+
+Weights: Q|K|V are fused into one (960, 576) matrix and gate|up into one (3072, 576) matrix, so a layer is
+four GEMMs. GGUF stores Q/K rows permuted for llama.cpp's interleaved RoPE; we undo that permutation at load
+(the same row shuffle works on quantized rows, whose blocks never cross a row) and use half-split RoPE.
+Modes: "resident" dequantizes everything to float32 once (fastest); "lean" keeps the quantized bytes and
+dequantizes one layer at a time into arena scratch just before use (picoLM-style, for 32-bit browsers).
+
+Two forwards: ``forward_reference`` is the readable one (recomputes the whole sequence, allocates freely) that
+every fast path is tested against; ``forward`` is the fast paged one (ragged batch, KV cache, out= buffers).
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from pyengine.arena import Arena, ArenaSpec, spec
+from pyengine.engine.kv_cache import ContextView, PagedKVCache, slot_mapping
+from pyengine.gguf import quants
+from pyengine.layers.activation import swiglu
+from pyengine.layers.attention import attention, flash_attention, grouped_attention
+from pyengine.layers.norm import rms_norm
+from pyengine.layers.rotary import apply_rope, interleaved_to_half, rope_cos_sin, rope_inv_freq
+
+SUPPORTED_ARCHS = ("llama",)
+HEAD_CHUNK_ROWS = 4096      # lean mode: rows of the LM head dequantized at a time
+
+
+def check_arch(config) -> None:
+    if config.arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"architecture {config.arch!r} is not supported by the Llama forward pass "
+                         f"(supported: {', '.join(SUPPORTED_ARCHS)})")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Weights
+# ---------------------------------------------------------------------------------------------------------
+
+def dequantize_into(raw: np.ndarray, ggml_type: int, out: np.ndarray) -> np.ndarray:
+    """Dequantize raw bytes into a preallocated C-contiguous float32 ``out`` (no model-sized temporaries)."""
+    kernel = getattr(quants, "_KERNELS", {}).get(quants.GGMLType(ggml_type))
+    layout = quants.block_layout(ggml_type)
+    if kernel is None or not out.flags.c_contiguous:
+        np.copyto(out, quants.dequantize(raw, ggml_type, out.shape))
+        return out
+    blocks = np.ascontiguousarray(raw).reshape(-1).view(layout.dtype)
+    dst = out.reshape(-1, layout.block_size)
+    if blocks.shape[0] != dst.shape[0]:
+        raise ValueError(f"{quants.type_name(ggml_type)} data holds {blocks.shape[0]} blocks, "
+                         f"output needs {dst.shape[0]}")
+    step = max(1, (1 << 18) // layout.block_size)       # ~1 MB of output per kernel call
+    for a in range(0, blocks.shape[0], step):
+        kernel(blocks[a:a + step], dst[a:a + step])
+    return out
+
+
+class QuantMatrix:
+    """A (rows, cols) weight kept as quantized rows, possibly several tensors stacked (a fused matrix)."""
+
+    def __init__(self, parts: list[tuple[np.ndarray, int]], cols: int):
+        self.parts = parts                       # [(raw uint8 (rows_i, row_bytes_i), ggml_type)]
+        self.cols = cols
+        self.shape = (sum(p.shape[0] for p, _ in parts), cols)
+        self.nbytes = sum(p.nbytes for p, _ in parts)
+
+    def dequantize(self, out: np.ndarray | None = None) -> np.ndarray:
+        out = np.empty(self.shape, np.float32) if out is None else out
+        r = 0
+        for raw, t in self.parts:
+            dequantize_into(raw, t, out[r:r + raw.shape[0]])
+            r += raw.shape[0]
+        return out
+
+    def rows(self, idx: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Dequantize selected rows (embedding lookup); single-part matrices only."""
+        (raw, t), = self.parts
+        return dequantize_into(np.take(raw, idx, axis=0), t, out)
+
+
+class LayerWeights(NamedTuple):
+    attn_norm: np.ndarray      # (d,)
+    wqkv: np.ndarray           # (H*hd + 2*Hkv*hd, d)   rows: Q (RoPE half-split order) | K (same) | V
+    wo: np.ndarray             # (d, H*hd)
+    ffn_norm: np.ndarray       # (d,)
+    w_gate_up: np.ndarray      # (2F, d)                rows: gate | up
+    w_down: np.ndarray         # (d, F)
+
+
+class LlamaWeights:
+    def __init__(self, config, mode, embed, output_norm, head, layers, freq_factors=None):
+        self.config, self.mode = config, mode
+        self.embed = embed                     # (V, d): float32 array (resident) or QuantMatrix (lean)
+        self.output_norm = output_norm
+        self.head = head                       # (V, d); the same object as embed when tied
+        self.layers = layers                   # list[LayerWeights] of arrays or QuantMatrix
+        self.freq_factors = freq_factors
+
+    @classmethod
+    def from_gguf(cls, gguf, config, mode: str = "resident") -> "LlamaWeights":
+        check_arch(config)
+        if mode not in ("resident", "lean"):
+            raise ValueError(f"weights mode must be 'resident' or 'lean', got {mode!r}")
+        c = config
+        hd, d = c.head_dim, c.d_model
+
+        def quant(name: str, shape: tuple[int, int], unpermute_heads: int = 0) -> QuantMatrix:
+            info = gguf.tensor(name)
+            if tuple(info.shape) != shape:
+                raise ValueError(f"tensor {name!r} has shape {tuple(info.shape)}, expected {shape}")
+            layout = quants.block_layout(info.ggml_type)
+            raw = info.data.reshape(shape[0], shape[1] // layout.block_size * layout.type_size)
+            if unpermute_heads:
+                raw = np.ascontiguousarray(interleaved_to_half(raw, unpermute_heads))
+            return QuantMatrix([(raw, info.ggml_type)], shape[1])
+
+        def fused(*mats: QuantMatrix) -> QuantMatrix:
+            return QuantMatrix([p for m in mats for p in m.parts], mats[0].cols)
+
+        def vector(name: str, n: int) -> np.ndarray:
+            v = gguf.dequantize(name)
+            if v.shape != (n,):
+                raise ValueError(f"tensor {name!r} has shape {v.shape}, expected ({n},)")
+            return v
+
+        realize = (lambda m: m.dequantize()) if mode == "resident" else (lambda m: m)
+        layers = []
+        for i in range(c.n_layers):
+            p = f"blk.{i}."
+            wqkv = fused(quant(p + "attn_q.weight", (c.n_heads * hd, d), c.n_heads),
+                         quant(p + "attn_k.weight", (c.n_kv_heads * hd, d), c.n_kv_heads),
+                         quant(p + "attn_v.weight", (c.n_kv_heads * hd, d)))
+            gate_up = fused(quant(p + "ffn_gate.weight", (c.ffn_dim, d)), quant(p + "ffn_up.weight", (c.ffn_dim, d)))
+            layers.append(LayerWeights(
+                attn_norm=vector(p + "attn_norm.weight", d), wqkv=realize(wqkv),
+                wo=realize(quant(p + "attn_output.weight", (d, c.n_heads * hd))),
+                ffn_norm=vector(p + "ffn_norm.weight", d), w_gate_up=realize(gate_up),
+                w_down=realize(quant(p + "ffn_down.weight", (d, c.ffn_dim)))))
+        embed = realize(quant("token_embd.weight", (c.vocab_size, d)))
+        head = embed if "output.weight" not in gguf.tensors else realize(quant("output.weight", (c.vocab_size, d)))
+        freq = gguf.dequantize("rope_freqs.weight") if "rope_freqs.weight" in gguf.tensors else None
+        return cls(config, mode, embed, vector("output_norm.weight", d), head, layers, freq)
+
+    @property
+    def nbytes(self) -> int:
+        mats = [self.embed] + ([] if self.head is self.embed else [self.head])
+        mats += [w for layer in self.layers for w in layer]
+        return sum(m.nbytes for m in mats) + self.output_norm.nbytes
+
+    def layer(self, i: int, scratch: dict | None = None) -> LayerWeights:
+        """Layer i as float32 arrays: stored ones (resident) or dequantized into ``scratch`` views (lean)."""
+        w = self.layers[i]
+        if self.mode == "resident":
+            return w
+        s = scratch or {}
+        return LayerWeights(w.attn_norm, w.wqkv.dequantize(s.get("wqkv")), w.wo.dequantize(s.get("wo")),
+                            w.ffn_norm, w.w_gate_up.dequantize(s.get("w_gate_up")),
+                            w.w_down.dequantize(s.get("w_down")))
+
+    def embed_rows(self, token_ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        out = np.empty((len(token_ids), self.config.d_model), np.float32) if out is None else out
+        if self.mode == "resident":
+            return np.take(self.embed, token_ids, axis=0, out=out)
+        return self.embed.rows(token_ids, out)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Model
+# ---------------------------------------------------------------------------------------------------------
+
+class LlamaModel:
+    def __init__(self, config, weights: LlamaWeights, flash_min_query: int = 128, flash_tile: int = 256,
+                 flash_q_tile: int = 128):
+        check_arch(config)
+        self.config, self.weights = config, weights
+        c = config
+        self.inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling_type, c.rope_scaling_factor,
+                                      c.rope_orig_context, freq_factors=weights.freq_factors)
+        self.scale = c.head_dim ** -0.5
+        # Prefills of at least flash_min_query tokens use tiled flash attention (bounded scratch);
+        # shorter ones (decode, small chunks) use one plain softmax over the whole context.
+        self.flash_min_query, self.flash_tile, self.flash_q_tile = flash_min_query, flash_tile, flash_q_tile
+
+    # --- the reference ------------------------------------------------------------------------------
+    def forward_reference(self, token_ids, positions=None) -> np.ndarray:
+        """Logits (T, V) for one whole sequence, recomputed from scratch: no cache, no fusion tricks."""
+        c, w = self.config, self.weights
+        token_ids = np.asarray(token_ids, dtype=np.int64)
+        T = len(token_ids)
+        positions = np.arange(T) if positions is None else np.asarray(positions, dtype=np.int64)
+        cos, sin = rope_cos_sin(positions, self.inv_freq)
+        nq, nk = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        x = w.embed_rows(token_ids)
+        for i in range(c.n_layers):
+            L = w.layer(i)
+            h = rms_norm(x, L.attn_norm, c.rms_eps)
+            qkv = h @ L.wqkv.T
+            q = apply_rope(qkv[:, :nq].reshape(T, c.n_heads, c.head_dim), cos, sin)
+            k = apply_rope(qkv[:, nq:nq + nk].reshape(T, c.n_kv_heads, c.head_dim), cos, sin)
+            v = qkv[:, nq + nk:].reshape(T, c.n_kv_heads, c.head_dim)
+            x = x + attention(q, k, v, offset=0).reshape(T, nq) @ L.wo.T
+            h = rms_norm(x, L.ffn_norm, c.rms_eps)
+            x = x + swiglu(h @ L.w_gate_up.T) @ L.w_down.T
+        head = w.head if w.mode == "resident" else w.head.dequantize()
+        return rms_norm(x, w.output_norm, c.rms_eps) @ head.T
+
+    # --- the fast path ------------------------------------------------------------------------------
+    def arena_specs(self, max_tokens: int, max_model_len: int, max_logits: int) -> list[ArenaSpec]:
+        """Every buffer ``forward`` needs, sized for the runner's limits."""
+        c = self.config
+        H, Hkv, hd, d = c.n_heads, c.n_kv_heads, c.head_dim, c.d_model
+        qkv = (H + 2 * Hkv) * hd
+        plain_scores = Hkv * (self.flash_min_query - 1) * (H // Hkv) * max_model_len
+        flash_scores = Hkv * self.flash_tile * self.flash_q_tile * (H // Hkv)
+        specs = [
+            spec("act.x", (max_tokens, d)), spec("act.xn", (max_tokens, d)),
+            spec("act.qkv", (max_tokens, qkv)), spec("act.q_rot", (max_tokens, H, hd)),
+            spec("act.k_rot", (max_tokens, Hkv, hd)), spec("act.rope_tmp", (max_tokens, H, hd // 2)),
+            spec("act.attn", (max_tokens, H, hd)), spec("act.proj", (max_tokens, d)),
+            spec("act.gate_up", (max_tokens, 2 * c.ffn_dim)), spec("act.ffn", (max_tokens, c.ffn_dim)),
+            spec("rope.table_cos", (max_model_len, hd // 2)), spec("rope.table_sin", (max_model_len, hd // 2)),
+            spec("rope.cos", (max_tokens, hd // 2)), spec("rope.sin", (max_tokens, hd // 2)),
+            spec("attn.k_ctx", (max_model_len, Hkv, hd)), spec("attn.v_ctx", (max_model_len, Hkv, hd)),
+            spec("attn.scores", (max(plain_scores, flash_scores),)),
+            spec("logits.x", (max_logits, d)), spec("logits.xn", (max_logits, d)),
+            spec("logits.out", (max_logits, c.vocab_size)),
+        ]
+        if self.weights.mode == "lean":
+            w0 = self.weights.layers[0]
+            specs += [spec(f"lean.{n}", getattr(w0, n).shape) for n in ("wqkv", "wo", "w_gate_up", "w_down")]
+            specs.append(spec("lean.head", (min(HEAD_CHUNK_ROWS, c.vocab_size), d)))
+        return specs
+
+    def prepare(self, arena: Arena) -> None:
+        """Fill the arena's RoPE tables (once: positions 0 .. max_model_len-1)."""
+        n = arena["rope.table_cos"].shape[0]
+        cos, sin = rope_cos_sin(np.arange(n), self.inv_freq)
+        arena["rope.table_cos"][...] = cos
+        arena["rope.table_sin"][...] = sin
+
+    def forward(self, batch, kv: PagedKVCache, arena: Arena) -> np.ndarray:
+        """Logits (len(batch.logits_indices), V): a view of arena["logits.out"], valid until the next call.
+
+        One GEMM per weight for all T tokens of the ragged batch; K/V of every token is written to its cache
+        slot, then each sequence attends over its own context through its block table.
+        """
+        c, w = self.config, self.weights
+        H, Hkv, hd = c.n_heads, c.n_kv_heads, c.head_dim
+        nq, nk = H * hd, Hkv * hd
+        T = len(batch.token_ids)
+        A = arena.views
+        x, xn, qkv, proj = A["act.x"][:T], A["act.xn"][:T], A["act.qkv"][:T], A["act.proj"][:T]
+        q_rot, k_rot, rope_tmp = A["act.q_rot"][:T], A["act.k_rot"][:T], A["act.rope_tmp"][:T]
+        attn, gate_up, ffn = A["act.attn"][:T], A["act.gate_up"][:T], A["act.ffn"][:T]
+        cos, sin = A["rope.cos"][:T], A["rope.sin"][:T]
+        k_ctx, v_ctx, scores = A["attn.k_ctx"], A["attn.v_ctx"], A["attn.scores"]
+        lean = {n: A[f"lean.{n}"] for n in ("wqkv", "wo", "w_gate_up", "w_down")} if w.mode == "lean" else None
+
+        # Per-batch metadata (O(T) small integers): cache slots of the new tokens and each sequence's context.
+        positions = np.asarray(batch.positions, dtype=np.int64)
+        np.take(A["rope.table_cos"], positions, axis=0, out=cos)
+        np.take(A["rope.table_sin"], positions, axis=0, out=sin)
+        seqs, slots, start = [], [], 0
+        for qlen, ctx, table in zip(batch.query_lens, batch.context_lens, batch.block_tables):
+            slots.append(slot_mapping(positions[start:start + qlen], table, kv.block_size))
+            seqs.append((start, start + qlen, ctx, ContextView(table, ctx, kv.block_size)))
+            start += qlen
+        slots = np.concatenate(slots) if slots else np.zeros(0, np.int64)
+
+        w.embed_rows(np.asarray(batch.token_ids, dtype=np.int64), out=x)
+        for i in range(c.n_layers):
+            L = w.layer(i, lean)
+            rms_norm(x, L.attn_norm, c.rms_eps, out=xn)
+            np.matmul(xn, L.wqkv.T, out=qkv)
+            apply_rope(qkv[:, :nq].reshape(T, H, hd), cos, sin, out=q_rot, tmp=rope_tmp)
+            apply_rope(qkv[:, nq:nq + nk].reshape(T, Hkv, hd), cos, sin, out=k_rot, tmp=rope_tmp[:, :Hkv])
+            kv.k_slots[i][slots] = k_rot
+            kv.v_slots[i][slots] = qkv[:, nq + nk:].reshape(T, Hkv, hd)
+            for a, b, ctx, view in seqs:
+                if b == a:
+                    continue
+                k, v = view.kv(kv, i, k_ctx, v_ctx)
+                if b - a >= self.flash_min_query:
+                    flash_attention(q_rot[a:b], k, v, offset=ctx - (b - a), scale=self.scale,
+                                    tile=self.flash_tile, q_tile=self.flash_q_tile, out=attn[a:b], scratch=scores)
+                else:
+                    grouped_attention(q_rot[a:b], k, v, offset=ctx - (b - a), scale=self.scale, out=attn[a:b],
+                                      scratch=scores)
+            np.matmul(attn.reshape(T, nq), L.wo.T, out=proj)
+            x += proj
+            rms_norm(x, L.ffn_norm, c.rms_eps, out=xn)
+            np.matmul(xn, L.w_gate_up.T, out=gate_up)
+            swiglu(gate_up, out=ffn)
+            np.matmul(ffn, L.w_down.T, out=proj)
+            x += proj
+
+        idx = np.asarray(batch.logits_indices, dtype=np.int64)
+        n = len(idx)
+        if n > A["logits.out"].shape[0]:
+            raise ValueError(f"{n} logits rows requested, the runner was built for at most "
+                             f"{A['logits.out'].shape[0]} (max_logits)")
+        hx, hxn, logits = A["logits.x"][:n], A["logits.xn"][:n], A["logits.out"][:n]
+        np.take(x, idx, axis=0, out=hx)
+        rms_norm(hx, w.output_norm, c.rms_eps, out=hxn)
+        self._lm_head(hxn, logits, A)
+        return logits
+
+    def _lm_head(self, h: np.ndarray, out: np.ndarray, A: dict) -> None:
+        head = self.weights.head
+        if self.weights.mode == "resident":
+            np.matmul(h, head.T, out=out)
+            return
+        chunk = A["lean.head"]
+        (raw, t), = head.parts
+        for r0 in range(0, head.shape[0], chunk.shape[0]):
+            r1 = min(head.shape[0], r0 + chunk.shape[0])
+            dequantize_into(raw[r0:r1], t, chunk[:r1 - r0])
+            np.matmul(h, chunk[:r1 - r0].T, out=out[:, r0:r1])

@@ -1,0 +1,176 @@
+"""S04 `SamplingParams`: how one request wants its next tokens chosen (vLLM names and defaults).
+
+Everything is checked at construction, so a bad value fails with a `ValueError` naming the parameter
+before any model work happens. The one check that needs the model (token ids inside the vocabulary)
+is `validate_for_vocab`, called by the engine when the request is added.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, fields
+
+# Below this temperature sampling is greedy (argmax): dividing by ~0 only overflows.
+GREEDY_EPS = 1e-5
+# OpenAI's bounds for logit_bias values; +-100 already bans or forces a token.
+MAX_LOGIT_BIAS = 100.0
+
+
+def _number(name: str, value, *, integer: bool = False):
+    """`value` as a Python int/float, or ValueError naming `name` (bools and strings are not numbers)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        kind = "an integer" if integer else "a number"
+        raise ValueError(f"{name} must be {kind}, got {value!r}")
+    if integer:
+        if isinstance(value, numbers.Integral):
+            return int(value)
+        if float(value).is_integer():
+            return int(value)
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return value
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1                    # -1 or 0: off
+    min_p: float = 0.0
+    max_tokens: int | None = 16        # None: until the context (max_model_len) is full
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: int | None = None        # top-n raw logprobs per generated token (0: only the sampled one)
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        self.n = _number("n", self.n, integer=True)
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+        self.temperature = _number("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        self.top_p = _number("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        self.top_k = _number("top_k", self.top_k, integer=True)
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disable), 0 (disable) or positive, got {self.top_k}")
+        self.min_p = _number("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.max_tokens is not None:
+            self.max_tokens = _number("max_tokens", self.max_tokens, integer=True)
+            if self.max_tokens <= 0:
+                raise ValueError(f"max_tokens must be at least 1 (or None), got {self.max_tokens}")
+        self.repetition_penalty = _number("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _number(name, getattr(self, name))
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+            setattr(self, name, value)
+        if self.seed is not None:
+            self.seed = _number("seed", self.seed, integer=True)
+            if self.seed < 0:
+                raise ValueError(f"seed must be a non-negative integer, got {self.seed}")
+        if self.logprobs is not None:
+            self.logprobs = _number("logprobs", self.logprobs, integer=True)
+            if self.logprobs < 0:
+                raise ValueError(f"logprobs must be a non-negative integer (or None), got {self.logprobs}")
+        self.stop = self._stop_strings(self.stop)
+        self.stop_token_ids = self._token_ids("stop_token_ids", self.stop_token_ids)
+        self.logit_bias = self._logit_bias(self.logit_bias)
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    # --- normalisation of the container-valued parameters -------------------------------------
+    @staticmethod
+    def _stop_strings(stop) -> list[str]:
+        if stop is None:
+            return []
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+        if any(s == "" for s in stop):
+            raise ValueError("stop must not contain the empty string")
+        return list(dict.fromkeys(stop))      # drop duplicates, keep order
+
+    @staticmethod
+    def _token_ids(name: str, ids) -> list[int]:
+        if ids is None:
+            return []
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+            raise ValueError(f"{name} must be a list of token ids, got {ids!r}")
+        out = [_number(name, i, integer=True) for i in ids]
+        if any(i < 0 for i in out):
+            raise ValueError(f"{name} must contain non-negative token ids, got {ids!r}")
+        return out
+
+    @staticmethod
+    def _logit_bias(bias) -> dict[int, float]:
+        if bias is None:
+            return {}
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must be a dict token id -> bias, got {bias!r}")
+        out: dict[int, float] = {}
+        for key, value in bias.items():
+            # JSON objects (OpenAI API) have string keys: "50256": -100.
+            if isinstance(key, str):
+                if not key.strip().lstrip("-").isdigit():
+                    raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+                key = int(key)
+            key = _number("logit_bias token id", key, integer=True)
+            if key < 0:
+                raise ValueError(f"logit_bias token id must be non-negative, got {key}")
+            value = _number(f"logit_bias[{key}]", value)
+            if abs(value) > MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias[{key}] must be in [-100, 100], got {value}")
+            out[key] = value
+        return out
+
+    # --- derived facts ------------------------------------------------------------------------
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0 (below 1e-5) means argmax: no randomness, no temperature division."""
+        return self.temperature < GREEDY_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+    @property
+    def max_stop_len(self) -> int:
+        return max((len(s) for s in self.stop), default=0)
+
+    def validate_for_vocab(self, vocab_size: int) -> None:
+        """Check the token ids this request names against the model's vocabulary (the engine calls
+        this in add_request). ValueError names the parameter and the offending id."""
+        for tid in self.logit_bias:
+            if tid >= vocab_size:
+                raise ValueError(f"logit_bias token id {tid} is out of range for vocab size {vocab_size}")
+        for tid in self.stop_token_ids:
+            if tid >= vocab_size:
+                raise ValueError(f"stop_token_ids contains {tid}, out of range for vocab size {vocab_size}")
+        if self.logprobs is not None and self.logprobs > vocab_size:
+            raise ValueError(f"logprobs={self.logprobs} exceeds the vocab size {vocab_size}")
+
+    def clone(self, **changes) -> "SamplingParams":
+        """A validated copy with some fields replaced (e.g. per-choice seeds for n > 1)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(changes)
+        return SamplingParams(**values)

@@ -1,0 +1,63 @@
+"""S19/S20 Prometheus metrics of one server: latency histograms, engine gauges, token counters.
+
+Each app gets its own `CollectorRegistry` (never the process-global one), so tests and benchmarks can
+build several apps in one process. Names follow vLLM's, with a `pyengine_` prefix.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+
+
+def _hit_rate(stats: dict) -> float | None:
+    """The engine's prefix-cache hit rate, whatever its exact key (a 0..1 number)."""
+    for key in ("prefix_cache_hit_rate", "prefix_hit_rate", "cache_hit_rate"):
+        if isinstance(stats.get(key), (int, float)):
+            return float(stats[key])
+    for key, value in stats.items():
+        if "hit" in key and "rate" in key and isinstance(value, (int, float)):
+            return float(value)
+    return None
+
+
+class ServerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        r = self.registry = registry if registry is not None else CollectorRegistry()
+        p = "pyengine_"
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "Time from request arrival to its first token",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram(p + "inter_token_latency_seconds", "Time between consecutive tokens of a choice",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(p + "e2e_request_latency_seconds", "Time from request arrival to its last token",
+                             buckets=E2E_BUCKETS, registry=r)
+        self.running = Gauge(p + "num_requests_running", "Sequences in the engine's running batch", registry=r)
+        self.waiting = Gauge(p + "num_requests_waiting", "Sequences waiting for admission", registry=r)
+        self.kv_blocks_used = Gauge(p + "kv_cache_used_blocks", "KV-cache blocks in use", registry=r)
+        self.prefix_hit_rate = Gauge(p + "prefix_cache_hit_rate", "Prefix-cache hit rate (0..1) so far",
+                                     registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of finished requests (as in usage)",
+                                     registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens", "Generated tokens (as in usage)", registry=r)
+        self.requests = Counter(p + "request_success", "Finished choices by finish reason",
+                                ["finish_reason"], registry=r)
+        self.errors = Counter(p + "request_errors", "Requests answered with an error, by HTTP status",
+                              ["status"], registry=r)
+
+    def observe_engine(self, engine) -> None:
+        """Refresh the gauges from the engine (called by the engine loop between steps)."""
+        stats = engine.stats() or {}
+        if "running" in stats:
+            self.running.set(stats["running"])
+        if "waiting" in stats:
+            self.waiting.set(stats["waiting"])
+        self.kv_blocks_used.set(engine.num_used_blocks())
+        rate = _hit_rate(stats)
+        if rate is not None:
+            self.prefix_hit_rate.set(rate)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

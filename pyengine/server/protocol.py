@@ -1,0 +1,459 @@
+"""S19 The OpenAI wire format: request bodies in, `SamplingParams` out; engine outputs in, OpenAI JSON out.
+
+Everything here is plain functions over dicts so it can be read (and tested) without a server. Bad input
+raises `APIError` carrying the HTTP status and the OpenAI error body, naming the offending parameter.
+"""
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from pyengine.sampling_params import SamplingParams
+
+MAX_N = 32                  # choices per request: each one is a sequence in the batch
+MAX_STOP = 16
+MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS_ENTRIES = 300
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # OpenAI's legacy default; chat defaults to "rest of the context"
+
+
+class APIError(Exception):
+    """An error the client caused (or a server failure), already in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_param(param: str, message: str) -> APIError:
+    return APIError(400, message, param=param, code="invalid_value")
+
+
+# --- field readers: each names its parameter in the error -------------------------------------
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _float(body: dict, name: str, lo: float, hi: float, *, lo_open: bool = False):
+    v = body.get(name)
+    if v is None:
+        return None
+    if not _is_number(v) or not math.isfinite(v):
+        raise bad_param(name, f"{name} must be a number, got {v!r}")
+    if v < lo or v > hi or (lo_open and v == lo):
+        lo_s = f"({lo}" if lo_open else f"[{lo}"
+        raise bad_param(name, f"{name} must be in {lo_s}, {hi}], got {v}")
+    return float(v)
+
+
+def _int(body: dict, name: str, lo: int, hi: int | None = None):
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise bad_param(name, f"{name} must be an integer, got {v!r}")
+    if v < lo or (hi is not None and v > hi):
+        rng = f"at least {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise bad_param(name, f"{name} must be {rng}, got {v}")
+    return v
+
+
+def _bool(body: dict, name: str, default: bool = False) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad_param(name, f"{name} must be a boolean, got {v!r}")
+    return v
+
+
+def _stop(body: dict):
+    v = body.get("stop")
+    if v is None:
+        return None
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise bad_param("stop", "stop must be a string or a list of strings")
+    if len(v) > MAX_STOP:
+        raise bad_param("stop", f"stop may hold at most {MAX_STOP} strings, got {len(v)}")
+    if any(s == "" for s in v):
+        raise bad_param("stop", "stop strings must not be empty")
+    return v
+
+
+def _logit_bias(body: dict, vocab_size: int):
+    v = body.get("logit_bias")
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise bad_param("logit_bias", "logit_bias must be an object mapping token ids to biases")
+    if len(v) > MAX_LOGIT_BIAS_ENTRIES:
+        raise bad_param("logit_bias", f"logit_bias may hold at most {MAX_LOGIT_BIAS_ENTRIES} entries")
+    out: dict[int, float] = {}
+    for key, bias in v.items():
+        try:
+            tid = int(key)  # JSON keys are strings: {"50256": -100}
+        except ValueError:
+            raise bad_param("logit_bias", f"logit_bias key {key!r} is not a token id") from None
+        if not 0 <= tid < vocab_size:
+            raise bad_param("logit_bias", f"logit_bias token id {tid} is outside the vocabulary [0, {vocab_size})")
+        if not _is_number(bias) or not -100 <= bias <= 100:
+            raise bad_param("logit_bias", f"logit_bias[{key}] must be a number in [-100, 100], got {bias!r}")
+        out[tid] = float(bias)
+    return out
+
+
+def param_named_in(message: str, candidates) -> str | None:
+    """SamplingParams' ValueError starts with the parameter's name; find it for the error body."""
+    for name in sorted(candidates, key=len, reverse=True):
+        if message.startswith(name) or f" {name}" in message:
+            return name
+    return None
+
+
+# --- parsed requests ----------------------------------------------------------------------------
+@dataclass
+class ParsedRequest:
+    kind: str                       # "chat" | "completion"
+    model: str | None
+    prompts: list[list[int]]        # token ids per prompt (completions may send several)
+    prompt_texts: list[str | None]  # for echo
+    params: SamplingParams          # with the client's n: the engine runs n sequences per prompt
+    n: int
+    stream: bool
+    include_usage: bool
+    logprobs: int | None            # top-k alternatives per token (0: only the sampled token); None: off
+    echo: bool = False
+    user: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def _common(body: dict, kind: str, vocab_size: int) -> dict:
+    """Sampling fields shared by both endpoints, validated with OpenAI's ranges and names."""
+    n = _int(body, "n", 1, MAX_N)
+    best_of = _int(body, "best_of", 1, MAX_N)
+    if best_of is not None and best_of != (n or 1):
+        raise bad_param("best_of", "best_of other than n is not supported")
+    max_completion = _int(body, "max_completion_tokens", 1)
+    max_tokens = _int(body, "max_tokens", 1)
+    seed = _int(body, "seed", -(1 << 63), (1 << 64) - 1)
+    for unsupported in ("tools", "functions", "suffix"):
+        if body.get(unsupported):
+            raise bad_param(unsupported, f"{unsupported} is not supported by this server")
+    rf = body.get("response_format")
+    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
+        raise bad_param("response_format", "only response_format {\"type\": \"text\"} is supported")
+    top_k = _int(body, "top_k", -1)
+    kw = dict(
+        n=n or 1,
+        temperature=_float(body, "temperature", 0.0, 2.0),
+        top_p=_float(body, "top_p", 0.0, 1.0, lo_open=True),
+        top_k=top_k,
+        min_p=_float(body, "min_p", 0.0, 1.0),
+        max_tokens=max_completion if max_completion is not None else max_tokens,
+        stop=_stop(body),
+        seed=None if seed is None else seed % (1 << 63),  # numpy wants a non-negative seed
+        presence_penalty=_float(body, "presence_penalty", -2.0, 2.0),
+        frequency_penalty=_float(body, "frequency_penalty", -2.0, 2.0),
+        repetition_penalty=_float(body, "repetition_penalty", 0.0, 10.0, lo_open=True),
+        logit_bias=_logit_bias(body, vocab_size),
+        ignore_eos=_bool(body, "ignore_eos"),
+        include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
+        skip_special_tokens=_bool(body, "skip_special_tokens", True),
+    )
+    stream = _bool(body, "stream")
+    so = body.get("stream_options")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise bad_param("stream_options", "stream_options must be an object")
+        if not stream:
+            raise bad_param("stream_options", "stream_options is only allowed when stream is true")
+    include_usage = bool(so and _bool(so, "include_usage"))
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise bad_param("user", "user must be a string")
+    return dict(kw=kw, n=n or 1, stream=stream, include_usage=include_usage, user=user)
+
+
+def _make_params(kw: dict) -> SamplingParams:
+    # max_tokens stays None when absent: _fit_context fills it once the prompt length is known.
+    given = {k: v for k, v in kw.items() if v is not None or k == "max_tokens"}
+    try:
+        return SamplingParams(**given)
+    except ValueError as exc:  # a rule the server did not pre-check: pass SamplingParams' words on
+        raise bad_param(param_named_in(str(exc), given) or "", str(exc)) from None
+
+
+def _check_model(body: dict) -> str | None:
+    m = body.get("model")
+    if m is not None and not isinstance(m, str):
+        raise bad_param("model", "model must be a string")
+    return m
+
+
+def _messages(body: dict) -> list[dict]:
+    msgs = body.get("messages")
+    if msgs is None:
+        raise APIError(400, "messages is required", param="messages", code="missing_required_parameter")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad_param("messages", "messages must be a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(msgs):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad_param("messages", f"{where} must be an object")
+        role = m.get("role")
+        if role not in ("system", "developer", "user", "assistant", "tool"):
+            raise bad_param("messages", f"{where}.role must be system, developer, user, assistant or tool, "
+                                        f"got {role!r}")
+        content = m.get("content")
+        if content is None and role == "assistant":
+            content = ""
+        if isinstance(content, list):  # content parts: only text parts are meaningful to this model
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad_param("messages", f"{where}.content parts must be {{\"type\": \"text\", \"text\": str}}")
+                texts.append(part["text"])
+            content = "".join(texts)
+        if not isinstance(content, str):
+            raise bad_param("messages", f"{where}.content must be a string or a list of text parts")
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return out
+
+
+def _check_ids(ids: list, vocab_size: int, where: str) -> list[int]:
+    if not ids:
+        raise bad_param("prompt", f"{where} must not be empty")
+    for t in ids:
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+            raise bad_param("prompt", f"{where} holds {t!r}, not a token id in [0, {vocab_size})")
+    return list(ids)
+
+
+def _fit_context(params: SamplingParams, prompt_lens: list[int], max_model_len: int, default_max: int | None,
+                 param: str) -> SamplingParams:
+    """OpenAI-style context checks naming both lengths; fills max_tokens when the client left it out."""
+    longest = max(prompt_lens)
+    if longest >= max_model_len:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, your "
+                            f"prompt has {longest} tokens; no room is left for the completion.",
+                       param=param, code="context_length_exceeded")
+    room = max_model_len - longest
+    if params.max_tokens is None:
+        want = room if default_max is None else min(default_max, room)
+        return params.clone(max_tokens=want)
+    if longest + params.max_tokens > max_model_len:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
+                            f"requested {longest + params.max_tokens} tokens ({longest} in the prompt, "
+                            f"{params.max_tokens} for the completion).",
+                       param="max_tokens", code="context_length_exceeded")
+    return params
+
+
+def _finish(kind, body, common, prompts, prompt_texts, tokenizer, max_model_len, logprobs, echo, param):
+    params = _make_params(common["kw"])
+    default_max = COMPLETIONS_DEFAULT_MAX_TOKENS if kind == "completion" else None
+    params = _fit_context(params, [len(p) for p in prompts], max_model_len, default_max, param)
+    if logprobs is not None:
+        params = params.clone(logprobs=logprobs)
+    return ParsedRequest(kind=kind, model=_check_model(body), prompts=prompts, prompt_texts=prompt_texts,
+                         params=params, n=common["n"], stream=common["stream"],
+                         include_usage=common["include_usage"], logprobs=logprobs, echo=echo,
+                         user=common["user"])
+
+
+def parse_chat(body: dict, tokenizer, max_model_len: int) -> ParsedRequest:
+    """POST /v1/chat/completions body -> ParsedRequest (prompt rendered with the model's chat template)."""
+    _check_model(body)
+    messages = _messages(body)
+    common = _common(body, "chat", tokenizer.vocab_size)
+    logprobs = None
+    if _bool(body, "logprobs"):
+        logprobs = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
+    elif body.get("top_logprobs") is not None:
+        _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+        raise bad_param("top_logprobs", "top_logprobs requires logprobs: true")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer.encode(text, add_special_tokens=False, parse_special=True)
+    return _finish("chat", body, common, [ids], [text], tokenizer, max_model_len, logprobs, False, "messages")
+
+
+def parse_completion(body: dict, tokenizer, max_model_len: int) -> ParsedRequest:
+    """POST /v1/completions body -> ParsedRequest. prompt: str, [str], [int] or [[int]]."""
+    vocab = tokenizer.vocab_size
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise APIError(400, "prompt is required", param="prompt", code="missing_required_parameter")
+    common = _common(body, "completion", vocab)
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise bad_param("prompt", "prompt must be a string, a list of strings, a list of token ids "
+                                  "or a list of token id lists")
+    prompts: list[list[int]] = []
+    texts: list[str | None] = []
+    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        prompts.append(_check_ids(prompt, vocab, "prompt"))
+        texts.append(None)
+    else:
+        for i, p in enumerate(prompt):
+            if isinstance(p, str):
+                ids = tokenizer.encode(p, add_special_tokens=True, parse_special=True)
+                if not ids:
+                    raise bad_param("prompt", f"prompt[{i}] encodes to no tokens")
+                prompts.append(ids)
+                texts.append(p)
+            elif isinstance(p, list):
+                prompts.append(_check_ids(p, vocab, f"prompt[{i}]"))
+                texts.append(None)
+            else:
+                raise bad_param("prompt", f"prompt[{i}] must be a string or a list of token ids")
+    if len(prompts) * common["n"] > MAX_N:
+        raise bad_param("n", f"prompts x n must be at most {MAX_N}, got {len(prompts) * common['n']}")
+    logprobs = _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+    echo = _bool(body, "echo")
+    if echo and logprobs is not None:
+        raise bad_param("echo", "echo with logprobs (prompt logprobs) is not supported")
+    if echo:
+        texts = [t if t is not None else tokenizer.decode(ids) for t, ids in zip(texts, prompts)]
+    return _finish("completion", body, common, prompts, texts, tokenizer, max_model_len, logprobs, echo, "prompt")
+
+
+# --- responses ------------------------------------------------------------------------------------
+def new_id(kind: str) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _lp_value(v) -> float:
+    """An engine logprob entry may be a float or an object with `.logprob` (vLLM's Logprob)."""
+    return float(getattr(v, "logprob", v))
+
+
+def split_logprob_entry(entry, token_id: int) -> tuple[float, list[tuple[int, float]]]:
+    """One generated token's logprob record -> (sampled token's logprob, top alternatives best first).
+
+    Accepted shapes: {token_id: logprob-or-Logprob} (vLLM: sampled token plus the top-k), or a dict
+    with keys "logprob" and "top_logprobs" / "top" (a list of (id, logprob) or {id: logprob})."""
+    if isinstance(entry, dict) and "logprob" in entry:
+        top = entry.get("top_logprobs", entry.get("top")) or []
+        if isinstance(top, dict):
+            top = list(top.items())
+        pairs = [(int(i), _lp_value(v)) for i, v in top]
+        return _lp_value(entry["logprob"]), sorted(pairs, key=lambda p: -p[1])
+    if isinstance(entry, dict):
+        pairs = [(int(i), _lp_value(v)) for i, v in entry.items()]
+        ranked = sorted(pairs, key=lambda p: -p[1])
+        sampled = dict(pairs).get(int(token_id), float("nan"))
+        return sampled, ranked
+    if isinstance(entry, (tuple, list)) and len(entry) == 2:
+        return _lp_value(entry[0]), sorted([(int(i), _lp_value(v)) for i, v in entry[1]], key=lambda p: -p[1])
+    return _lp_value(entry), []
+
+
+def _token_text(tokenizer, tid: int) -> tuple[str, list[int]]:
+    raw = tokenizer.token_bytes(tid)
+    return raw.decode("utf-8", errors="replace"), list(raw)
+
+
+def _safe_lp(x: float) -> float:
+    # JSON has no -inf; OpenAI clamps to a very negative number.
+    return x if math.isfinite(x) else -9999.0
+
+
+def chat_logprobs(tokenizer, token_ids: list[int], entries: list, k: int) -> dict:
+    content = []
+    for tid, entry in zip(token_ids, entries):
+        lp, top = split_logprob_entry(entry, tid)
+        tok, raw = _token_text(tokenizer, tid)
+        alts = []
+        for aid, alp in top[:k]:
+            atok, araw = _token_text(tokenizer, aid)
+            alts.append({"token": atok, "logprob": _safe_lp(alp), "bytes": araw})
+        content.append({"token": tok, "logprob": _safe_lp(lp), "bytes": raw, "top_logprobs": alts})
+    return {"content": content}
+
+
+def completion_logprobs(tokenizer, token_ids: list[int], entries: list, k: int, text_offset: int) -> dict:
+    tokens, token_lps, tops, offsets = [], [], [], []
+    pos = text_offset
+    for tid, entry in zip(token_ids, entries):
+        lp, top = split_logprob_entry(entry, tid)
+        tok, _ = _token_text(tokenizer, tid)
+        tokens.append(tok)
+        token_lps.append(_safe_lp(lp))
+        alts: dict[str, float] = {}
+        for aid, alp in top[:k]:
+            alts.setdefault(_token_text(tokenizer, aid)[0], _safe_lp(alp))
+        tops.append(alts if k else None)
+        offsets.append(pos)
+        pos += len(tok)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_response(rid: str, created: int, model: str, choices: list[dict], use: dict) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+            "system_fingerprint": None, "choices": choices, "usage": use}
+
+
+def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text, "refusal": None},
+            "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_chunk(rid: str, created: int, model: str, choices: list[dict], with_usage: bool) -> dict:
+    out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+           "system_fingerprint": None, "choices": choices}
+    if with_usage:
+        out["usage"] = None
+    return out
+
+
+def chat_delta(index: int, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_response(rid: str, created: int, model: str, choices: list[dict], use: dict) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "system_fingerprint": None, "choices": choices, "usage": use}
+
+
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_chunk(rid: str, created: int, model: str, choices: list[dict], with_usage: bool) -> dict:
+    out = {"id": rid, "object": "text_completion", "created": created, "model": model,
+           "system_fingerprint": None, "choices": choices}
+    if with_usage:
+        out["usage"] = None
+    return out
+
+
+def openai_finish_reason(reason: str | None) -> str | None:
+    # The engine's "abort" only reaches a client on shutdown; OpenAI has no such value, "stop" is closest.
+    return {"abort": "stop"}.get(reason, reason)

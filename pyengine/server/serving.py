@@ -1,0 +1,230 @@
+"""S19 One API request as engine requests: choices, per-token updates, OpenAI bodies.
+
+A request with P prompts (completions may send several) becomes P engine requests `<api id>-<p>`, each
+with the client's n (the engine runs n sequences sharing the prompt's KV blocks). Choice numbers follow
+OpenAI: choice = p * n + i. All report to one asyncio.Queue; `Generation` turns their cumulative
+`RequestOutput`s into per-choice updates (new text, new token ids, new logprobs), times them for the
+metrics, and aborts whatever still runs when it is closed early.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from pyengine.server import protocol as P
+from pyengine.server.engine_loop import Aborted, EngineFailure, EngineLoop
+from pyengine.server.streaming import DONE, sse
+
+
+def is_overloaded(exc: BaseException) -> bool:
+    """The engine's EngineOverloaded (bounded waiting queue full), recognised by name so the server
+    does not import the engine module just to catch it."""
+    return any(c.__name__ == "EngineOverloaded" for c in type(exc).__mro__)
+
+
+def engine_error(exc: Exception) -> P.APIError:
+    if is_overloaded(exc):
+        return P.APIError(429, f"The server is overloaded: {exc}. Retry later.", type="rate_limit_exceeded",
+                          code="engine_overloaded", headers={"retry-after": "1"})
+    if isinstance(exc, ValueError):
+        return P.APIError(400, str(exc), param=P.param_named_in(str(exc), ("prompt", "max_tokens", "logit_bias",
+                                                                            "stop_token_ids", "logprobs")))
+    return P.APIError(500, f"engine error: {exc!r}", type="server_error", code="engine_error")
+
+
+@dataclass
+class Update:
+    choice: int
+    delta: str
+    token_ids: list[int]
+    logprobs: list | None
+    finish_reason: str | None
+
+
+class Generation:
+    def __init__(self, loop: EngineLoop, metrics, parsed: P.ParsedRequest, api_id: str, arrival: float):
+        self.loop, self.metrics, self.parsed, self.api_id, self.arrival = loop, metrics, parsed, api_id, arrival
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.prompt_of = {f"{api_id}-{p}": p for p in range(len(parsed.prompts))}
+        self.pending: set[str] = set()
+        n_choices = len(parsed.prompts) * parsed.n
+        self.tokens = [0] * n_choices          # tokens seen per choice
+        self.texts = [""] * n_choices          # cumulative text per choice
+        self.finish: list[str | None] = [None] * n_choices
+        self.last_token_at = [0.0] * n_choices
+        self.first_token_at: float | None = None
+        self.failure: BaseException | None = None
+        self.closed = False
+
+    @property
+    def n_choices(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.parsed.prompts)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(self.tokens)
+
+    async def start(self) -> None:
+        """Add every prompt to the engine; on any refusal, withdraw the ones already added."""
+        try:
+            for rid, p in self.prompt_of.items():
+                prompt = {"prompt_token_ids": self.parsed.prompts[p]}
+                await self.loop.add_request(rid, prompt, self.parsed.params, self.queue)
+                self.pending.add(rid)
+        except Exception as exc:
+            self.abort()
+            self.closed = True
+            raise engine_error(exc) from exc
+
+    def abort(self) -> None:
+        for rid in list(self.pending):
+            self.loop.abort(rid)
+
+    async def updates(self) -> AsyncIterator[Update]:
+        n = self.parsed.n
+        while self.pending:
+            item = await self.queue.get()
+            rid = item.request_id
+            if rid not in self.pending:
+                continue
+            p = self.prompt_of[rid]
+            if isinstance(item, (Aborted, EngineFailure)):
+                self.pending.discard(rid)
+                for c in range(p * n, p * n + n):
+                    self.finish[c] = self.finish[c] or "abort"
+                if isinstance(item, EngineFailure):
+                    self.failure = item.exc
+                continue
+            if item.finished:
+                self.pending.discard(rid)
+            for comp in item.outputs:
+                c = p * n + comp.index
+                if self.finish[c] is not None:
+                    continue
+                new_ids = list(comp.token_ids[self.tokens[c]:])
+                delta = getattr(comp, "delta_text", None)
+                if delta is None:
+                    delta = comp.text[len(self.texts[c]):]
+                if not new_ids and not delta and comp.finish_reason is None:
+                    continue  # a sibling choice moved, not this one
+                self.texts[c] += delta
+                lps = None
+                if self.parsed.logprobs is not None and comp.logprobs is not None:
+                    lps = list(comp.logprobs[self.tokens[c]:self.tokens[c] + len(new_ids)])
+                if new_ids:
+                    self._time_tokens(c, len(new_ids))
+                self.tokens[c] += len(new_ids)
+                reason = comp.finish_reason or ("stop" if item.finished else None)
+                self.finish[c] = reason
+                yield Update(c, delta, new_ids, lps, reason)
+
+    def _time_tokens(self, c: int, count: int) -> None:
+        # TTFT is per request (its first token of any choice); ITL per choice, spread over the tokens
+        # that arrived together.
+        t = time.perf_counter()
+        if self.first_token_at is None:
+            self.first_token_at = t
+            if self.metrics:
+                self.metrics.ttft.observe(t - self.arrival)
+        elif self.last_token_at[c] and self.metrics:
+            gap = (t - self.last_token_at[c]) / count
+            for _ in range(count):
+                self.metrics.itl.observe(gap)
+        self.last_token_at[c] = t
+
+    def close(self) -> None:
+        """Abort what still runs and account the request in the metrics (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.abort()
+        if not self.metrics:
+            return
+        m = self.metrics
+        m.prompt_tokens.inc(self.prompt_tokens)
+        m.generation_tokens.inc(self.completion_tokens)
+        for reason in self.finish:
+            m.requests.labels(finish_reason=reason or "abort").inc()
+        if self.failure is None and all(r not in (None, "abort") for r in self.finish):
+            m.e2e.observe(time.perf_counter() - self.arrival)
+        if self.failure is not None:
+            m.errors.labels(status="500").inc()
+
+
+def _failure_error(gen: Generation) -> P.APIError:
+    return P.APIError(500, f"engine error: {gen.failure!r}", type="server_error", code="engine_error")
+
+
+# --- non-streaming ---------------------------------------------------------------------------------
+async def collect(gen: Generation, tokenizer, model_id: str, created: int) -> dict:
+    p = gen.parsed
+    ids: list[list[int]] = [[] for _ in range(gen.n_choices)]
+    lps: list[list] = [[] for _ in range(gen.n_choices)]
+    async for u in gen.updates():
+        ids[u.choice] += u.token_ids
+        if u.logprobs:
+            lps[u.choice] += u.logprobs
+    if gen.failure is not None:
+        raise _failure_error(gen)
+    use = P.usage(gen.prompt_tokens, gen.completion_tokens)
+    choices = []
+    for c in range(gen.n_choices):
+        reason = P.openai_finish_reason(gen.finish[c])
+        if p.kind == "chat":
+            lp = P.chat_logprobs(tokenizer, ids[c], lps[c], p.logprobs) if p.logprobs is not None else None
+            choices.append(P.chat_choice(c, gen.texts[c], reason, lp))
+        else:
+            prefix = p.prompt_texts[c // p.n] if p.echo else ""
+            lp = (P.completion_logprobs(tokenizer, ids[c], lps[c], p.logprobs, 0)
+                  if p.logprobs is not None else None)
+            choices.append(P.completion_choice(c, prefix + gen.texts[c], reason, lp))
+    build = P.chat_response if p.kind == "chat" else P.completion_response
+    return build(gen.api_id, created, model_id, choices, use)
+
+
+# --- streaming -------------------------------------------------------------------------------------
+async def stream(gen: Generation, tokenizer, model_id: str, created: int) -> AsyncIterator[bytes]:
+    """SSE events: one chunk per update that carries text or logprobs, a finish chunk per choice,
+    optionally a usage chunk, then [DONE]."""
+    p = gen.parsed
+    chat = p.kind == "chat"
+    chunk = P.chat_chunk if chat else P.completion_chunk
+    offsets = [0] * gen.n_choices
+
+    def event(choices: list[dict]) -> bytes:
+        return sse(chunk(gen.api_id, created, model_id, choices, p.include_usage))
+
+    if chat:
+        for c in range(gen.n_choices):
+            yield event([P.chat_delta(c, {"role": "assistant", "content": ""})])
+    elif p.echo:
+        for c in range(gen.n_choices):
+            text = p.prompt_texts[c // p.n]
+            offsets[c] = len(text)
+            yield event([P.completion_choice(c, text, None, None)])
+    async for u in gen.updates():
+        reason = P.openai_finish_reason(u.finish_reason)
+        if not (u.delta or u.logprobs or reason):
+            continue
+        if chat:
+            lp = P.chat_logprobs(tokenizer, u.token_ids, u.logprobs or [], p.logprobs) if u.logprobs else None
+            delta = {"content": u.delta} if u.delta or not reason else {}
+            yield event([P.chat_delta(u.choice, delta, reason, lp)])
+        else:
+            lp = (P.completion_logprobs(tokenizer, u.token_ids, u.logprobs, p.logprobs, offsets[u.choice])
+                  if u.logprobs else None)
+            offsets[u.choice] += len(u.delta)
+            yield event([P.completion_choice(u.choice, u.delta, reason, lp)])
+    if gen.failure is not None:
+        yield sse(_failure_error(gen).body())
+    elif p.include_usage:
+        final = chunk(gen.api_id, created, model_id, [], False)
+        final["usage"] = P.usage(gen.prompt_tokens, gen.completion_tokens)
+        yield sse(final)
+    yield DONE

@@ -1,0 +1,164 @@
+"""Pre-tokenizers: cut text into the pieces BPE merges inside of (S02).
+
+Byte-level BPE never merges across a piece boundary, so the split decides a lot: GPT-2 keeps a leading
+space on words (" world"), Llama-3 caps numbers at three digits, SmolLM2 puts every digit on its own.
+The reference regexes use Unicode properties (``\\p{L}`` letters, ``\\p{N}`` numbers) that Python's
+``re`` lacks, so we build those classes from ``unicodedata`` once, on first use, and splice them into
+ordinary ``re`` patterns. ``\\s`` is Oniguruma's (the engine behind HF tokenizers): the Unicode
+White_Space property, which differs from Python's ``\\s`` on U+001C..U+001F.
+"""
+from __future__ import annotations
+
+import functools
+import re
+import unicodedata
+
+# Unicode White_Space (what Oniguruma's \s matches); Python's str.isspace() adds U+001C..U+001F.
+WHITE_SPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+
+# Letters and numbers all live in planes 0-3; planes 4-13 are unassigned, 14 holds only format and
+# combining characters, 15-16 private use. Scanning 0x40000 code points keeps the first call ~0.1 s.
+_SCAN_LIMIT = 0x40000
+
+
+def _ranges(codepoints: list[int]) -> str:
+    """Code points (sorted) -> a character-class body of \\U escapes, ranges merged."""
+    out, start, prev = [], None, None
+    for cp in codepoints:
+        if start is None:
+            start = prev = cp
+        elif cp == prev + 1:
+            prev = cp
+        else:
+            out.append((start, prev))
+            start = prev = cp
+    if start is not None:
+        out.append((start, prev))
+    return "".join(f"\\U{a:08x}" if a == b else f"\\U{a:08x}-\\U{b:08x}" for a, b in out)
+
+
+@functools.lru_cache(maxsize=None)
+def unicode_classes() -> dict[str, str]:
+    """Class bodies for \\p{L} (letters) and \\p{N} (numbers), for the running Python's Unicode version."""
+    letters, numbers = [], []
+    category = unicodedata.category
+    for cp in range(_SCAN_LIMIT):
+        major = category(chr(cp))[0]
+        if major == "L":
+            letters.append(cp)
+        elif major == "N":
+            numbers.append(cp)
+    return {"L": _ranges(letters), "N": _ranges(numbers), "s": WHITE_SPACE}
+
+
+def _expand(pattern: str) -> str:
+    """Write \\p{L}, \\p{N}, \\s, \\S in terms of explicit classes (inside or outside brackets)."""
+    cls = unicode_classes()
+    # Inside a bracket the class body is spliced in; outside it is wrapped in brackets.
+    out, i, depth = [], 0, 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\" and i + 1 < len(pattern):
+            nxt = pattern[i + 1]
+            if nxt == "p" and pattern.startswith("{", i + 2):
+                name = pattern[i + 3:pattern.index("}", i)]
+                body = cls[name]
+                out.append(body if depth else f"[{body}]")
+                i = pattern.index("}", i) + 1
+                continue
+            if nxt == "s":
+                out.append(cls["s"] if depth else f"[{cls['s']}]")
+                i += 2
+                continue
+            if nxt == "S":
+                if depth:
+                    raise ValueError("\\S inside a character class is not supported")
+                out.append(f"[^{cls['s']}]")
+                i += 2
+                continue
+            out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if c == "[":
+            depth += 1
+        elif c == "]" and depth:
+            depth -= 1
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
+# The reference patterns, spelled as in HF tokenizers / llama.cpp.
+GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# SmolLM2/StarCoder: every digit alone (HF `Digits(individual_digits=True)`), then GPT-2 on the rest.
+# Written as one pass: digits are their own alternative, GPT-2's ` ?\p{N}+` can no longer match, and
+# `\s+(?!\S)` treats a following digit like the end of the text -- exactly what the GPT-2 split sees
+# when it runs on the digit-free stretches separately.
+DIGITS_GPT2_PATTERN = r"\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"
+
+
+@functools.lru_cache(maxsize=None)
+def compiled(pattern: str) -> re.Pattern:
+    return re.compile(_expand(pattern))
+
+
+def split_isolated(pattern: re.Pattern, text: str) -> list[str]:
+    """HF `Split(behavior="isolated")`: every match is a piece, and so is every gap between matches."""
+    pieces, pos = [], 0
+    for m in pattern.finditer(text):
+        if m.start() > pos:
+            pieces.append(text[pos:m.start()])
+        if m.end() > m.start():
+            pieces.append(m.group())
+        pos = m.end()
+    if pos < len(text):
+        pieces.append(text[pos:])
+    return pieces
+
+
+class PreTokenizer:
+    """A chain of regex splits; each later pattern splits the pieces of the earlier ones."""
+
+    def __init__(self, name: str, patterns: tuple[str, ...]):
+        self.name = name
+        self.patterns = patterns
+        self._compiled = None
+
+    def __call__(self, text: str) -> list[str]:
+        if self._compiled is None:
+            self._compiled = [compiled(p) for p in self.patterns]
+        first, *rest = self._compiled
+        pieces = split_isolated(first, text)
+        for pat in rest:
+            pieces = [q for p in pieces for q in split_isolated(pat, p)]
+        return pieces
+
+    def __repr__(self) -> str:
+        return f"PreTokenizer({self.name!r})"
+
+
+# `tokenizer.ggml.pre` -> the split HF applies (names as llama.cpp writes them).
+_GPT2 = (GPT2_PATTERN,)
+_DIGITS_GPT2 = (DIGITS_GPT2_PATTERN,)
+_LLAMA3 = (LLAMA3_PATTERN,)
+_QWEN2 = (QWEN2_PATTERN,)
+PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
+    "default": _GPT2, "gpt2": _GPT2, "gpt-2": _GPT2, "mpt": _GPT2, "olmo": _GPT2, "jais": _GPT2,
+    "smollm": _DIGITS_GPT2, "starcoder": _DIGITS_GPT2, "refact": _DIGITS_GPT2, "command-r": _DIGITS_GPT2,
+    "codeshell": _DIGITS_GPT2, "exaone": _DIGITS_GPT2, "minerva-7b": _DIGITS_GPT2,
+    "llama-bpe": _LLAMA3, "llama3": _LLAMA3, "llama-v3": _LLAMA3, "falcon3": _LLAMA3, "pixtral": _LLAMA3,
+    "dbrx": _LLAMA3, "smaug-bpe": _LLAMA3,
+    "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2, "megrez": _QWEN2,
+}
+
+
+def get_pretokenizer(name: str | None) -> PreTokenizer:
+    """The pre-tokenizer for a `tokenizer.ggml.pre` value; ValueError naming it if unknown."""
+    key = (name or "default").lower()
+    if key not in PRE_TOKENIZERS:
+        raise ValueError(f"tokenizer.ggml.pre = {name!r} is not supported; known: {sorted(PRE_TOKENIZERS)}")
+    return PreTokenizer(key, PRE_TOKENIZERS[key])

@@ -1,0 +1,265 @@
+"""`Tokenizer`: text <-> token ids for a GGUF model, exactly as HF transformers' GGUF loader does (S02).
+
+Pipeline of `encode`:
+1. special tokens: control tokens (<|im_start|>, <start_of_turn>, ...) and user-defined tokens are found
+   in the raw text first (leftmost, longest) and become single ids; the text between them goes on.
+2. the model: byte-level BPE (`bpe.py`) or SentencePiece-style BPE with byte fallback (`spm.py`).
+3. BOS/EOS only when `add_special_tokens=True` and the file asks for them (`tokenizer.ggml.add_bos_token`).
+
+Everything is built from the GGUF metadata dict, so it works from bytes (Pyodide) as well as paths.
+"""
+from __future__ import annotations
+
+from .bpe import BYTE_TO_CHAR, ByteLevelBPE, byte_level_spelling
+from .detokenize import ByteLevelDecoder, SentencePieceDecoder
+from .pretokenize import get_pretokenizer
+from .spm import SPACE, SentencePieceBPE, byte_token_value
+
+CONTROL, USER_DEFINED = 3, 4      # llama.cpp token types
+GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
+# Chat end-of-turn tokens, stops besides eos (llama.cpp calls the set "end of generation").
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<|eot_id|>", "<|eom_id|>",
+                      "<|end|>", "<|end_of_text|>", "</s>", "<eos>")
+
+
+class SpecialTokenMatcher:
+    """Leftmost-longest search for added tokens in raw text (what HF's Aho-Corasick pass does)."""
+
+    def __init__(self, added: dict[str, int]):
+        self.added = added
+        by_first: dict[str, set[int]] = {}
+        for text in added:
+            by_first.setdefault(text[0], set()).add(len(text))
+        self.lengths = {c: sorted(ls, reverse=True) for c, ls in by_first.items()}
+
+    def find(self, text: str):
+        """Yield (start, end, token_text) of non-overlapping matches, left to right."""
+        lengths, added = self.lengths, self.added
+        i, n = 0, len(text)
+        while i < n:
+            ls = lengths.get(text[i])
+            if ls is not None:
+                for length in ls:
+                    if text[i:i + length] in added:
+                        yield i, i + length, text[i:i + length]
+                        i += length
+                        break
+                else:
+                    i += 1
+            else:
+                i += 1
+
+
+class Tokenizer:
+    def __init__(self, model, decoder, tokens: list[str], token_types: list[int], added: dict[str, int],
+                 special_ids: set[int], bos_token_id, eos_token_id, unk_token_id=None, pad_token_id=None,
+                 add_bos_token=False, add_eos_token=False, chat_template: str | None = None,
+                 extra_stop_ids=(), kind: str = "bpe"):
+        self.model = model
+        self.decoder = decoder
+        self.tokens = tokens
+        self.token_types = token_types
+        self.added = added                      # token text -> id, matched in raw text
+        self.special_ids = special_ids          # ids dropped by skip_special_tokens (control tokens)
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.unk_token_id = unk_token_id
+        self.pad_token_id = pad_token_id
+        self.add_bos_token = add_bos_token
+        self.add_eos_token = add_eos_token
+        self.chat_template = chat_template
+        self.kind = kind
+        self._matcher = SpecialTokenMatcher(added)
+        stops = {eos_token_id} if eos_token_id is not None else set()
+        stops.update(extra_stop_ids)
+        stops.update(added[t] for t in END_OF_TURN_TOKENS if t in added and added[t] in special_ids)
+        self.stop_token_ids = sorted(stops)
+
+    # -- construction -----------------------------------------------------------------------------------
+    @classmethod
+    def from_gguf(cls, source, pre: str | None = None) -> "Tokenizer":
+        """From a GGUF path, its bytes/memoryview, or an open `GGUFFile`."""
+        from ..gguf.reader import GGUFFile
+        gguf = source if isinstance(source, GGUFFile) else GGUFFile(source)
+        return cls.from_metadata(gguf.metadata, pre=pre)
+
+    @classmethod
+    def from_metadata(cls, md: dict, pre: str | None = None) -> "Tokenizer":
+        """From GGUF metadata (llama.cpp key names). `pre` overrides `tokenizer.ggml.pre`."""
+        kind = md.get("tokenizer.ggml.model")
+        tokens = md.get("tokenizer.ggml.tokens")
+        if kind is None or tokens is None:
+            raise ValueError("metadata has no tokenizer (tokenizer.ggml.model / tokenizer.ggml.tokens missing)")
+        tokens = list(tokens)
+        n = len(tokens)
+        types = _int_list(md.get("tokenizer.ggml.token_type"), n, "tokenizer.ggml.token_type", default=1)
+
+        def token_id(key):
+            value = md.get(key)
+            if value is None:
+                return None
+            value = int(value)
+            if not 0 <= value < n:
+                raise ValueError(f"{key} = {value} is outside the vocabulary (size {n})")
+            return value
+
+        bos, eos = token_id("tokenizer.ggml.bos_token_id"), token_id("tokenizer.ggml.eos_token_id")
+        unk, pad = token_id("tokenizer.ggml.unknown_token_id"), token_id("tokenizer.ggml.padding_token_id")
+        extra_stops = [i for i in (token_id("tokenizer.ggml.eot_token_id"), token_id("tokenizer.ggml.eom_token_id"))
+                       if i is not None]
+        arch = md.get("general.architecture")
+        add_bos = md.get("tokenizer.ggml.add_bos_token")
+        if add_bos is None:
+            add_bos = kind == "llama"  # HF/llama.cpp default for SentencePiece vocabularies
+        add_eos = bool(md.get("tokenizer.ggml.add_eos_token", False))
+        template = md.get("tokenizer.chat_template")
+
+        if kind == "gpt2":
+            merges = md.get("tokenizer.ggml.merges")
+            if merges is None:
+                raise ValueError("byte-level BPE (tokenizer.ggml.model = 'gpt2') needs tokenizer.ggml.merges")
+            model = ByteLevelBPE(tokens, list(merges), get_pretokenizer(pre or md.get("tokenizer.ggml.pre")))
+            vocab = model.vocab
+            alphabet = set(BYTE_TO_CHAR.values())
+            # Control tokens spelled outside the byte alphabet are llama.cpp mislabels; HF skips them.
+            special = {t: i for i, t in enumerate(tokens) if types[i] == CONTROL and set(t) <= alphabet}
+            user = {t: i for i, t in enumerate(tokens) if types[i] == USER_DEFINED and t in vocab}
+            decoder = ByteLevelDecoder([byte_level_spelling(t) for t in tokens])
+        elif kind == "llama":
+            gemma = arch in GEMMA_ARCHS
+            scores = md.get("tokenizer.ggml.scores")
+            if gemma:
+                # Gemma files spell space-only tokens with real spaces; the model looks them up as ▁▁..
+                tokens_m = [SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+                rank_scores = [-i for i in range(n)]  # file order is Gemma's merge order
+            else:
+                tokens_m = tokens
+                if scores is None and md.get("tokenizer.ggml.merges") is None:
+                    raise ValueError("SentencePiece vocabulary needs tokenizer.ggml.scores or tokenizer.ggml.merges")
+                rank_scores = [0.0] * n if scores is None else _float_list(scores, n, "tokenizer.ggml.scores")
+            merges = md.get("tokenizer.ggml.merges")
+            model = SentencePieceBPE(tokens_m, rank_scores, list(merges) if merges is not None else None,
+                                     prefix_space=not gemma, unk_id=unk)
+            vocab = model.vocab
+            special = {t: i for i, t in enumerate(tokens) if types[i] == CONTROL}
+            user = {t: i for i, t in enumerate(tokens) if types[i] == USER_DEFINED and t in vocab}
+            pieces = [t.replace(SPACE, " ") for t in tokens_m]
+            decoder = SentencePieceDecoder(pieces, [byte_token_value(p) for p in pieces],
+                                           strip_leading_space=not gemma)
+        else:
+            raise ValueError(f"tokenizer.ggml.model = {kind!r} is not supported (supported: 'gpt2', 'llama')")
+
+        # HF gives an added token the vocabulary's id for its text (the last one, if spelled twice).
+        added = {t: vocab.get(t, i) for t, i in {**special, **user}.items()}
+        special_ids = {added[t] for t in special}
+        return cls(model, decoder, tokens, types, added, special_ids, bos, eos, unk, pad,
+                   bool(add_bos), add_eos, template, extra_stops, kind="bpe" if kind == "gpt2" else "spm")
+
+    # -- basic facts -------------------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.added.get(token, self.model.vocab.get(token))
+
+    def id_to_token(self, token_id: int) -> str:
+        return self.tokens[self.check_id(token_id)]
+
+    def check_id(self, token_id) -> int:
+        try:
+            i = int(token_id)
+        except (TypeError, ValueError):
+            raise ValueError(f"token id {token_id!r} is not an integer") from None
+        if i != token_id or not 0 <= i < len(self.tokens):
+            raise ValueError(f"token id {token_id!r} is outside the vocabulary (size {len(self.tokens)})")
+        return i
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes a token stands for (a byte token is one byte, maybe half a character)."""
+        i = self.check_id(token_id)
+        if self.kind == "bpe":
+            return self.decoder.token_bytes[i]
+        value = self.decoder.byte_value[i]
+        return bytes([value]) if value is not None else self.decoder.pieces[i].encode("utf-8")
+
+    # -- encode / decode ---------------------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = False, parse_special: bool = True) -> list[int]:
+        """Text -> ids. `parse_special=False` reads control tokens in the text as plain characters (HF's
+        split_special_tokens=True); user-defined tokens are still matched, as in HF and llama.cpp."""
+        if not isinstance(text, str):
+            raise ValueError(f"text must be a str, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"text is not valid Unicode (lone surrogate at index {e.start})") from None
+        ids: list[int] = []
+        pos = 0
+        for start, end, token in self._matcher.find(text):
+            tid = self.added[token]
+            if not parse_special and tid in self.special_ids:
+                continue  # stays part of the surrounding text
+            if start > pos:
+                ids.extend(self._encode_segment(text[pos:start], pos == 0))
+            ids.append(tid)
+            pos = end
+        if pos < len(text):
+            ids.extend(self._encode_segment(text[pos:], pos == 0))
+        if add_special_tokens:
+            if self.add_bos_token and self.bos_token_id is not None:
+                ids.insert(0, self.bos_token_id)
+            if self.add_eos_token and self.eos_token_id is not None:
+                ids.append(self.eos_token_id)
+        return ids
+
+    def _encode_segment(self, text: str, at_start: bool) -> list[int]:
+        if self.kind == "spm":
+            return self.model.encode_segment(text, at_start)
+        return self.model.encode_segment(text)
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        ids = [self.check_id(i) for i in ids]
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in self.special_ids]
+        return self.decoder.decode(ids)
+
+    # -- chat ----------------------------------------------------------------------------------------------
+    @property
+    def special_tokens_map(self) -> dict[str, str]:
+        """bos/eos/unk/pad token texts, the variables HF passes to chat templates."""
+        out = {}
+        for name, tid in (("bos_token", self.bos_token_id), ("eos_token", self.eos_token_id),
+                          ("unk_token", self.unk_token_id), ("pad_token", self.pad_token_id)):
+            if tid is not None:
+                out[name] = self.tokens[tid]
+        return out
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool = False,
+                            chat_template: str | None = None, **kwargs):
+        """Render a conversation the way HF's `apply_chat_template` does; ids if `tokenize`."""
+        from .chat_template import render_chat
+        template = chat_template if chat_template is not None else self.chat_template
+        if template is None:
+            raise ValueError("this model has no chat template (tokenizer.chat_template); pass chat_template=")
+        text = render_chat(template, messages, add_generation_prompt=add_generation_prompt,
+                           **{**self.special_tokens_map, **kwargs})
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({self.kind}, vocab_size={self.vocab_size})"
+
+
+def _int_list(values, n: int, key: str, default: int) -> list[int]:
+    if values is None:
+        return [default] * n
+    out = [int(v) for v in (values.tolist() if hasattr(values, "tolist") else values)]
+    if len(out) != n:
+        raise ValueError(f"{key} has {len(out)} entries for {n} tokens")
+    return out
+
+
+def _float_list(values, n: int, key: str) -> list[float]:
+    out = [float(v) for v in (values.tolist() if hasattr(values, "tolist") else values)]
+    if len(out) != n:
+        raise ValueError(f"{key} has {len(out)} entries for {n} tokens")
+    return out

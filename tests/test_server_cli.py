@@ -1,0 +1,89 @@
+"""S19/S20 `pyengine serve` as a user runs it (a subprocess on a free loopback port), with the web demo
+mounted in the same process, and `pyengine bench serve --url` against it."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served():
+    port = free_port()
+    args = [sys.executable, "-m", "pyengine", "serve", "--port", str(port), "--api-key", "k3y",
+            "--max-model-len", "512", "--max-waiting", "8", "--log-level", "warning"]
+    try:
+        import pyengine.web_server as ws
+        with_demo = (ws.WEB_ROOT / "index.html").is_file()
+    except ImportError:
+        with_demo = False
+    if with_demo:
+        args.append("--with-demo")
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"pyengine serve exited: {proc.stdout.read()}")
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail("pyengine serve did not come up in 120 s")
+            time.sleep(0.2)
+        yield url, with_demo
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def test_serve_requires_key_and_serves(served):
+    url, _ = served
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0}
+    assert httpx.post(url + "/v1/chat/completions", json=body, timeout=60).status_code == 401
+    r = httpx.post(url + "/v1/chat/completions", json=body, headers={"Authorization": "Bearer k3y"}, timeout=60)
+    assert r.status_code == 200, r.text
+    model = httpx.get(url + "/v1/models", headers={"Authorization": "Bearer k3y"}).json()["data"][0]["id"]
+    assert model == "SmolLM2-135M-Instruct.Q4_1" and r.json()["model"] == model
+    assert "pyengine_generation_tokens_total" in httpx.get(url + "/metrics").text
+
+
+def test_demo_in_same_process(served):
+    url, with_demo = served
+    if not with_demo:
+        pytest.skip("web demo (pyengine.web_server + web/index.html) not present")
+    page = httpx.get(url + "/")
+    assert page.status_code == 200 and "<html" in page.text.lower()
+    assert httpx.get(url + "/config.js").status_code == 200
+
+
+def test_bench_serve_against_url(served):
+    url, _ = served
+    out = subprocess.run([sys.executable, "-m", "pyengine", "bench", "serve", "--url", url, "--api-key", "k3y",
+                          "--rate", "4", "--num-requests", "4", "--prompt-len", "24", "--output-len", "4",
+                          "--shared-prefix", "16"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    header = lines[0].split()
+    assert "TTFT" in header and "req/s" in header
+    row = lines[1].split()
+    assert row[0] == url and row[2] == "4/0"        # 4 completed, 0 failed
+    assert "4/4" in out.stderr                      # the progress bar reached the end

@@ -1,0 +1,147 @@
+// Step 06 — 32-weight block quants: fused dequant-dot kernels (Python: pyengine/gguf/quants.py Q8_0/Q4_0/Q4_1/Q5_0).
+//
+// Block layouts (little-endian, f16 = half float):
+//   Q8_0  34 B: f16 d | i8 q[32]                      w = d*q
+//   Q4_0  18 B: f16 d | u8 qs[16]                     w = d*(q-8)
+//   Q4_1  20 B: f16 d | f16 m | u8 qs[16]             w = d*q + m
+//   Q5_0  22 B: f16 d | u32 qh | u8 qs[16]            w = d*((q | hbit<<4) - 16)
+// In qs, byte j holds weight j in its low nibble and weight j+16 in its high nibble.
+//
+// A dot product never materialises the weights: per block, d*Σq·x (+ m·Σx). Σx per block ("xsum") is the same
+// for every row, so the matvec computes it once. Q4_1 blocks are 20 bytes and the tensor is 32-aligned, so
+// the 16 nibble bytes start on a 4-byte boundary: we read them as four u32 words.
+
+import type { WeightViews } from "./05_f16_bf16.js";
+
+/** Copy x (f32) into the f64 input scratch and compute its 32-element block sums. */
+export function prepareInput(x: Float32Array, xo: number, n: number, xs: Float64Array, xsum: Float64Array): void {
+  for (let b = 0, i = 0; i < n; b++) {
+    let s = 0;
+    for (const end = i + 32; i < end; i++) {
+      const v = x[xo + i];
+      xs[i] = v;
+      s += v;
+    }
+    xsum[b] = s;
+  }
+}
+
+export function dotQ8_0(w: WeightViews, off: number, x: Float64Array, n: number): number {
+  // Q8_0 blocks are 34 bytes, so the quants start on a 2-byte boundary: read them two at a time as i16 words
+  // (low byte = even weight, high byte = odd weight; shifts sign-extend each byte).
+  const q = w.i16, u16 = w.u16, half = w.half;
+  let acc = 0;
+  for (let i = 0, h = off >>> 1; i < n; i += 32, h += 17) {
+    const d = half[u16[h]];
+    let s = 0;
+    for (let j = 0; j < 16; j += 2) {
+      const v0 = q[h + 1 + j], v1 = q[h + 2 + j], k = i + 2 * j;
+      s += ((v0 << 24) >> 24) * x[k] + (v0 >> 8) * x[k + 1] + ((v1 << 24) >> 24) * x[k + 2] + (v1 >> 8) * x[k + 3];
+    }
+    acc += d * s;
+  }
+  return acc;
+}
+
+export function dotQ4_0(w: WeightViews, off: number, x: Float64Array, xsum: Float64Array, n: number): number {
+  const u8 = w.u8, u16 = w.u16, half = w.half;
+  let acc = 0;
+  for (let i = 0, b = 0; i < n; i += 32, b++, off += 18) {
+    const d = half[u16[off >>> 1]];
+    const p = off + 2;
+    let s = 0;
+    for (let j = 0; j < 16; j++) {
+      const v = u8[p + j];
+      s += (v & 15) * x[i + j] + (v >>> 4) * x[i + j + 16];
+    }
+    acc += d * (s - 8 * xsum[b]);
+  }
+  return acc;
+}
+
+export function dotQ4_1(w: WeightViews, off: number, x: Float64Array, xsum: Float64Array, n: number): number {
+  const u32 = w.u32, u16 = w.u16, half = w.half;
+  let acc = 0;
+  let h = off >>> 1; // u16 index of the block's d (m follows)
+  for (let i = 0, b = 0; i < n; i += 32, b++, h += 10) {
+    const d = half[u16[h]], m = half[u16[h + 1]];
+    const k = (h >>> 1) + 1; // u32 index of qs
+    let s = 0;
+    for (let j = 0; j < 4; j++) {
+      const q = u32[k + j], lo = i + 4 * j, hi = lo + 16;
+      s += (q & 15) * x[lo] + ((q >>> 8) & 15) * x[lo + 1] + ((q >>> 16) & 15) * x[lo + 2] + ((q >>> 24) & 15) * x[lo + 3]
+        + ((q >>> 4) & 15) * x[hi] + ((q >>> 12) & 15) * x[hi + 1] + ((q >>> 20) & 15) * x[hi + 2] + (q >>> 28) * x[hi + 3];
+    }
+    acc += d * s + m * xsum[b];
+  }
+  return acc;
+}
+
+function readU32(u8: Uint8Array, p: number): number {
+  return (u8[p] | (u8[p + 1] << 8) | (u8[p + 2] << 16) | (u8[p + 3] << 24)) >>> 0;
+}
+
+export function dotQ5_0(w: WeightViews, off: number, x: Float64Array, xsum: Float64Array, n: number): number {
+  const u8 = w.u8, u16 = w.u16, half = w.half;
+  let acc = 0;
+  for (let i = 0, b = 0; i < n; i += 32, b++, off += 22) {
+    const d = half[u16[off >>> 1]];
+    const qh = readU32(u8, off + 2); // 22-byte blocks: only 2-aligned, so assemble the word from bytes
+    const p = off + 6;
+    let s = 0;
+    for (let j = 0; j < 16; j++) {
+      const v = u8[p + j];
+      s += ((v & 15) | (((qh >>> j) & 1) << 4)) * x[i + j] + ((v >>> 4) | (((qh >>> (j + 16)) & 1) << 4)) * x[i + j + 16];
+    }
+    acc += d * (s - 16 * xsum[b]);
+  }
+  return acc;
+}
+
+// Dequantisers (one row into `out` at `o`): used for the embedding lookup, the prefill matmul and the tests.
+
+export function dequantQ8_0(w: WeightViews, off: number, n: number, out: Float32Array, o: number): void {
+  const q = w.i8, u16 = w.u16, half = w.half;
+  for (let i = 0; i < n; i += 32, off += 34) {
+    const d = half[u16[off >>> 1]];
+    for (let j = 0; j < 32; j++) out[o + i + j] = d * q[off + 2 + j];
+  }
+}
+
+export function dequantQ4_0(w: WeightViews, off: number, n: number, out: Float32Array, o: number): void {
+  const u8 = w.u8, u16 = w.u16, half = w.half;
+  for (let i = 0; i < n; i += 32, off += 18) {
+    const d = half[u16[off >>> 1]];
+    for (let j = 0; j < 16; j++) {
+      const v = u8[off + 2 + j];
+      out[o + i + j] = d * ((v & 15) - 8);
+      out[o + i + j + 16] = d * ((v >>> 4) - 8);
+    }
+  }
+}
+
+export function dequantQ4_1(w: WeightViews, off: number, n: number, out: Float32Array, o: number): void {
+  const u8 = w.u8, u16 = w.u16, half = w.half;
+  for (let i = 0; i < n; i += 32, off += 20) {
+    const d = half[u16[off >>> 1]], m = half[u16[(off >>> 1) + 1]];
+    for (let j = 0; j < 16; j++) {
+      const v = u8[off + 4 + j];
+      // Math.fround(d*q) then + m mirrors the float32 arithmetic of the reference dequantiser exactly.
+      out[o + i + j] = Math.fround(d * (v & 15)) + m;
+      out[o + i + j + 16] = Math.fround(d * (v >>> 4)) + m;
+    }
+  }
+}
+
+export function dequantQ5_0(w: WeightViews, off: number, n: number, out: Float32Array, o: number): void {
+  const u8 = w.u8, u16 = w.u16, half = w.half;
+  for (let i = 0; i < n; i += 32, off += 22) {
+    const d = half[u16[off >>> 1]];
+    const qh = readU32(u8, off + 2);
+    for (let j = 0; j < 16; j++) {
+      const v = u8[off + 6 + j];
+      out[o + i + j] = d * (((v & 15) | (((qh >>> j) & 1) << 4)) - 16);
+      out[o + i + j + 16] = d * (((v >>> 4) | (((qh >>> (j + 16)) & 1) << 4)) - 16);
+    }
+  }
+}

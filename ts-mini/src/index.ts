@@ -1,0 +1,139 @@
+// Public API of ts-mini (Python counterpart: pyengine/llm.py LLM).
+//
+//   const engine = loadModel(arrayBuffer);                 // parse GGUF in place, carve the arena
+//   const ids = engine.encode("Hello");                     // byte-level BPE
+//   const r = engine.generate("Hello", { maxTokens: 32 }, (id, text) => process.stdout.write(text));
+
+import { GGUFError } from "./02_gguf_header.js";
+import { GGUFFile, parseGGUF } from "./04_tensor_table.js";
+import { Vocab, readVocab, tokenBytes } from "./08_vocab.js";
+import { BPEEncoder, ChatMessage, applyChatTemplate } from "./09_bpe_encode.js";
+import { Utf8Stream } from "./10_utf8_stream.js";
+import {
+  FinishReason, GenerateOptions, Generation, LlamaConfig, LlamaModel, ModelOptions, readConfig,
+} from "./18_generate.js";
+
+export { GGUFError } from "./02_gguf_header.js";
+export { parseGGUF } from "./04_tensor_table.js";
+export type { GGUFFile, TensorInfo } from "./04_tensor_table.js";
+export { Utf8Stream } from "./10_utf8_stream.js";
+export { LlamaModel, Generation } from "./18_generate.js";
+export type { GenerateOptions, FinishReason, LlamaConfig, ModelOptions } from "./18_generate.js";
+export type { ChatMessage } from "./09_bpe_encode.js";
+
+export interface LoadOptions extends ModelOptions {
+  onProgress?: (stage: string, loaded: number, total: number) => void;
+}
+
+export interface GenerateRequest extends GenerateOptions {
+  chat?: boolean; // wrap a text prompt in the model's chat template
+  skipSpecialTokens?: boolean; // leave special tokens (e.g. <|im_end|>) out of the text (default true)
+}
+
+export interface GenerateResult {
+  tokenIds: number[];
+  text: string;
+  finishReason: FinishReason;
+  promptTokens: number;
+  prefillMs: number;
+  decodeMs: number;
+  tokensPerSecond: number; // decode speed: tokens after the first / time after the first
+}
+
+/** (tokenId, textDelta) for each token; return false to stop generating (finishReason "abort"). */
+export type OnToken = (tokenId: number, text: string) => boolean | void;
+
+export class Engine {
+  readonly gguf: GGUFFile;
+  readonly vocab: Vocab;
+  readonly model: LlamaModel;
+  private readonly encoder: BPEEncoder;
+  private readonly specialIds: Set<number>;
+
+  constructor(gguf: GGUFFile, vocab: Vocab, model: LlamaModel) {
+    this.gguf = gguf;
+    this.vocab = vocab;
+    this.model = model;
+    this.encoder = new BPEEncoder(vocab);
+    this.specialIds = new Set(vocab.special.map((s) => vocab.ids.get(s)!));
+  }
+
+  get config(): LlamaConfig {
+    return this.model.config;
+  }
+
+  /** Text -> ids, without adding BOS/EOS; special tokens written in the text are recognised. */
+  encode(text: string, parseSpecial = true): number[] {
+    return this.encoder.encode(text, parseSpecial);
+  }
+
+  decode(ids: number[], skipSpecialTokens = false): string {
+    const s = new Utf8Stream();
+    let out = "";
+    for (const id of ids) if (!(skipSpecialTokens && this.specialIds.has(id))) out += s.add(tokenBytes(this.vocab, id));
+    return out + s.flush();
+  }
+
+  /** Control/user-defined tokens (e.g. <|im_end|>): left out of streamed text. */
+  isSpecial(id: number): boolean {
+    return this.specialIds.has(id);
+  }
+
+  tokenBytes(id: number): Uint8Array {
+    return tokenBytes(this.vocab, id);
+  }
+
+  applyChatTemplate(messages: ChatMessage[], addGenerationPrompt = true): string {
+    return applyChatTemplate(this.vocab, messages, addGenerationPrompt);
+  }
+
+  promptIds(prompt: string | number[], chat = false): number[] {
+    if (typeof prompt !== "string") return prompt;
+    return this.encode(chat ? this.applyChatTemplate([{ role: "user", content: prompt }]) : prompt);
+  }
+
+  /** Start a step-wise generation (the worker uses this to yield between tokens). */
+  start(prompt: string | number[], opts: GenerateRequest = {}): Generation {
+    return new Generation(this.model, this.promptIds(prompt, opts.chat), opts, this.vocab.stopIds);
+  }
+
+  /** Generate to completion, calling onToken with each token's id and the text it completes. */
+  generate(prompt: string | number[], opts: GenerateRequest = {}, onToken?: OnToken): GenerateResult {
+    const ids = this.promptIds(prompt, opts.chat);
+    const gen = new Generation(this.model, ids, opts, this.vocab.stopIds);
+    const stream = new Utf8Stream();
+    const skip = opts.skipSpecialTokens ?? true;
+    let text = "", t0 = performance.now(), tFirst = t0;
+    for (let id = gen.step(); id !== null; id = gen.step()) {
+      if (gen.tokenIds.length === 1) tFirst = performance.now();
+      const delta = skip && this.specialIds.has(id) ? "" : stream.add(tokenBytes(this.vocab, id));
+      text += delta;
+      if (onToken && onToken(id, delta) === false) gen.abort();
+    }
+    text += stream.flush();
+    const end = performance.now(), n = gen.tokenIds.length;
+    return {
+      tokenIds: gen.tokenIds, text, finishReason: gen.finishReason!, promptTokens: ids.length,
+      prefillMs: tFirst - t0, decodeMs: end - tFirst, tokensPerSecond: n > 1 ? ((n - 1) * 1000) / (end - tFirst) : 0,
+    };
+  }
+}
+
+/** Parse a GGUF (kept in place: weights are read from `buffer`), build the tokenizer and the arena. */
+export function loadModel(buffer: ArrayBuffer, opts: LoadOptions = {}): Engine {
+  if (!(buffer instanceof ArrayBuffer)) throw new GGUFError("loadModel expects an ArrayBuffer holding a GGUF file");
+  const p = opts.onProgress ?? (() => {});
+  const total = 3;
+  p("parse", 0, total);
+  const gguf = parseGGUF(buffer);
+  readConfig(gguf); // fail early (before the tokenizer and the arena) on a model we cannot run
+  p("tokenizer", 1, total);
+  const vocab = readVocab(gguf.metadata);
+  p("arena", 2, total);
+  const model = new LlamaModel(gguf, opts);
+  if (vocab.tokens.length !== model.config.vocabSize) {
+    throw new GGUFError(`vocabulary has ${vocab.tokens.length} tokens but token_embd has ${model.config.vocabSize} rows`);
+  }
+  p("ready", 3, total);
+  return new Engine(gguf, vocab, model);
+}

@@ -1,0 +1,157 @@
+// Web worker front end (the same protocol as the Pyodide worker, docs/architecture.md):
+//   main -> worker  {type:"load", model: ArrayBuffer}
+//                   {type:"generate", id, prompt, maxTokens, temperature, topP, topK, seed, chat}
+//                   {type:"cancel", id}
+//   worker -> main  {type:"progress", stage, loaded, total}  {type:"ready", info}
+//                   {type:"token", id, tokenId, text, ms}     {type:"done", id, tokenIds, text, tokensPerSecond,
+//                   finishReason}                             {type:"error", id?, message}
+// Usage: new Worker(new URL("ts-mini/dist/worker.js", base), { type: "module" }).
+// Generation runs one token per turn of the event loop, so a "cancel" posted meanwhile is seen before the
+// next token. Requests are served one at a time, in arrival order.
+
+import { Engine, loadModel } from "./index.js";
+import { tokenBytes } from "./08_vocab.js";
+import { Utf8Stream } from "./10_utf8_stream.js";
+
+export type Post = (msg: Record<string, unknown>) => void;
+
+interface GenerateMsg {
+  type: "generate";
+  id: string | number;
+  prompt: string | number[];
+  maxTokens?: number;
+  temperature?: number;
+  topP?: number;
+  topK?: number;
+  seed?: number;
+  chat?: boolean;
+}
+
+/** Resolve on a fresh macrotask (MessageChannel: no 4 ms clamp like nested setTimeout). */
+function nextTurn(): Promise<void> {
+  return new Promise((resolve) => {
+    const ch = new MessageChannel();
+    ch.port1.onmessage = () => {
+      ch.port1.close();
+      resolve();
+    };
+    ch.port2.postMessage(null);
+  });
+}
+
+function message(e: unknown): string {
+  return e instanceof Error ? e.message : String(e);
+}
+
+/** The protocol state machine, independent of the worker global (so Node tests can drive it). */
+export function createHandler(post: Post): (msg: unknown) => void {
+  let engine: Engine | null = null;
+  const queue: GenerateMsg[] = [];
+  const cancelled = new Set<string | number>();
+  let running = false;
+  let current: string | number | null = null; // id of the request being generated
+
+  async function runQueue(): Promise<void> {
+    if (running) return;
+    running = true;
+    try {
+      while (queue.length) {
+        const req = queue.shift()!;
+        current = req.id;
+        try {
+          await generate(req);
+        } catch (e) {
+          post({ type: "error", id: req.id, message: message(e) });
+        }
+        current = null;
+        cancelled.delete(req.id);
+      }
+    } finally {
+      running = false;
+    }
+  }
+
+  async function generate(req: GenerateMsg): Promise<void> {
+    if (!engine) throw new Error("no model loaded: send {type:'load', model} first");
+    if (typeof req.prompt !== "string" && !Array.isArray(req.prompt)) throw new Error("prompt must be a string or an array of token ids");
+    const gen = engine.start(req.prompt, {
+      maxTokens: req.maxTokens, temperature: req.temperature, topP: req.topP, topK: req.topK, seed: req.seed,
+      chat: !!req.chat,
+    });
+    const stream = new Utf8Stream();
+    let text = "", tFirst = 0, tPrev = performance.now();
+    while (!gen.done) {
+      if (cancelled.has(req.id)) { gen.abort(); break; }
+      const id = gen.step();
+      if (id === null) break;
+      const now = performance.now();
+      if (gen.tokenIds.length === 1) tFirst = now;
+      const delta = engine.isSpecial(id) ? "" : stream.add(tokenBytes(engine.vocab, id));
+      text += delta;
+      post({ type: "token", id: req.id, tokenId: id, text: delta, ms: now - tPrev });
+      tPrev = now;
+      await nextTurn(); // let "cancel" in
+    }
+    const tail = stream.flush();
+    text += tail;
+    const n = gen.tokenIds.length, end = performance.now();
+    post({
+      type: "done", id: req.id, tokenIds: gen.tokenIds, text,
+      tokensPerSecond: n > 1 ? ((n - 1) * 1000) / (end - tFirst) : 0, finishReason: gen.finishReason,
+    });
+  }
+
+  return (raw: unknown) => {
+    const msg = raw as { type?: string; id?: string | number; model?: unknown };
+    try {
+      if (!msg || typeof msg !== "object") throw new Error("message must be an object with a 'type'");
+      switch (msg.type) {
+        case "load": {
+          if (!(msg.model instanceof ArrayBuffer)) throw new Error("load: 'model' must be an ArrayBuffer with the GGUF bytes");
+          const t0 = performance.now();
+          engine = null;
+          const e = loadModel(msg.model, { onProgress: (stage, loaded, total) => post({ type: "progress", stage, loaded, total }) });
+          engine = e;
+          const c = e.config;
+          post({
+            type: "ready",
+            info: {
+              engine: "ts-mini", arch: c.arch, layers: c.nLayers, dModel: c.dModel, heads: c.nHeads, kvHeads: c.nKvHeads,
+              vocabSize: c.vocabSize, maxSeqLen: e.model.maxSeq, arenaBytes: e.model.arena.byteLength,
+              name: e.gguf.metadata.get("general.name") ?? null, loadMs: performance.now() - t0,
+            },
+          });
+          break;
+        }
+        case "generate":
+          if (msg.id === undefined) throw new Error("generate: 'id' is required");
+          queue.push(msg as GenerateMsg);
+          void runQueue();
+          break;
+        case "cancel": {
+          if (msg.id === undefined) throw new Error("cancel: 'id' is required");
+          const i = queue.findIndex((q) => q.id === msg.id);
+          if (i >= 0) {
+            // Not started yet: drop it, reporting it as aborted with nothing generated.
+            queue.splice(i, 1);
+            post({ type: "done", id: msg.id, tokenIds: [], text: "", tokensPerSecond: 0, finishReason: "abort" });
+          } else if (msg.id === current) cancelled.add(msg.id); // seen before its next token
+          // any other id: already finished or never sent — nothing to do
+          break;
+        }
+        default:
+          throw new Error(`unknown message type ${JSON.stringify(msg.type)} (expected load, generate or cancel)`);
+      }
+    } catch (e) {
+      post(msg && typeof msg === "object" && msg.id !== undefined ? { type: "error", id: msg.id, message: message(e) }
+        : { type: "error", message: message(e) });
+    }
+  };
+}
+
+// Inside a real worker: wire the handler to the worker's message port.
+declare const WorkerGlobalScope: unknown;
+if (typeof WorkerGlobalScope !== "undefined" && typeof self !== "undefined") {
+  const handle = createHandler((m) => (self as unknown as { postMessage(m: unknown): void }).postMessage(m));
+  self.onmessage = (ev: MessageEvent) => handle(ev.data);
+}

@@ -1,0 +1,113 @@
+"""The Python half of the browser worker (S22): turns worker-protocol messages into pyengine calls.
+
+web/worker.js runs this file inside Pyodide and drives it: ``load`` once per model, ``start`` per
+``generate`` message, then ``step`` from a JavaScript loop that yields to the event loop between steps
+(so ``cancel`` messages are handled mid-generation). Only the public pyengine API is used, and the
+model arrives as bytes: the package is the unchanged wheel and never sees a file system.
+Each method returns plain dicts/lists that JavaScript posts as protocol messages.
+"""
+from __future__ import annotations
+
+import time
+
+# One tab generates for one user: a small batch keeps the KV cache and the activation arena small (the
+# defaults size them for a server); long prompts are prefilled in chunks of max_num_batched_tokens.
+BROWSER_LIMITS = {"max_num_seqs": 2, "max_num_batched_tokens": 256}
+DEFAULT_WEIGHTS_MODE = "resident"     # chosen by measurement, see the report in docs/ (peak wasm memory)
+
+
+class WorkerSession:
+    def __init__(self):
+        self.engine = None
+        self.info: dict = {}
+        self.requests: dict[str, dict] = {}   # id -> {"t0", "t_first", "n"}
+
+    # load -------------------------------------------------------------------------------------------
+    def load(self, data, mode: str | None = None, max_model_len: int = 1024) -> dict:
+        """Build an engine from GGUF bytes. The previous engine is replaced only if this one loads, so
+        a corrupt file leaves a working page behind. `mode`: "resident" (weights dequantized once, fastest)
+        or "lean" (quantized weights, dequantized per layer per step: less memory)."""
+        from pyengine import GGUFFile, LLMEngine
+        from pyengine.engine.model_runner import ModelRunner
+
+        mode = mode or DEFAULT_WEIGHTS_MODE
+        t0 = time.perf_counter()
+        gguf = GGUFFile(data)                 # zero-copy views into `data`; GGUFError if malformed
+        t_parse = time.perf_counter() - t0
+        runner = ModelRunner(gguf, max_model_len=max_model_len, weights_mode=mode, **BROWSER_LIMITS)
+        engine = LLMEngine(max_model_len=max_model_len, runner=runner, **BROWSER_LIMITS)
+        cfg = engine.runner.config
+        self.abort_all()
+        self.engine = engine
+        self.info = {
+            "engine": "python",
+            "arch": cfg.arch, "layers": cfg.n_layers, "dModel": cfg.d_model, "vocabSize": cfg.vocab_size,
+            "params": int(getattr(cfg, "n_params", 0) or 0), "tensors": len(gguf.tensors),
+            "name": str(gguf.get("general.name", "") or ""), "mode": mode, "kvBlocks": runner.num_blocks,
+            "parseMs": round(t_parse * 1e3, 1), "loadMs": round((time.perf_counter() - t0) * 1e3, 1),
+        }
+        return self.info
+
+    # generate ---------------------------------------------------------------------------------------
+    def start(self, req_id: str, prompt: str, max_tokens: int = 64, temperature: float = 1.0,
+              top_p: float = 1.0, top_k: int = -1, seed=None, chat: bool = False) -> int:
+        """Queue a request; returns its prompt length in tokens. ValueError for bad parameters."""
+        from pyengine import SamplingParams
+
+        if self.engine is None:
+            raise ValueError("no model loaded: load a GGUF file first")
+        if chat:
+            prompt = self.engine.get_tokenizer().apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+        params = SamplingParams(max_tokens=int(max_tokens), temperature=float(temperature), top_p=float(top_p),
+                                top_k=int(top_k), seed=None if seed is None else int(seed))
+        self.engine.add_request(req_id, prompt, params)
+        self.requests[req_id] = {"t0": time.perf_counter(), "t_first": None, "n": 0}
+        return len(self.engine.requests[req_id].prompt_token_ids)
+
+    def has_work(self) -> bool:
+        return self.engine is not None and self.engine.has_unfinished_requests()
+
+    def step(self) -> list[dict]:
+        """One engine step -> protocol events (`token` per new token, `done` per finished request)."""
+        events = []
+        outputs = self.engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            state = self.requests.get(out.request_id)
+            if state is None:
+                continue
+            comp = out.outputs[0]
+            for k, tok in enumerate(comp.delta_token_ids):
+                state["n"] += 1
+                if state["t_first"] is None:
+                    state["t_first"] = now
+                events.append({"type": "token", "id": out.request_id, "tokenId": int(tok),
+                               "text": comp.delta_text if k == len(comp.delta_token_ids) - 1 else ""})
+            if out.finished:
+                events.append(self._done(out))
+        return events
+
+    def cancel(self, req_id: str) -> dict | None:
+        out = self.engine.abort_request(req_id) if self.engine is not None else None
+        return None if out is None else self._done(out)
+
+    def abort_all(self) -> None:
+        if self.engine is not None:
+            for req_id in list(self.engine.requests):
+                self.engine.abort_request(req_id)
+        self.requests.clear()
+
+    def _done(self, out) -> dict:
+        """tokensPerSecond is the decode rate (tokens after the first / time since the first), the figure
+        comparable across engines; ttftMs holds the prompt's cost."""
+        state = self.requests.pop(out.request_id, None) or {"t0": time.perf_counter(), "t_first": None, "n": 0}
+        comp = out.outputs[0]
+        end = time.perf_counter()
+        n = len(comp.token_ids)
+        decode_s = end - state["t_first"] if state["t_first"] is not None else 0.0
+        return {"type": "done", "id": out.request_id, "tokenIds": [int(t) for t in comp.token_ids],
+                "text": comp.text, "finishReason": comp.finish_reason,
+                "tokensPerSecond": (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
+                "ttftMs": None if state["t_first"] is None else (state["t_first"] - state["t0"]) * 1e3,
+                "promptTokens": len(out.prompt_token_ids or [])}

@@ -153,10 +153,6 @@ class SamplingParams:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
 
-    @property
-    def max_stop_len(self) -> int:
-        return max((len(s) for s in self.stop), default=0)
-
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Check the token ids this request names against the model's vocabulary (the engine calls
         this in add_request). ValueError names the parameter and the offending id."""

@@ -20,6 +20,9 @@ different ids they are kept as `ids_gpt2_pre`, and ids under the Llama-3 / Qwen2
 builds them for "llama-bpe" / "qwen2" files) as `ids_llama_bpe` / `ids_qwen2`, so those pre-tokenizers
 are checked on a real vocabulary too.
 
+tests/golden/tokenizer_spm_llama.json: Gemma 3's vocabulary through HF's generic SentencePiece ("llama")
+path, as if the file said general.architecture = "llama".
+
 tests/golden/tokenizer_pretokenize.json: the pieces HF's own regex engine cuts each corpus text into,
 for the GPT-2, Llama-3, Qwen2 and digits+GPT-2 splits.
 """
@@ -215,6 +218,22 @@ def decode_cases(tok, n_random: int = 40, seed: int = 1) -> list[dict]:
     return cases
 
 
+def sentencepiece_llama_golden(path: str, texts: list[str]) -> dict:
+    """Gemma 3's vocabulary as a generic `llama` SentencePiece file: HF's LlamaTokenizer path (Metaspace with
+    a prefix space at the start, merges ordered by score, decoder stripping that space). No model of
+    ours ships such a file; this checks that path on a real 262k vocabulary and its score ties."""
+    from transformers.integrations.gguf import gguf_tokenizer_mapping as mapping
+    _, tokenizer_dict, _ = mapping.get_gguf_tokenizer(path)
+    backend, _ = mapping.convert_gguf_tokenizer("llama", tokenizer_dict)
+    cases = []
+    for text in texts:
+        ids = backend.encode(text, add_special_tokens=False).ids
+        cases.append({"text": text, "ids": ids, "decoded": backend.decode(ids, skip_special_tokens=False),
+                      "decoded_skip_special": backend.decode(ids, skip_special_tokens=True)})
+    return {"model": "gemma-3-270m vocabulary read as general.architecture = 'llama'",
+            "gguf": os.path.basename(path), "reference": reference_versions(), "cases": cases}
+
+
 def reference_versions() -> str:
     import tokenizers
     import transformers
@@ -280,6 +299,7 @@ def main() -> int:
     gemma = load_hf(args.gemma3)
     long_text = "\n\n".join([ENGLISH, PYTHON, "你好，世界！" * 20, ENGLISH.upper()])
     write("tokenizer_gemma3.json", model_golden("gemma-3-270m", args.gemma3, gemma, {}, texts + [long_text]))
+    write("tokenizer_spm_llama.json", sentencepiece_llama_golden(args.gemma3, texts))
     return 0
 
 

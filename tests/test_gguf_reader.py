@@ -230,3 +230,14 @@ def test_path_errors(tmp_path):
     with pytest.raises(TypeError):
         GGUFFile(12345)
     assert os.fspath(empty)  # the path variant is accepted as os.PathLike
+
+
+def test_path_without_mmap_falls_back_to_reading(smol_path, smol, monkeypatch):
+    """Where mmap is unavailable (some WebAssembly builds) a path is read into memory instead."""
+    def no_mmap(*args, **kwargs):
+        raise ImportError("No module named 'mmap'")
+    real_memmap = np.memmap
+    monkeypatch.setattr(np, "memmap", no_mmap)
+    g = GGUFFile(smol_path)
+    assert not isinstance(g.buffer, real_memmap) and g.file_size == smol.file_size
+    assert _bits_equal(g.dequantize("blk.0.attn_v.weight"), smol.dequantize("blk.0.attn_v.weight"))

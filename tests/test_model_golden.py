@@ -26,7 +26,7 @@ def golden():
 @pytest.fixture(scope="module")
 def runner():
     return ModelRunner(default_model_path(), max_model_len=256, max_num_batched_tokens=256, max_num_seqs=4,
-                       num_blocks=64, block_size=16, max_logits=8)
+                       num_blocks=128, block_size=16, max_logits=8)
 
 
 def log_softmax(x):

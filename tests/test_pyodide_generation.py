@@ -1,9 +1,10 @@
 """S22 in Pyodide: the unchanged pyengine wheel, given the GGUF as bytes, reproduces HF transformers'
 top-20 logprobs (|d| <= 1e-3) and greedy tokens (tests/golden/generation_smollm2.json) inside Pyodide.
 
-The comparison code is tests/pyodide/golden_checks.py, the same functions the CPython side can use.
-Pyodide's NumPy has no BLAS (about 2 GFLOP/s), so this checks the two shortest prompts: enough to catch
-a wasm-specific difference (float32 accumulation, int widths, byte order) in every layer.
+The comparison code is tests/pyodide/golden_checks.py, the same functions the CPython side can use, and
+generation goes through web/pyworker.py, the browser worker's Python half (prompt text -> engine.step()).
+Pyodide's NumPy has no BLAS (about 2 GFLOP/s), so this checks the two shortest prompts (that do not stop
+early): enough to catch a wasm-specific difference (float32 accumulation, int widths) in every layer.
 """
 from __future__ import annotations
 
@@ -20,33 +21,52 @@ harness = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(harness)
 
 GOLDEN = HERE / "golden" / "generation_smollm2.json"
+WEB = HERE.parent / "web"
 N_CASES = 2
 N_GREEDY = 32
 
 SNIPPET = r"""
-import json, time
+import json, sys, time
 import numpy as np
-from pyengine import LLMEngine
-from golden_checks import check_top_logprobs, check_greedy, engine_greedy, full_forward_logits
+sys.path.insert(0, '/work/web')
+from pyworker import WorkerSession          # the browser worker's Python half, unchanged
+from golden_checks import cases_without_stops, check_greedy, check_top_logprobs, full_forward_logits
 golden = json.load(open('/work/golden/generation_smollm2.json'))
-cases = sorted(golden['cases'], key=lambda c: len(c['prompt_ids']))[:N_CASES]
 t0 = time.perf_counter()
-engine = LLMEngine(model=MODEL_BYTES, max_model_len=256, max_num_seqs=2, max_num_batched_tokens=256)
-runner = engine.runner
-print(f"engine built in {time.perf_counter() - t0:.1f}s")
+session = WorkerSession()
+info = session.load(MODEL_BYTES)
+print(f"engine built in {time.perf_counter() - t0:.1f}s: {info}")
+stops = session.engine.get_tokenizer().stop_token_ids
 bad = []
-for case in cases:
+for case in cases_without_stops(golden, N_GREEDY, stops, N_CASES):
     ids = case['prompt_ids'] + case['greedy_ids'][:-1]
-    positions = [e['position'] for e in case['top_logprobs']]
     t0 = time.perf_counter()
-    logits = full_forward_logits(runner, ids, positions)
+    logits = full_forward_logits(session.engine.runner, ids, [e['position'] for e in case['top_logprobs']])
     t1 = time.perf_counter()
-    bad += check_top_logprobs(dict(zip(positions, logits)), case)
-    got = engine_greedy(engine, case['prompt_ids'], N_GREEDY)
+    bad += check_top_logprobs(logits, case)
+    # Greedy through the worker protocol's path: prompt text -> tokens -> engine.step() events.
+    n_prompt = session.start('g', case['prompt'], max_tokens=N_GREEDY, temperature=0.0)
+    if n_prompt != len(case['prompt_ids']):
+        bad.append(f"{case['prompt'][:30]!r}: prompt encodes to {n_prompt} tokens, golden {len(case['prompt_ids'])}")
+    events = []
+    while session.has_work():
+        events += session.step()
     t2 = time.perf_counter()
-    bad += check_greedy(got, case, N_GREEDY)
-    print(f"{case['prompt'][:24]!r}: forward of {len(ids)} tokens {t1 - t0:.1f}s, "
-          f"{N_GREEDY} greedy tokens {t2 - t1:.1f}s ({N_GREEDY / (t2 - t1):.2f} tok/s incl. prefill)")
+    done = [e for e in events if e['type'] == 'done']
+    streamed = [e['tokenId'] for e in events if e['type'] == 'token']
+    if len(done) != 1 or done[0]['tokenIds'] != streamed:
+        bad.append(f"stream/done mismatch: {done} vs {streamed}")
+        continue
+    bad += check_greedy(done[0]['tokenIds'], case, N_GREEDY, stops)
+    print(f"{case['prompt'][:24]!r}: forward of {len(ids)} tokens {t1 - t0:.1f}s, {N_GREEDY} greedy tokens "
+          f"{t2 - t1:.1f}s (decode {done[0]['tokensPerSecond']:.2f} tok/s, first token {done[0]['ttftMs']:.0f} ms)")
+# cancel mid-generation: a `done` with finishReason "abort", nothing left running
+session.start('c', 'Once upon a time', max_tokens=100, temperature=0.0)
+for _ in range(3):
+    session.step()
+done = session.cancel('c')
+if not done or done['finishReason'] != 'abort' or not 1 <= len(done['tokenIds']) < 100 or session.has_work():
+    bad.append(f"cancel: {done}, has_work={session.has_work()}")
 for b in bad:
     print('FAIL', b)
 assert not bad, f"{len(bad)} golden mismatches"
@@ -60,7 +80,8 @@ def test_generation_golden_in_pyodide():
     from pyengine.model_files import default_model_path
 
     report = harness.run_in_pyodide(SNIPPET, model=default_model_path(),
-                                    files={"/work/golden/generation_smollm2.json": GOLDEN})
+                                    files={"/work/golden/generation_smollm2.json": GOLDEN,
+                                           "/work/web/pyworker.py": WEB / "pyworker.py"})
     print(report["stdout"], report["timings_ms"], f"wall {report['wall_s']}s")
     assert report["ok"], harness.describe(report)
     assert report["stdout"].count("greedy tokens") == N_CASES

@@ -174,10 +174,28 @@ def test_incremental_detokenizer_skip_special(model):
     _fail(bad, "skip_special_tokens streams differ from HF")
 
 
-def test_encode_is_fast_enough_for_long_words():
+def test_long_single_word_round_trips():
     """A single 'word' of 50k characters (one pre-tokenizer piece) goes through the heap merge, not a
     quadratic loop; the result still decodes back. (Speed itself is measured by `pyengine bench tokenizer`.)"""
     for model in MODELS:
         tok = tokenizer(model)
         text = "ab" * 25_000
         assert tok.decode(tok.encode(text)) == text
+
+
+def test_sentencepiece_llama_path_matches_hf():
+    """The generic SentencePiece path (a `llama` vocabulary that is not Gemma's: prefix space at the start,
+    merges ordered by score with HF's tie-breaks, decoder dropping the prefix space), on Gemma 3's
+    vocabulary read as general.architecture = "llama" -- against HF's LlamaTokenizer built the same way."""
+    from pyengine.gguf.reader import GGUFFile
+    md = dict(GGUFFile(model_path("gemma3")).metadata)
+    md["general.architecture"] = "llama"
+    tok = Tokenizer.from_metadata(md)
+    bad = []
+    for c in golden("tokenizer_spm_llama.json")["cases"]:
+        if tok.encode(c["text"]) != c["ids"]:
+            bad.append(f"encode {c['text'][:40]!r}")
+        if tok.decode(c["ids"]) != c["decoded"] or \
+                tok.decode(c["ids"], skip_special_tokens=True) != c["decoded_skip_special"]:
+            bad.append(f"decode {c['text'][:40]!r}")
+    _fail(bad, "differences from HF's LlamaTokenizer path")

@@ -44,6 +44,7 @@ class WorkerSession:
             "arch": cfg.arch, "layers": cfg.n_layers, "dModel": cfg.d_model, "vocabSize": cfg.vocab_size,
             "params": int(getattr(cfg, "n_params", 0) or 0), "tensors": len(gguf.tensors),
             "name": str(gguf.get("general.name", "") or ""), "mode": mode, "kvBlocks": runner.num_blocks,
+            "stopTokenIds": sorted(int(t) for t in engine.get_tokenizer().stop_token_ids),
             "parseMs": round(t_parse * 1e3, 1), "loadMs": round((time.perf_counter() - t0) * 1e3, 1),
         }
         return self.info

@@ -134,7 +134,7 @@ async function pump() {
 async function generate(msg) {
   await booting;
   session.start(String(msg.id), String(msg.prompt ?? ""), msg.maxTokens ?? 64, msg.temperature ?? 1.0,
-                msg.topP ?? 1.0, msg.topK ?? -1, msg.seed ?? null, !!msg.chat);
+                msg.topP ?? 1.0, msg.topK ?? -1, msg.seed ?? undefined, !!msg.chat);  // undefined -> None (null is JsNull)
   pump();
 }
 

@@ -16,7 +16,9 @@ import numpy as np
 
 HELP = "dequantization MB/s per quant format, against the gguf package's NumPy dequantizer"
 
-GEMMA_DEFAULT = os.path.join(".cache", "models", "gemma-3-270m-q4_k_m.gguf")
+# The Gemma 3 file made by scripts/assemble_gemma.py (real Q4_K/Q6_K/Q5_0 tensors), in the source checkout.
+GEMMA_DEFAULT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                             ".cache", "models", "gemma-3-270m-q4_k_m.gguf")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -89,6 +91,8 @@ def run(args) -> int:
     from pyengine.gguf.reader import GGUFFile
     from pyengine.model_files import default_model_path
 
+    if args.weights < 256 or args.repeat < 1:
+        raise ValueError("--weights must be >= 256 and --repeat >= 1")
     paths = args.model
     if paths is None:
         paths = [default_model_path()] + ([GEMMA_DEFAULT] if os.path.isfile(GEMMA_DEFAULT) else [])

@@ -41,6 +41,12 @@ def main(argv: list[str] | None = None) -> int:
         return int(args._run(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # `pyengine info | head` closed our stdout: not an error of ours. Point stdout at devnull so
+        # the interpreter's final flush does not raise again.
+        import os
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (FileNotFoundError, ValueError) as exc:
         # GGUFError subclasses ValueError: user errors print one readable line, not a traceback.
         print(f"pyengine {args.command}: error: {exc}", file=sys.stderr)

@@ -43,14 +43,36 @@ def sampling_params(args, **extra):
 
 
 def load_llm(args):
-    """Build the `LLM`, reporting the load on stderr."""
+    """Build the `LLM` stage by stage (file, weights + KV cache, tokenizer), reporting each on stderr."""
+    import os
+
+    from pyengine.config import ModelConfig
+    from pyengine.engine.model_runner import ModelRunner
+    from pyengine.gguf.reader import GGUFFile
     from pyengine.llm import LLM
     from pyengine.model_files import resolve_model
 
+    def stage(label: str, t: float) -> float:
+        now = time.perf_counter()
+        print(f"  {label} ({now - t:.2f} s)", file=sys.stderr, flush=True)
+        return now
+
     path = resolve_model(args.model)
-    print(f"loading {path} ...", file=sys.stderr, flush=True)
-    t0 = time.perf_counter()
-    llm = LLM(path, max_model_len=args.max_model_len)
+    print(f"loading {os.path.basename(path)} ({os.path.getsize(path) / 2**20:.0f} MB) ...", file=sys.stderr,
+          flush=True)
+    t0 = t = time.perf_counter()
+    gguf = GGUFFile(path)
+    context = ModelConfig.from_gguf(gguf).context_length
+    if args.max_model_len > context:
+        raise ValueError(f"--max-model-len {args.max_model_len} exceeds the model's context length {context}")
+    t = stage(f"read {len(gguf.tensors)} tensors' headers", t)
+    # one conversation at a time: size the KV cache and batch for a single sequence
+    runner = ModelRunner(gguf, max_model_len=args.max_model_len, max_num_seqs=1)
+    c = runner.config
+    t = stage(f"weights: {c.arch}, {c.n_layers} layers, d={c.d_model}; KV cache {runner.num_blocks} blocks", t)
+    tok = runner.tokenizer
+    stage(f"tokenizer: {tok.vocab_size} tokens", t)
+    llm = LLM(runner=runner, max_model_len=args.max_model_len, max_num_seqs=1)
     print(f"loaded in {time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)
     return llm
 

@@ -259,6 +259,7 @@ class GGUFFile:
 
         # Tensor data starts at the next multiple of the alignment after the infos.
         data_start = -(-cur.pos // self.alignment) * self.alignment
+        self._plain = self.buffer.view(np.ndarray)   # tensor views as plain arrays (still backed by the mmap)
         self.data_offset = data_start
         self.tensors: dict[str, TensorInfo] = {}
         for name, ne, ggml_type, offset in raw_infos:
@@ -284,7 +285,7 @@ class GGUFFile:
                                 f"file ({self.file_size} bytes)")
             self.tensors[name] = TensorInfo(name=name, shape=tuple(int(d) for d in reversed(ne)),
                                             ggml_type=ggml_type, offset=start, nbytes=nbytes,
-                                            data=self.buffer[start:start + nbytes])
+                                            data=self._plain[start:start + nbytes])
         # Tensors may be stored in any order but must not share bytes.
         spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in self.tensors.values())
         for (_, end_a, name_a), (start_b, _, name_b) in zip(spans, spans[1:]):

@@ -57,7 +57,7 @@ class ByteLevelBPE:
             a, b, ab = self.vocab.get(left), self.vocab.get(right), self.vocab.get(left + right)
             if a is None or b is None or ab is None:
                 raise ValueError(f"tokenizer.ggml.merges[{rank}] = {line!r} uses a token not in the vocabulary")
-            self.ranks.setdefault((a, b), (rank, ab))
+            self.ranks[(a, b)] = (rank, ab)   # a repeated pair: the later rank wins, as in HF
         self.pretokenizer = pretokenizer
         # SmolLM2 lacks tokens for 21 bytes (rare control bytes, 0xC0/0xC1/0xF5.. never occur in UTF-8).
         # HF's BPE has no unknown token here and silently drops such bytes; so do we.

@@ -56,7 +56,7 @@ class SentencePieceBPE:
                 a, b = self.vocab.get(left), self.vocab.get(right)
                 if not sep or a is None or b is None or ab is None:
                     raise ValueError(f"tokenizer.ggml.merges[{rank}] = {line!r} does not join two tokens into one")
-                self._explicit.setdefault((a, b), (rank, ab))
+                self._explicit[(a, b)] = (rank, ab)
         self._safe_cut = self._find_safe_cuts()
         self._cache: dict[str, list[int]] = {}
 

@@ -238,6 +238,9 @@ class Tokenizer:
                             chat_template: str | None = None, **kwargs):
         """Render a conversation the way HF's `apply_chat_template` does; ids if `tokenize`."""
         from .chat_template import render_chat
+        for unsupported in ("tools", "documents", "continue_final_message"):
+            if kwargs.get(unsupported):
+                raise ValueError(f"apply_chat_template: {unsupported}= is not supported")
         template = chat_template if chat_template is not None else self.chat_template
         if template is None:
             raise ValueError("this model has no chat template (tokenizer.chat_template); pass chat_template=")

@@ -97,19 +97,30 @@ def check_top_logprobs(logits_at: dict[int, np.ndarray], case: dict, tol: float 
     return failures
 
 
-def check_greedy(got: list[int], case: dict, n: int) -> list[str]:
-    """The first n greedy tokens equal the reference's; a divergence is tolerated only after a step
+def check_greedy(got: list[int], case: dict, n: int, stop_ids=()) -> list[str]:
+    """The first n greedy tokens equal the reference's. A shorter output is right only if it ends with one
+    of `stop_ids` (the engine stops there; the reference ran on). A divergence is tolerated only after a step
     whose top1-top2 margin is below 1e-3 (fp32 rounding may legitimately flip such a tie)."""
     want = list(case["greedy_ids"][:n])
     got = list(got[:n])
     if got == want:
         return []
+    if got and len(got) < n and got == want[:len(got)] and got[-1] in set(stop_ids):
+        return []
     first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
     if first in set(case.get("tiny_margin_steps", [])):
         return []
-    return [f"{case['prompt'][:30]!r}: greedy differs at step {first} (margin "
-            f"{case.get('greedy_margins', [None] * (first + 1))[first]}): got {got[first:first + 5]} "
-            f"want {want[first:first + 5]}"]
+    margins = case.get("greedy_margins") or []
+    margin = margins[first] if first < len(margins) else None
+    return [f"{case['prompt'][:30]!r}: greedy differs at step {first} (margin {margin}): "
+            f"got {got[first:first + 5]} want {want[first:first + 5]}"]
+
+
+def cases_without_stops(golden: dict, n: int, stop_ids, k: int) -> list[dict]:
+    """The k shortest-prompt cases whose first n greedy tokens contain no stop token (so an engine that
+    stops at end-of-turn must produce all n of them)."""
+    ok = [c for c in golden["cases"] if not set(c["greedy_ids"][:n]) & set(stop_ids)]
+    return sorted(ok, key=lambda c: len(c["prompt_ids"]))[:k]
 
 
 def engine_greedy(engine, prompt_ids: list[int], n: int, request_id: str = "golden") -> list[int]:

@@ -1,10 +1,10 @@
 // Step 17 — sampling (Python: pyengine/layers/sampler.py, pyengine/sampling_params.py).
 //
 // Order, as in HF/vLLM: temperature -> top-k -> top-p -> draw. temperature <= 0 (or top-k = 1) is greedy.
-// No per-token allocation: probabilities and candidate indices live in arena scratch. Sorting all 49152
-// tokens every step would be slow, so only "candidates" are sorted: every token whose probability is at
-// least a threshold. The threshold is lowered until the candidates hold >= k tokens (top-k) and >= top_p of
-// the mass (top-p); every token outside is smaller than every token inside, so the result is exact.
+// No per-token allocation: probabilities and candidate indices live in arena scratch. Nothing is sorted:
+// top-k is a quickselect (the k most likely tokens, ties to the lower id), top-p a *weighted* quickselect
+// (the smallest most-likely set holding top_p of the mass) — both O(V) on average, where sorting 49152
+// probabilities every token would cost tens of milliseconds for flat distributions.
 
 import { argmax } from "./16_logits.js";
 
@@ -60,6 +60,64 @@ export interface SamplerScratch {
   idx: Int32Array; // >= vocab
 }
 
+/**
+ * Three-way partition of idx[lo, hi) by probs around `pivot`: [> pivot][= pivot][< pivot].
+ * Returns [a, c]: the "=" run is idx[a, c).
+ */
+function partition(idx: Int32Array, probs: Float64Array, lo: number, hi: number, pivot: number): [number, number] {
+  let a = lo, b = lo, c = hi;
+  while (b < c) {
+    const v = probs[idx[b]];
+    if (v > pivot) { const t = idx[a]; idx[a++] = idx[b]; idx[b++] = t; }
+    else if (v < pivot) { const t = idx[b]; idx[b] = idx[--c]; idx[c] = t; }
+    else b++;
+  }
+  return [a, c];
+}
+
+function massOf(idx: Int32Array, probs: Float64Array, lo: number, hi: number): number {
+  let s = 0;
+  for (let j = lo; j < hi; j++) s += probs[idx[j]];
+  return s;
+}
+
+/** Move the k most probable of idx[0, count) to idx[0, k) (ties broken toward the lower token id). */
+export function selectTopK(idx: Int32Array, probs: Float64Array, count: number, k: number): number {
+  if (k >= count) return count;
+  let lo = 0, hi = count;
+  while (lo < hi) {
+    const [a, c] = partition(idx, probs, lo, hi, probs[idx[(lo + hi) >>> 1]]);
+    if (a >= k) { hi = a; continue; } // the boundary is among the larger ones
+    if (c >= k) { idx.subarray(a, c).sort(); return k; } // boundary inside a tie: lowest ids first
+    lo = c;
+  }
+  return k;
+}
+
+/**
+ * Nucleus: reorder idx[0, count) so idx[0, m) is the smallest set of most probable tokens whose mass reaches
+ * `target` (the token that crosses it included; ties in id order), and return m.
+ */
+export function selectTopP(idx: Int32Array, probs: Float64Array, count: number, target: number): number {
+  let lo = 0, hi = count, taken = 0; // idx[0, lo) is in the nucleus, worth `taken`
+  while (lo < hi) {
+    const [a, c] = partition(idx, probs, lo, hi, probs[idx[(lo + hi) >>> 1]]);
+    const gt = massOf(idx, probs, lo, a);
+    if (taken + gt >= target && a > lo) { hi = a; continue; } // the crossing token is among the larger ones
+    const eq = massOf(idx, probs, a, c);
+    if (taken + gt + eq >= target) {
+      idx.subarray(a, c).sort();
+      taken += gt;
+      let j = a;
+      while (j < c) { taken += probs[idx[j++]]; if (taken >= target) break; }
+      return j;
+    }
+    taken += gt + eq;
+    lo = c;
+  }
+  return lo;
+}
+
 /** Draw a token id from logits[0..n) under temperature/top-k/top-p, using the arena scratch `sc`. */
 export function sample(logits: Float32Array, n: number, o: SamplingOptions, rng: Rng, sc: SamplerScratch): number {
   if (o.temperature <= 0 || o.topK === 1) return argmax(logits, n);
@@ -69,43 +127,29 @@ export function sample(logits: Float32Array, n: number, o: SamplingOptions, rng:
   const invT = 1 / o.temperature;
   let total = 0;
   for (let i = 0; i < n; i++) {
-    const p = Math.exp((logits[i] - max) * invT);
+    const p = Math.exp((logits[i] - max) * invT); // unnormalised: the draw scales by the kept mass
     probs[i] = p;
     total += p;
   }
-  const k = o.topK > 0 ? Math.min(o.topK, n) : n;
-  const filterK = k < n, filterP = o.topP < 1;
-
-  let count = n;
-  if (filterK || filterP) {
-    // Largest probability is 1 (the max logit). Lower the threshold until the candidates suffice.
-    for (let thr = 1e-4; ; thr *= 1e-4) {
-      if (thr < 1e-300) thr = 0;
-      count = 0;
-      let mass = 0;
-      for (let i = 0; i < n; i++) if (probs[i] >= thr) { idx[count++] = i; mass += probs[i]; }
-      if ((count >= k || count === n) && (!filterP || mass >= o.topP * total || thr === 0)) break;
-    }
-    const cand = idx.subarray(0, count);
-    cand.sort((a, b) => probs[b] - probs[a] || a - b);
-    if (count > k) count = k;
-    if (filterP) {
-      let kept = 0;
-      for (let j = 0; j < count; j++) kept += probs[idx[j]];
-      const target = o.topP * kept;
-      let cum = 0, j = 0;
-      while (j < count) { cum += probs[idx[j++]]; if (cum >= target) break; }
-      count = j;
-    }
-  } else {
-    for (let i = 0; i < n; i++) idx[i] = i;
+  if (!(o.topK > 0 && o.topK < n) && o.topP >= 1) {
+    let r = rng.next() * total;
+    for (let i = 0; i < n; i++) { r -= probs[i]; if (r < 0) return i; }
+    return argmax(logits, n); // rounding left r a hair above 0
   }
-  let mass = 0;
-  for (let j = 0; j < count; j++) mass += probs[idx[j]];
+  for (let i = 0; i < n; i++) idx[i] = i;
+  let count = n, mass = total;
+  if (o.topK > 0 && o.topK < n) {
+    count = selectTopK(idx, probs, n, o.topK);
+    mass = massOf(idx, probs, 0, count);
+  }
+  if (o.topP < 1) {
+    count = selectTopP(idx, probs, count, o.topP * mass);
+    mass = massOf(idx, probs, 0, count);
+  }
   let r = rng.next() * mass;
   for (let j = 0; j < count; j++) {
     r -= probs[idx[j]];
     if (r < 0) return idx[j];
   }
-  return idx[count - 1]; // rounding left r a hair above 0
+  return idx[count - 1];
 }

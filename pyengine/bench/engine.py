@@ -1,0 +1,182 @@
+"""`pyengine bench engine` (S03/S05/S12/S20): single-stream speed against the NumPy roofline, measured in
+the same run, plus the KV-cache scaling claim and flash attention's memory claim.
+
+  decode    greedy decode tok/s (one sequence, KV cache) vs a bare chain of matvecs over the same weight
+            arrays (fused QKV, Wo, fused gate|up, down per layer, and the 49152x576 head): the roofline.
+  prefill   tok/s for one prompt vs a bare chain of matmuls of the same shapes.
+  kv-cache  time per decode step at several context lengths with the cache vs recomputing the whole prefix
+            each step (no cache); fitted growth exponents (per step: ~0 vs ~1; per sequence add 1).
+  flash     tracemalloc peak and time of plain vs tiled flash attention for one long prefill.
+Timings are wall-clock medians; on a shared machine they are noisy, the ratios less so.
+"""
+from __future__ import annotations
+
+import cProfile
+import io
+import os
+import pstats
+import time
+import tracemalloc
+
+import numpy as np
+
+HELP = "decode/prefill tok/s vs the NumPy roofline, KV-cache scaling, flash attention memory"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default=None, help="GGUF path (default: the bundled SmolLM2-135M)")
+    p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--prefill-tokens", type=int, default=512)
+    p.add_argument("--contexts", default="64,128,256,512", help="context lengths for the KV-cache table")
+    p.add_argument("--flash-tokens", type=int, default=2048, help="prefill length for the flash memory test")
+    p.add_argument("--repeat", type=int, default=3, help="repetitions of the prefill / roofline timings")
+    p.add_argument("--weights", choices=("resident", "lean"), default="resident")
+    p.add_argument("--profile", action="store_true", help="cProfile 16 decode steps and print the top entries")
+    p.add_argument("--skip", default="", help="comma list of sections to skip: decode,prefill,kv,flash")
+
+
+def _median_time(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def _layer_mats(runner):
+    """The (in, out) matrices a forward multiplies, in order, plus the head (dequantized if lean)."""
+    w = runner.weights
+    mats = []
+    for i in range(runner.config.n_layers):
+        L = w.layer(i)          # lean: freshly dequantized (the roofline is always the float32 chain)
+        mats += [np.ascontiguousarray(m) for m in (L.wqkv, L.wo, L.w_gate_up, L.w_down)]
+    head = w.head if w.mode == "resident" else np.ascontiguousarray(w.head.dequantize().T)
+    return mats, head
+
+
+def roofline(mats, head, rows: int, head_rows: int = 1):
+    """A function running the bare GEMM chain (rows x in) @ (in x out) over the weights, with out= buffers."""
+    xs = {m.shape[0]: np.ones((rows, m.shape[0]), np.float32) for m in mats}
+    ys = {m.shape: np.empty((rows, m.shape[1]), np.float32) for m in mats}
+    hx = np.ones((head_rows, head.shape[0]), np.float32)
+    logits = np.empty((head_rows, head.shape[1]), np.float32)
+
+    def chain():
+        for m in mats:
+            np.matmul(xs[m.shape[0]], m, out=ys[m.shape])
+        np.matmul(hx, head, out=logits)
+    return chain
+
+
+def _fit_exponent(xs, ys) -> float:
+    return float(np.polyfit(np.log(xs), np.log(ys), 1)[0])
+
+
+def run(args) -> int:
+    from pyengine.engine.model_runner import ModelRunner
+    from pyengine.layers.attention import flash_attention, grouped_attention
+    from pyengine.model_files import resolve_model
+
+    skip = set(filter(None, args.skip.split(",")))
+    contexts = [int(c) for c in args.contexts.split(",") if c]
+    path = resolve_model(args.model)
+    max_len = max([args.prefill_tokens + 8, args.decode_tokens + 32] + [c + 8 for c in contexts])
+    print(f"model {os.path.basename(path)}; cpu_count {os.cpu_count()}; numpy {np.__version__}; "
+          f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')} "
+          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
+    t = time.perf_counter()
+    runner = ModelRunner(path, max_model_len=max_len, max_num_batched_tokens=max(args.prefill_tokens, max(contexts)),
+                         max_num_seqs=1, weights_mode=args.weights)
+    print(f"load {time.perf_counter() - t:.1f} s; weights ({args.weights}) {runner.weights.nbytes / 2**20:.0f} MiB")
+    print(runner.arena.summary())
+    rng = np.random.default_rng(0)
+    vocab = runner.config.vocab_size
+    mats, head = _layer_mats(runner)
+
+    if "prefill" not in skip:
+        n = args.prefill_tokens
+        prompt = rng.integers(0, vocab, n)
+        batch = runner.contiguous_batch(prompt, 0)
+        runner.run(batch)
+        t_engine = _median_time(lambda: runner.run(batch), args.repeat)
+        chain = roofline(mats, head, n)
+        chain()
+        t_roof = _median_time(chain, args.repeat)
+        print(f"\nprefill {n} tokens: {n / t_engine:8.1f} tok/s ({t_engine * 1e3:.0f} ms) | roofline "
+              f"{n / t_roof:8.1f} tok/s ({t_roof * 1e3:.0f} ms) | ratio {t_roof / t_engine:.2f} (target: >= 400 tok/s)")
+
+    if "decode" not in skip:
+        n = args.decode_tokens
+        prompt = list(rng.integers(0, vocab, 16))
+        logits = runner.run(runner.contiguous_batch(prompt, 0))
+        steps = []
+        pos = len(prompt)
+        for _ in range(n):
+            tok = int(np.argmax(logits[0]))
+            b = runner.contiguous_batch([tok], pos)
+            t = time.perf_counter()
+            logits = runner.run(b)
+            steps.append(time.perf_counter() - t)
+            pos += 1
+        t_step = float(np.median(steps))
+        chain = roofline(mats, head, 1)
+        chain()
+        t_roof = float(np.median([_median_time(chain, 1) for _ in range(max(8, args.repeat))]))
+        print(f"decode {n} tokens: {1 / t_step:8.1f} tok/s ({t_step * 1e3:.1f} ms/step, median; mean "
+              f"{np.mean(steps) * 1e3:.1f}) | roofline {1 / t_roof:8.1f} tok/s ({t_roof * 1e3:.1f} ms) | "
+              f"ratio {t_roof / t_step:.2f} (target: >= 0.8, ~30 tok/s)")
+        if args.profile:
+            prof = cProfile.Profile()
+            batches = [runner.contiguous_batch([1], pos + i) for i in range(16)]
+            prof.enable()
+            for b in batches:
+                runner.run(b)
+            prof.disable()
+            s = io.StringIO()
+            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(12)
+            print(s.getvalue())
+
+    if "kv" not in skip:
+        print("\nKV cache: ms per decode step at context L (with cache: append 1 token and attend; "
+              "without: recompute all L tokens)")
+        print(f"{'L':>6} {'cache ms':>10} {'no-cache ms':>12} {'speedup':>8}")
+        cached, recomputed = [], []
+        for L in contexts:
+            prompt = rng.integers(0, vocab, L)
+            runner.run(runner.contiguous_batch(prompt[:L - 1], 0))
+            step = runner.contiguous_batch(prompt[L - 1:], L - 1)
+            t_c = _median_time(lambda: runner.run(step), max(5, args.repeat))
+            full = runner.contiguous_batch(prompt, 0)
+            t_n = _median_time(lambda: runner.run(full), max(1, args.repeat - 1))
+            cached.append(t_c)
+            recomputed.append(t_n)
+            print(f"{L:>6} {t_c * 1e3:>10.1f} {t_n * 1e3:>12.1f} {t_n / t_c:>8.1f}")
+        if len(contexts) >= 2:
+            a, b = _fit_exponent(contexts, cached), _fit_exponent(contexts, recomputed)
+            print(f"growth exponent per step: with cache {a:.2f}, without {b:.2f}; per generated sequence of "
+                  f"length L (sum over steps): ~{a + 1:.2f} vs ~{b + 1:.2f} (linear vs quadratic)")
+
+    if "flash" not in skip:
+        c = runner.config
+        T = args.flash_tokens
+        q = rng.standard_normal((T, c.n_heads, c.head_dim)).astype(np.float32)
+        k = rng.standard_normal((T, c.n_kv_heads, c.head_dim)).astype(np.float32)
+        v = rng.standard_normal((T, c.n_kv_heads, c.head_dim)).astype(np.float32)
+        out = np.empty_like(q)
+        results = {}
+        for name, fn in (("plain", lambda: grouped_attention(q, k, v, out=out)),
+                         ("flash", lambda: flash_attention(q, k, v, out=out))):
+            tracemalloc.start()
+            t = time.perf_counter()
+            fn()
+            dt = time.perf_counter() - t
+            peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+            results[name] = (peak, dt, out.copy())
+        err = float(np.abs(results["plain"][2] - results["flash"][2]).max())
+        print(f"\nattention for one {T}-token prefill (one layer, H={c.n_heads}, Hkv={c.n_kv_heads}): "
+              f"plain peak {results['plain'][0] / 2**20:.1f} MiB, {results['plain'][1] * 1e3:.0f} ms | flash "
+              f"peak {results['flash'][0] / 2**20:.1f} MiB, {results['flash'][1] * 1e3:.0f} ms | "
+              f"memory ratio {results['plain'][0] / max(1, results['flash'][0]):.0f}x | max |diff| {err:.1e}")
+    return 0

@@ -1,0 +1,90 @@
+"""S03: RMSNorm, RoPE and SwiGLU against direct float64 formulas, and the GGUF Q/K row permutation."""
+import math
+
+import numpy as np
+import pytest
+
+from pyengine.layers.activation import silu, swiglu
+from pyengine.layers.norm import rms_norm
+from pyengine.layers.rotary import (apply_rope, apply_rope_interleaved, interleaved_to_half, rope_cos_sin,
+                                    rope_inv_freq)
+
+RNG = np.random.default_rng(0)
+
+
+def test_rms_norm():
+    x = RNG.standard_normal((5, 576)).astype(np.float32) * 3
+    w = RNG.standard_normal(576).astype(np.float32)
+    x64 = x.astype(np.float64)
+    want = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-5) * w
+    out = np.empty_like(x)
+    assert rms_norm(x, w, 1e-5, out=out) is out
+    assert np.abs(out - want).max() < 1e-5
+
+
+def test_silu_and_swiglu():
+    x = np.concatenate([RNG.standard_normal(1000) * 5, [-1e4, -100.0, 0.0, 100.0, 1e4]]).astype(np.float32)
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float64) / (1 + np.exp(-x.astype(np.float64)))
+    got = silu(x)
+    assert np.all(np.isfinite(got)) and np.allclose(got, want, rtol=1e-5, atol=1e-6)
+    gu = RNG.standard_normal((3, 2 * 8)).astype(np.float32)
+    g, u = gu[:, :8].astype(np.float64), gu[:, 8:].astype(np.float64)
+    assert np.allclose(swiglu(gu), g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-6)
+
+
+def test_rope_is_a_rotation_with_the_expected_angles():
+    inv = rope_inv_freq(64, 100000.0)
+    assert inv[0] == 1.0 and math.isclose(inv[1], 100000.0 ** (-2 / 64))
+    cos, sin = rope_cos_sin(np.array([0, 7]), inv)
+    x = RNG.standard_normal((2, 3, 64)).astype(np.float32)
+    y = apply_rope(x, cos, sin)
+    assert np.allclose(y[0], x[0])                                   # position 0: identity
+    assert np.allclose(np.linalg.norm(y, axis=-1), np.linalg.norm(x, axis=-1), rtol=1e-5)
+    # dims (i, i+32) of position 7 are rotated by 7 * inv[i]
+    a = 7 * inv[5]
+    assert np.allclose(y[1, :, 5], x[1, :, 5] * math.cos(a) - x[1, :, 37] * math.sin(a), atol=1e-5)
+    assert np.allclose(y[1, :, 37], x[1, :, 37] * math.cos(a) + x[1, :, 5] * math.sin(a), atol=1e-5)
+
+
+def test_relative_position_property():
+    """q·k after RoPE depends only on the distance between positions."""
+    inv = rope_inv_freq(64, 10000.0)
+    q = RNG.standard_normal((1, 1, 64)).astype(np.float32)
+    k = RNG.standard_normal((1, 1, 64)).astype(np.float32)
+    dots = []
+    for p in (3, 40, 500):
+        cq, sq = rope_cos_sin(np.array([p + 5]), inv)
+        ck, sk = rope_cos_sin(np.array([p]), inv)
+        dots.append(float((apply_rope(q, cq, sq) * apply_rope(k, ck, sk)).sum()))
+    assert np.allclose(dots, dots[0], rtol=1e-4)
+
+
+def test_gguf_permutation_maps_interleaved_to_half():
+    """GGUF rows are permuted for interleaved RoPE; after interleaved_to_half, half-split RoPE gives the same
+    q·k as interleaved RoPE on the GGUF rows (what llama.cpp computes)."""
+    n_heads, hd, d = 3, 64, 16
+    w = RNG.standard_normal((n_heads * hd, d)).astype(np.float32)
+    x = RNG.standard_normal((4, d)).astype(np.float32)
+    cos, sin = rope_cos_sin(np.arange(4) * 11, rope_inv_freq(hd, 10000.0))
+    inter = apply_rope_interleaved((x @ w.T).reshape(4, n_heads, hd), cos, sin)
+    half = apply_rope((x @ interleaved_to_half(w, n_heads).T).reshape(4, n_heads, hd), cos, sin)
+    # the same vectors up to a fixed permutation of dims: (0,2,4,..,1,3,..)
+    perm = np.concatenate([np.arange(0, hd, 2), np.arange(1, hd, 2)])
+    assert np.allclose(half, inter[..., perm], atol=1e-4)
+    assert np.allclose(np.einsum("thd,shd->hts", half, half), np.einsum("thd,shd->hts", inter, inter), atol=1e-3)
+
+
+def test_rope_scaling():
+    base = rope_inv_freq(64, 500000.0)
+    assert np.allclose(rope_inv_freq(64, 500000.0, "linear", 4.0), base / 4)
+    l3 = rope_inv_freq(64, 500000.0, "llama3", 8.0, orig_context=8192)
+    wavelen = 2 * np.pi / base
+    hi, lo = wavelen < 8192 / 4, wavelen > 8192 / 1
+    assert hi.any() and lo.any()
+    assert np.allclose(l3[hi], base[hi]) and np.allclose(l3[lo], base[lo] / 8)
+    mid = ~hi & ~lo
+    assert np.all((l3[mid] < base[mid]) & (l3[mid] > base[mid] / 8))      # interpolated band
+    assert np.allclose(rope_inv_freq(64, 500000.0, freq_factors=np.full(32, 2.0)), base / 2)
+    with pytest.raises(ValueError, match="yarn"):
+        rope_inv_freq(64, 10000.0, "yarn", 4.0)

@@ -121,7 +121,13 @@ def test_corrupt_file_shows_error_and_page_keeps_working(loaded, server):
         catch (e) { return e.message; }
     }""")
     assert "magic" in message2.lower() or "GGUF" in message2, message2
-    # The previous model still serves both engines.
+    # The Python worker keeps its previous model when a load fails: it generates right away.
+    r = _js(page, """async () => window.pyengineDemo.generate(
+        {engine: 'python', prompt: 'The capital of France is', maxTokens: 4, temperature: 0})""")
+    assert len(r["tokenIds"]) == 4, r
+    # And the page as a whole keeps working: load the good model again, both engines generate.
+    _js(page, "() => window.pyengineDemo.loadModel('./model/default.gguf')")
+    assert page.is_hidden("#error")
     for name in ENGINES:
         r = _js(page, """async (engine) => window.pyengineDemo.generate(
             {engine, prompt: 'The capital of France is', maxTokens: 4, temperature: 0})""", name)

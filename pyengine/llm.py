@@ -61,7 +61,8 @@ class LLM:
 
     def chat_prompt(self, conversation: list[dict], add_generation_prompt: bool = True) -> str:
         """The conversation rendered by the tokenizer's chat template (text, special tokens inline)."""
-        self._conversations(conversation)
+        if len(self._conversations(conversation)) != 1:
+            raise ValueError("chat_prompt takes one conversation (a list of message dicts)")
         return self.get_tokenizer().apply_chat_template(
             conversation, add_generation_prompt=add_generation_prompt, tokenize=False)
 
@@ -222,7 +223,7 @@ class TextStream:
 
     def __next__(self) -> str:
         box = self._llm._inbox.get(self.request_id)
-        while not self.done:
+        while True:
             while box:
                 self.output = box.popleft()
                 if self.output.finished:
@@ -231,22 +232,15 @@ class TextStream:
                 delta = self.output.outputs[0].delta_text
                 if delta:
                     return delta
-                if self.done:
-                    break
             if self.done:
-                break
+                raise StopIteration
+            if not self._llm.llm_engine.has_unfinished_requests():
+                raise RuntimeError(f"request {self.request_id} vanished from the engine before finishing")
             try:
                 self._llm._step()
-            except BaseException:
+            except BaseException:      # Ctrl-C or an engine error: withdraw the request
                 self.close()
                 raise
-        raise StopIteration
-
-    def text(self) -> str:
-        """Run to the end and return the whole completion text."""
-        for _ in self:
-            pass
-        return self.output.outputs[0].text
 
     def close(self) -> None:
         if not self.done:

@@ -6,7 +6,8 @@ from pyengine.arena import ALIGNMENT, Arena, plan_nbytes, spec
 
 
 def test_views_are_aligned_disjoint_and_share_the_buffer():
-    specs = [spec("act.x", (3, 5)), spec("act.ids", 7, np.int64), spec("kv.k", (2, 4, 3)), spec("b.bytes", 13, np.uint8)]
+    specs = [spec("act.x", (3, 5)), spec("act.ids", 7, np.int64), spec("kv.k", (2, 4, 3)),
+             spec("b.bytes", 13, np.uint8)]
     arena = Arena.from_specs(specs)
     assert arena.nbytes == plan_nbytes(specs)
     views = [arena[s.name] for s in specs]

@@ -67,7 +67,7 @@ def run_repl(monkeypatch, capsys, llm, lines, interrupt_turns=()):
     monkeypatch.setattr(chat_cli, "load_llm", lambda args: llm)
     monkeypatch.setattr(llm, "stream", spy)
     monkeypatch.setattr(sys, "stdin", io.StringIO("".join(line + "\n" for line in lines)))
-    rc = main(["chat", "--temperature", "0", "--max-tokens", "8", "--system", "Be brief."])
+    rc = main(["chat", "--temperature", "0", "--max-tokens", "6", "--system", "Be brief."])
     out, err = capsys.readouterr()
     return rc, out, err, spy
 

@@ -263,3 +263,15 @@ def test_metrics_and_stats():
     assert st["generation_tokens"] == sum(len(o.outputs[0].token_ids) for o in final.values())
     assert st["prompt_tokens"] == sum(len(o.prompt_token_ids) for o in final.values())
     assert st["running"] == st["waiting"] == 0 and st["total_blocks"] == 64
+
+
+def test_priority_orders_service_through_the_engine():
+    eng = make_engine(max_num_seqs=1, max_num_batched_tokens=64, aging_steps=10**6)
+    order = []
+    for rid, prio in (("low", 3), ("mid", 1), ("high", -2), ("mid2", 1)):
+        eng.add_request(rid, {"prompt_token_ids": [1, 2, 3]}, greedy(3, ignore_eos=True), priority=prio)
+    while eng.has_unfinished_requests():
+        order += [o.request_id for o in eng.step() if o.finished]
+    assert order == ["high", "mid", "mid2", "low"]
+    with pytest.raises(ValueError, match="priority"):
+        eng.add_request("x", "ab", greedy(2), priority="urgent")

@@ -98,7 +98,7 @@ def test_sixteen_concurrent_equal_alone_and_hf(runner):
 
 def test_prefix_cached_equals_uncached(runner):
     tok = runner.tokenizer
-    system = tok.apply_chat_template([{"role": "system", "content": "You are a careful assistant. " * 8}],
+    system = tok.apply_chat_template([{"role": "system", "content": "You are a careful assistant. " * 16}],
                                      add_generation_prompt=False)
     prompts = [system + f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n" for q in OTHER_PROMPTS[:3]]
     eng = engine(runner, enable_prefix_caching=True)

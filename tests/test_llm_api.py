@@ -1,6 +1,5 @@
 """`LLM` mechanics against the engine with a fake model runner (tests/engine_fakes.py), whose greedy
 output has an engine-free reference. The real-model behaviour is in test_llm_model.py."""
-import numpy as np
 import pytest
 
 from engine_fakes import EOS, FakeRunner, FakeTokenizer, reference_greedy
@@ -131,3 +130,11 @@ def test_chat_requires_messages():
     for bad in ([], [{"role": "user"}], [{"content": "hi"}], "hi", [[]]):
         with pytest.raises(ValueError, match="message|conversation"):
             llm.chat(bad)
+
+
+def test_progress_on_stderr(capsys):
+    llm = make_llm()
+    outs = llm.generate(["abc", "de", "f"], GREEDY, use_tqdm=True)
+    err = capsys.readouterr().err
+    assert "Processed prompts: 0/3" in err and "Processed prompts: 3/3" in err
+    assert f"({sum(len(o.outputs[0].token_ids) for o in outs)} tokens" in err

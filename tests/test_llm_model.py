@@ -80,8 +80,11 @@ def test_chat_uses_the_template(llm):
     assert outs[0].prompt.endswith("<|im_start|>assistant\n")
     assert "Paris" in outs[0].outputs[0].text
     assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
-    # a finished chat reply ends at <|im_end|> without showing it
-    assert "<|im_end|>" not in outs[0].outputs[0].text
+    # the reply ends at <|im_end|> (a stop id of the tokenizer) without showing it
+    comp = outs[0].outputs[0]
+    im_end = llm.get_tokenizer().token_to_id("<|im_end|>")
+    assert (comp.finish_reason, comp.stop_reason, comp.token_ids[-1]) == ("stop", im_end, im_end)
+    assert "<|im_end|>" not in comp.text and comp.text.endswith("Paris.")
 
 
 def test_prompt_longer_than_context(llm):

@@ -140,7 +140,9 @@ def test_shuffled_block_tables_equal_contiguous(runner, golden):
             b2 = ForwardBatch(np.array(ids[split:]), np.arange(split, len(ids)), [rest], [len(ids)], [table],
                               np.array([rest - 1]))
             logits = runner.run(b2)
-        assert np.abs(logits - contiguous).max() <= 1e-4 if split < len(ids) else 1e-6
+        # same GEMM shapes -> exact up to 1e-6; a chunked prefill changes GEMM shapes (BLAS rounding)
+        tol = 1e-6 if split == len(ids) else 1e-4
+        assert np.abs(logits - contiguous).max() <= tol, split
 
 
 def test_ragged_batch_equals_each_alone(runner, golden):

@@ -20,14 +20,14 @@ from pyengine.server.app import create_app
 from pyengine.server.runner import ServerThread
 
 N_STREAMS = 200
-CONCURRENCY = 16
+CONCURRENCY = 32
 
 
 @pytest.fixture(scope="module")
 def engine():
     from pyengine.engine.llm_engine import LLMEngine
 
-    return LLMEngine(default_model_path(), max_model_len=512, max_num_seqs=32)
+    return LLMEngine(default_model_path(), max_model_len=512, max_num_seqs=CONCURRENCY)
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +51,10 @@ def test_200_random_disconnects_free_everything(server):
     rng = random.Random(20)
     plan = []
     for i in range(N_STREAMS):
-        kind = rng.choice(["before-headers", "after-headers", "after-events"])
-        plan.append((kind, rng.randint(1, 6), rng.uniform(0.0, 0.3), f"Request {i}: tell me about {rng.random()}"))
+        # cut at a random moment (often before the first token: waiting or mid-prefill), right after
+        # the response headers, or after 1-3 streamed tokens
+        kind = rng.choice(["at-random-time", "after-headers", "after-events"])
+        plan.append((kind, rng.randint(1, 3), rng.uniform(0.0, 1.0), f"Story {i % 7}: {rng.random():.6f}"))
 
     async def one(client, sem, kind, events, delay, prompt):
         body = {"model": "smol", "prompt": prompt, "max_tokens": 200, "ignore_eos": True, "stream": True}
@@ -69,7 +71,7 @@ def test_200_random_disconnects_free_everything(server):
                             if seen >= events:
                                 return seen   # leaving the block closes the connection mid-stream
                     return seen
-            if kind == "before-headers":
+            if kind == "at-random-time":
                 try:
                     return await asyncio.wait_for(call(), timeout=delay)
                 except asyncio.TimeoutError:
@@ -85,7 +87,7 @@ def test_200_random_disconnects_free_everything(server):
     t0 = time.monotonic()
     seen = asyncio.run(asyncio.wait_for(run_all(), timeout=240))
     assert time.monotonic() - t0 < 240
-    assert sum(1 for s in seen if s > 0) >= N_STREAMS // 4        # many really were cut mid-stream
+    assert sum(1 for s in seen if s > 0) >= N_STREAMS // 5        # many really were cut mid-stream
     wait_idle(server.engine)
     assert not server.engine.has_unfinished_requests()
     assert server.engine.num_used_blocks() == 0

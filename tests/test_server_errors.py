@@ -15,7 +15,6 @@ import jsonschema
 import pytest
 
 from pyengine.engine.outputs import CompletionOutput, RequestOutput
-from pyengine.sampling_params import SamplingParams
 from pyengine.server.app import create_app
 from pyengine.server.runner import ServerThread
 
@@ -286,3 +285,34 @@ def test_n_and_multiple_prompts_numbering(client):
     assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
     assert [c["text"] for c in body["choices"]] == ["abc", "abc", "xyz", "xyz"]
     assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 12, "total_tokens": 18}
+
+
+class FlakyEngine(FakeEngine):
+    """Its next step raises once `fail_next` is set (an engine bug, say)."""
+    fail_next = False
+
+    def step(self):
+        if self.fail_next:
+            self.fail_next = False
+            for rid in list(self.requests):
+                self.abort_request(rid)
+            raise RuntimeError("kaboom")
+        return super().step()
+
+
+def test_engine_failure_is_500_and_server_recovers():
+    engine = FlakyEngine()
+    with ServerThread(create_app(engine, model_id="m")) as srv:
+        engine.fail_next = True
+        err = check_error(httpx.post(srv.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 3}), 500)
+        assert err["type"] == "server_error" and "kaboom" in err["message"]
+        engine.fail_next = True
+        with httpx.stream("POST", srv.url + "/v1/completions",
+                          json={"prompt": "abc", "max_tokens": 3, "stream": True}) as r:
+            assert r.status_code == 200     # headers were sent before the engine failed
+            events = [e for e in r.read().decode().split("\n\n") if e]
+        assert events[-1] == "data: [DONE]"
+        jsonschema.validate(json.loads(events[-2].removeprefix("data: ")), ERROR_SCHEMA)
+        ok = httpx.post(srv.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 3})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "abc"
+        assert httpx.get(srv.url + "/health").json() == {"status": "ok"}

@@ -12,6 +12,8 @@ import asyncio
 import json
 import pathlib
 import re
+import shutil
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -172,6 +174,29 @@ def test_greedy_matches_transformers_async_concurrent(server):
     for (_, use), case in zip(got, [c for c in cases for _ in range(2)]):
         n = len(case["prompt_ids"])
         assert (use.prompt_tokens, use.completion_tokens, use.total_tokens) == (n, k, n + k)
+
+
+def test_curl_n_streams_chat_tokens_as_they_come(server):
+    """`curl -N` (no buffering) sees the chat deltas line by line, spread in time, before [DONE]."""
+    curl = shutil.which("curl")
+    if curl is None:
+        pytest.skip("curl not installed")
+    body = json.dumps({"model": server.model_id, "messages": [{"role": "user", "content": "Tell me a story."}],
+                       "max_tokens": 6, "temperature": 0, "ignore_eos": True, "stream": True})
+    proc = subprocess.Popen([curl, "-sN", server.url + "/v1/chat/completions", "-H",
+                             "content-type: application/json", "-d", body], stdout=subprocess.PIPE, text=True)
+    lines = []
+    for line in proc.stdout:   # read as curl prints, with arrival times
+        if line.strip():
+            lines.append((time.perf_counter(), line.strip()))
+    assert proc.wait(timeout=120) == 0
+    assert lines[-1][1] == "data: [DONE]"
+    deltas = [(t, json.loads(ln.removeprefix("data: "))["choices"][0]["delta"].get("content"))
+              for t, ln in lines[:-1]]
+    with_text = [(t, d) for t, d in deltas if d]
+    assert len(with_text) >= 4
+    gaps = [b[0] - a[0] for a, b in zip(with_text, with_text[1:])]
+    assert sum(g > 1e-3 for g in gaps) >= 3      # they came one engine step apart, not in one burst
 
 
 def test_async_chat_stream(server):

@@ -73,7 +73,8 @@ CASES = [
     (["a", IM_END, "b"], dict(max_tokens=3), "a", "stop", IM_END),                 # chat end token is a stop id
     (["a", IM_END, "b"], dict(max_tokens=3, skip_special_tokens=False, stop="<|im_end|>", eos=(EOS,)), "a", "stop",
      "<|im_end|>"),
-    (["a", IM_END, "b"], dict(max_tokens=3, skip_special_tokens=True, stop="<|im_end|>", eos=(EOS,)), "ab", "length", None),
+    (["a", IM_END, "b"], dict(max_tokens=3, skip_special_tokens=True, stop="<|im_end|>", eos=(EOS,)), "ab", "length",
+     None),
 ]
 
 
@@ -125,7 +126,8 @@ def test_helpers():
 TEXTS = [
     "The capital of France is Paris. It is known for the Eiffel Tower and the Louvre museum.",
     "def add(a, b):\n    return a + b\n\n\nprint(add(2, 3))  # 5\n",
-    "Caf\u00e9 cr\u00e8me br\u00fbl\u00e9e \u2014 na\u00efve \u00fcber \u65e5\u672c\u8a9e\u306e\u6587 \U0001F600\U0001F680 done.",
+    "Caf\u00e9 cr\u00e8me br\u00fbl\u00e9e \u2014 na\u00efve \u00fcber "
+    "\u65e5\u672c\u8a9e\u306e\u6587 \U0001F600\U0001F680 done.",
     "User: hi\nAssistant: Hello! How can I help you today?\nUser: ###\nAssistant:",
 ]
 

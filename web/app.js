@@ -8,6 +8,7 @@
 //                            -> {tokenIds, text, tokensPerSecond, finishReason, ttftMs, tokenMs}
 //   cancel(engine)           stops that engine's running generation (its promise resolves, finishReason "abort")
 //   state()                  {python: {status, info, error}, ts: {...}}
+//   stats(engine)            Python worker only: {wasmBytes, wasmPeakBytes, jsHeapBytes} (null for others)
 const cfg = Object.assign({ defaultModel: null, pyodide: null, vendor: "./vendor/", tsWorker: "./ts-mini/worker.js" },
                           window.PYENGINE_CONFIG || {});
 const query = new URLSearchParams(location.search);
@@ -110,6 +111,9 @@ class EngineClient {
         updateButtons();
         break;
       }
+      case "stats":        // extension of the Python worker: its wasm memory figures
+        if (this.statsWaiter) { this.statsWaiter(msg); this.statsWaiter = null; }
+        break;
       case "error": {
         const message = `${ENGINES[this.name].label}: ${msg.message}`;
         if (msg.id != null && this.running.has(msg.id)) {
@@ -119,6 +123,8 @@ class EngineClient {
         } else if (this.loadWaiter) {
           this.loadWaiter.reject(new Error(message));
           this.loadWaiter = null;
+          // Only a worker that says so (modelKept) still has its previous model; otherwise it has none.
+          if (!msg.modelKept) this.info = null;
           this.setStatus(this.info ? `${describeInfo(this.info)} (previous model kept)` : "no model loaded");
           this.status = this.info ? "ready" : "idle";
         } else if (this.status === "starting") {
@@ -163,6 +169,11 @@ class EngineClient {
     });
     updateButtons();
     return done;
+  }
+
+  stats() {
+    if (this.name !== "python") return Promise.resolve(null);
+    return new Promise((resolve) => { this.statsWaiter = resolve; this.worker.postMessage({ type: "stats" }); });
   }
 
   cancel() {
@@ -345,6 +356,7 @@ window.pyengineDemo = {
     return e.generate(opts);
   },
   cancel: (engine) => { (engine ? [engines[engine]] : Object.values(engines)).forEach((e) => e && e.cancel()); },
+  stats: (engine) => (engines[engine || "python"] ? engines[engine || "python"].stats() : Promise.resolve(null)),
   state: () => Object.fromEntries(Object.entries(engines).map(([k, e]) =>
     [k, { status: e.status, info: e.info, error: e.error, running: e.running.size }])),
 };

@@ -66,6 +66,9 @@ class WorkerSession:
         self.requests[req_id] = {"t0": time.perf_counter(), "t_first": None, "n": 0}
         return len(self.engine.requests[req_id].prompt_token_ids)
 
+    def has_model(self) -> bool:
+        return self.engine is not None
+
     def has_work(self) -> bool:
         return self.engine is not None and self.engine.has_unfinished_requests()
 

@@ -150,7 +150,13 @@ function cancel(msg) {
 self.onmessage = async (e) => {
   const msg = e.data || {};
   try {
-    if (msg.type === "load") await load(msg);
+    if (msg.type === "load") {
+      try { await load(msg); } catch (err) {
+        // Extension: modelKept says the previous model still serves (pyworker replaces it only on success).
+        console.error(err);
+        post({ type: "error", message: readable(err), modelKept: !!session && session.has_model() });
+      }
+    }
     else if (msg.type === "generate") await generate(msg);
     else if (msg.type === "cancel") cancel(msg);
     else if (msg.type === "stats") post({ type: "stats", wasmBytes: wasmBytes(), wasmPeakBytes: peakWasm, jsHeapBytes: jsHeap() });

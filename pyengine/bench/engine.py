@@ -36,12 +36,26 @@ def add_arguments(p) -> None:
 
 
 def _median_time(fn, repeat: int) -> float:
-    times = []
+    return _median_times(fn, repeat)[0]
+
+
+def _median_times(fn, repeat: int) -> tuple[float, float]:
+    """Median wall-clock and process-CPU seconds of ``fn()``. With one BLAS thread on a shared machine the
+    CPU time is the steadier figure (it excludes time spent waiting for a core)."""
+    wall, cpu = [], []
     for _ in range(repeat):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         fn()
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
+        wall.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - c)
+    return float(np.median(wall)), float(np.median(cpu))
+
+
+def _load() -> str:
+    try:
+        return "load average " + " ".join(f"{x:.1f}" for x in os.getloadavg())
+    except (AttributeError, OSError):      # not on every platform (e.g. Pyodide)
+        return "load average n/a"
 
 
 def _layer_mats(runner):
@@ -84,7 +98,8 @@ def run(args) -> int:
     max_len = max([args.prefill_tokens + 8, args.decode_tokens + 32] + [c + 8 for c in contexts])
     print(f"model {os.path.basename(path)}; cpu_count {os.cpu_count()}; numpy {np.__version__}; "
           f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')} "
-          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
+          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}; {_load()}")
+    print("(numpy's BLAS picks its own thread count; on a busy machine OPENBLAS_NUM_THREADS=1 is steadier)")
     t = time.perf_counter()
     runner = ModelRunner(path, max_model_len=max_len, max_num_batched_tokens=max(args.prefill_tokens, max(contexts)),
                          max_num_seqs=1, weights_mode=args.weights)
@@ -99,33 +114,39 @@ def run(args) -> int:
         prompt = rng.integers(0, vocab, n)
         batch = runner.contiguous_batch(prompt, 0)
         runner.run(batch)
-        t_engine = _median_time(lambda: runner.run(batch), args.repeat)
+        t_engine, c_engine = _median_times(lambda: runner.run(batch), args.repeat)
         chain = roofline(mats, head, n)
         chain()
-        t_roof = _median_time(chain, args.repeat)
+        t_roof, c_roof = _median_times(chain, args.repeat)
         print(f"\nprefill {n} tokens: {n / t_engine:8.1f} tok/s ({t_engine * 1e3:.0f} ms) | roofline "
               f"{n / t_roof:8.1f} tok/s ({t_roof * 1e3:.0f} ms) | ratio {t_roof / t_engine:.2f} (target: >= 400 tok/s)")
+        print(f"  cpu time: engine {c_engine * 1e3:.0f} ms = {n / c_engine:.0f} tok/s, roofline {c_roof * 1e3:.0f} ms, "
+              f"ratio {c_roof / c_engine:.2f}")
 
     if "decode" not in skip:
         n = args.decode_tokens
         prompt = list(rng.integers(0, vocab, 16))
         logits = runner.run(runner.contiguous_batch(prompt, 0))
-        steps = []
+        steps, cpus = [], []
         pos = len(prompt)
         for _ in range(n):
             tok = int(np.argmax(logits[0]))
             b = runner.contiguous_batch([tok], pos)
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             logits = runner.run(b)
             steps.append(time.perf_counter() - t)
+            cpus.append(time.process_time() - c)
             pos += 1
-        t_step = float(np.median(steps))
+        t_step, c_step = float(np.median(steps)), float(np.median(cpus))
         chain = roofline(mats, head, 1)
         chain()
-        t_roof = float(np.median([_median_time(chain, 1) for _ in range(max(8, args.repeat))]))
+        t_roof, c_roof = _median_times(chain, max(16, args.repeat))
         print(f"decode {n} tokens: {1 / t_step:8.1f} tok/s ({t_step * 1e3:.1f} ms/step, median; mean "
               f"{np.mean(steps) * 1e3:.1f}) | roofline {1 / t_roof:8.1f} tok/s ({t_roof * 1e3:.1f} ms) | "
               f"ratio {t_roof / t_step:.2f} (target: >= 0.8, ~30 tok/s)")
+        glue = (c_step - c_roof) * 1e3 / runner.config.n_layers
+        print(f"  cpu time: engine {c_step * 1e3:.1f} ms/step = {1 / c_step:.1f} tok/s, roofline "
+              f"{c_roof * 1e3:.1f} ms, ratio {c_roof / c_step:.2f}; non-GEMM work ~{glue:.2f} ms per layer")
         if args.profile:
             prof = cProfile.Profile()
             batches = [runner.contiguous_batch([1], pos + i) for i in range(16)]
@@ -179,4 +200,5 @@ def run(args) -> int:
               f"plain peak {results['plain'][0] / 2**20:.1f} MiB, {results['plain'][1] * 1e3:.0f} ms | flash "
               f"peak {results['flash'][0] / 2**20:.1f} MiB, {results['flash'][1] * 1e3:.0f} ms | "
               f"memory ratio {results['plain'][0] / max(1, results['flash'][0]):.0f}x | max |diff| {err:.1e}")
+    print(_load())
     return 0

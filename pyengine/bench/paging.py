@@ -111,14 +111,27 @@ def bench_waste(args) -> None:
     print(f"  paged, 16-token blocks:                          {100 * r['waste_paged']:5.1f}% wasted")
     ratio = r["waste_slab_max_len"] / max(r["waste_paged"], 1e-9)
     _line("max-length slabs waste / paged waste", f"{100 * r['waste_paged']:.1f}% vs "
-          f"{100 * r['waste_slab_max_len']:.1f}%", ratio, "< 4% pg", r["waste_paged"] < 0.04)
+          f"{100 * r['waste_slab_max_len']:.1f}%", ratio, "paged<4%", r["waste_paged"] < 0.04)
 
 
 # --- engine helpers --------------------------------------------------------------------------------
+def _runner(args):
+    """One ModelRunner (weights, arena, KV pool) shared by every engine of this run: each engine has its own
+    BlockManager, and a block's contents only mean something through the current engine's block tables."""
+    if getattr(args, "_runner", None) is None:
+        from pyengine.engine.model_runner import ModelRunner
+        from pyengine.model_files import resolve_model
+        longest = max(2048, args.long_prompt + 16, args.system_tokens + 64)
+        args._runner = ModelRunner(resolve_model(args.model), max_model_len=longest,
+                                   max_num_batched_tokens=max(2048, args.long_prompt + args.decoders),
+                                   max_num_seqs=max(args.concurrency, args.decoders + 1, 8))
+    return args._runner
+
+
 def _engine(args, **kw):
     from pyengine.engine.llm_engine import LLMEngine
     kw.setdefault("max_model_len", 2048)
-    return LLMEngine(model=args.model, seed=args.seed, **kw)
+    return LLMEngine(runner=_runner(args), seed=args.seed, **kw)
 
 
 def _token_prompt(rng, n: int, lo: int = 1000, hi: int = 30000) -> list[int]:
@@ -144,6 +157,9 @@ def bench_prefix(args) -> None:
     rng = np.random.default_rng(args.seed)
     system = _token_prompt(rng, n_sys)
     eng = _engine(args, max_num_batched_tokens=max(2048, n_sys + 64))
+    # warm-up on unrelated tokens, so the first measured request pays no one-time costs
+    eng.add_request("warm", {"prompt_token_ids": _token_prompt(rng, 32)}, _greedy(2))
+    _run_until_done(eng)
     ttfts = []
     for i in range(k + 1):
         prompt = system + _token_prompt(rng, 16)
@@ -165,7 +181,7 @@ def _batching_workload(args):
     rng = np.random.default_rng(args.seed + 1)
     conc = 8 if args.quick else args.concurrency
     n = 2 * conc if args.quick else args.batch_requests
-    long_out = 64 if args.quick else args.long_output
+    long_out = 32 if args.quick else args.long_output
     prompts = [_token_prompt(rng, int(rng.integers(8, 48))) for _ in range(n)]
     # mixed output lengths: most requests are short, one in four is long (chat-like heavy tail)
     outs = [int(rng.integers(long_out // 2, long_out + 1)) if rng.random() < 0.25 else int(rng.integers(4, 24))
@@ -206,8 +222,8 @@ def bench_batching(args) -> None:
     for _ in range(steps):
         produced += sum(len(o.outputs[0].delta_token_ids) for o in eng.step())
     rate = produced / (time.perf_counter() - t0)
-    _line(f"aggregate decode rate, {conc} sequences", f"{rate:.1f} tok/s", rate / 330.0, ">= 330",
-          rate >= 330.0 and conc >= 32)
+    _line(f"aggregate decode rate, {conc} sequences", f"{rate:.1f} tok/s", rate / 330.0,
+          ">= 330" if conc >= 32 else "(at 32)", rate >= 330.0 and conc >= 32)
 
 
 # --- (d) chunked prefill -------------------------------------------------------------------------------
@@ -243,14 +259,14 @@ def _itl_run(args, budget: int, chunked: bool, long_prompt: list[int], decoder_p
 
 
 def bench_chunked(args) -> None:
-    n_long = 1024 if args.quick else args.long_prompt
+    n_long = 512 if args.quick else args.long_prompt
     rng = np.random.default_rng(args.seed + 2)
     long_prompt = _token_prompt(rng, n_long)
     decoders = [_token_prompt(rng, 16) for _ in range(args.decoders)]
     budget = args.chunk_budget
     if budget is None:
         budget = _calibrate_budget(args, decoders)
-    warm = 10 if args.quick else 24
+    warm = 8 if args.quick else 24
     plain, _ = _itl_run(args, n_long + args.decoders, False, long_prompt, decoders, warm)
     chunk, steps = _itl_run(args, budget, True, long_prompt, decoders, warm)
     print(f"(d) chunked prefill: {args.decoders} decodes running while a {n_long}-token prompt is prefilled "

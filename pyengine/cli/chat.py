@@ -44,6 +44,10 @@ def run(args) -> int:
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict] = list(system)
     if interactive:
+        try:
+            import readline  # noqa: F401  (line editing and history for input(); absent on some platforms)
+        except ImportError:
+            pass
         print("type a message; /reset clears the history, /exit quits", file=sys.stderr)
     while True:
         try:

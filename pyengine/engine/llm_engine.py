@@ -49,7 +49,7 @@ class LLMEngine:
     def __init__(self, model=None, max_model_len: int = 2048, block_size: int = 16, num_blocks: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, max_waiting: int | None = None, *,
-                 runner=None, tokenizer=None, seed: int | None = None, watermark: float = 0.01,
+                 runner=None, tokenizer=None, seed: int | None = None, watermark: float = 0.03,
                  aging_steps: int = 64):
         """``runner``/``tokenizer`` (keyword-only extension): inject any object with the ModelRunner contract
         (tests use a fake one); by default a `ModelRunner` is built for ``model`` (path, bytes, GGUFFile or
@@ -61,6 +61,11 @@ class LLMEngine:
                 model = resolve_model(model)
             runner = ModelRunner(model, max_model_len=max_model_len, num_blocks=num_blocks, block_size=block_size,
                                  max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
+        for name, want in (("max_model_len", max_model_len), ("max_num_batched_tokens", max_num_batched_tokens),
+                           ("max_num_seqs", max_num_seqs)):
+            have = getattr(runner, name, None)
+            if isinstance(have, int) and want > have:
+                raise ValueError(f"{name}={want} exceeds the model runner's {name}={have}")
         if max_waiting is not None and max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0 or None, got {max_waiting}")
         self.runner = runner

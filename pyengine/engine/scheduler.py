@@ -35,7 +35,7 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 max_model_len: int = 2048, enable_chunked_prefill: bool = True, watermark: float = 0.01,
+                 max_model_len: int = 2048, enable_chunked_prefill: bool = True, watermark: float = 0.03,
                  aging_steps: int = 64):
         if max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {max_num_seqs}")

@@ -85,9 +85,6 @@ class StopChecker:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def _decode(self, token_id: int) -> str:
-        return self._detok.add(token_id)
-
     def append(self, token_id: int) -> StopResult:
         """Account for one generated token; returns the newly released text and the finish state."""
         if self.finished:
@@ -97,9 +94,9 @@ class StopChecker:
         if token_id in self.stop_token_ids or token_id in self.eos_token_ids:
             # The stop token's own text is shown only with include_stop_str_in_output (as vLLM).
             if self.params.include_stop_str_in_output:
-                self._held += self._decode(token_id)
+                self._held += self._detok.add(token_id)
             return self.finish("stop", token_id)
-        self._held += self._decode(token_id)
+        self._held += self._detok.add(token_id)
         if self._cut_at_stop_string():
             return self._release_all()
         if self.max_tokens is not None and self.num_tokens >= self.max_tokens:

@@ -7,7 +7,8 @@
 
 Weights: Q|K|V are fused into one matrix and gate|up into one, so a layer is four GEMMs. Matrices are
 stored as (in, out), i.e. transposed from GGUF's (out, in) rows, and applied as ``x @ W``: OpenBLAS runs this
-orientation ~1.4x faster for the decode shapes (1..16 rows), where the other one packs the whole weight. GGUF stores Q/K rows permuted for llama.cpp's interleaved RoPE; we undo that permutation at load
+orientation ~1.4x faster than ``x @ W.T`` for the decode shapes (1..16 rows) and the 49152-wide head.
+GGUF stores Q/K rows permuted for llama.cpp's interleaved RoPE; we undo that permutation at load
 (the same row shuffle works on quantized rows, whose blocks never cross a row) and use half-split RoPE.
 Modes: "resident" dequantizes everything to float32 once (fastest); "lean" keeps the quantized bytes and
 dequantizes one layer at a time into arena scratch just before use (picoLM-style, for 32-bit browsers).
@@ -17,7 +18,6 @@ every fast path is tested against; ``forward`` is the fast paged one (ragged bat
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import numpy as np
@@ -248,7 +248,8 @@ class LlamaModel:
         ]
         if self.weights.mode == "lean":
             w0 = self.weights.layers[0]
-            specs += [spec(f"lean.{n}", getattr(w0, n).shape) for n in ("wqkv", "wo", "w_gate_up", "w_down")]   # (out, in)
+            # (out, in) row scratch for one layer's matrices, reused by every layer
+            specs += [spec(f"lean.{n}", getattr(w0, n).shape) for n in ("wqkv", "wo", "w_gate_up", "w_down")]
             specs.append(spec("lean.head", (min(HEAD_CHUNK_ROWS, c.vocab_size), d)))
         return specs
 

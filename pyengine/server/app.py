@@ -76,6 +76,8 @@ class ServerState:
         limit = self.max_body_bytes
         too_big = P.APIError(413, f"Request body exceeds the limit of {limit} bytes.", code="request_too_large")
         declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > DRAIN_LIMIT:
+            raise too_big
         body = bytearray()
         seen = 0
         async for chunk in request.stream():

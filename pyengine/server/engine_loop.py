@@ -41,6 +41,7 @@ class EngineLoop:
         self._lock: asyncio.Lock | None = None
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
+        self._stopping = False
         self.steps = 0
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -59,14 +60,20 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._task is not None and not self._task.done()
 
-    async def stop(self) -> None:
+    async def stop(self, timeout: float = 30.0) -> None:
+        """End the stepping task after its current step (a step cannot be interrupted, and the engine
+        must not be touched while it runs), then abort everything still registered."""
         if self._task is not None:
-            self._task.cancel()
+            self._stopping = True
+            self._wake.set()
             try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
+                await asyncio.wait_for(asyncio.shield(self._task), timeout)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                self._task.cancel()
+            except Exception:
                 pass
             self._task = None
+            self._stopping = False
         for rid in list(self._queues):
             self._abort_in_engine(rid)
             self._queues.pop(rid).put_nowait(Aborted(rid, "server stopping"))
@@ -115,9 +122,10 @@ class EngineLoop:
                 log.debug("metrics refresh failed: %r", exc)
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopping:
             self._wake.clear()
-            while True:
+            while not self._stopping:
+                failed = False
                 async with self._lock:
                     self._apply_aborts()
                     if not self.engine.has_unfinished_requests():
@@ -127,7 +135,7 @@ class EngineLoop:
                     except Exception as exc:
                         log.exception("engine.step() failed")
                         self._fail_all(exc)
-                        outputs = []
+                        outputs, failed = [], True
                     self.steps += 1
                     self._observe()
                 for out in outputs:
@@ -137,7 +145,8 @@ class EngineLoop:
                     if out.finished:
                         del self._queues[out.request_id]
                     queue.put_nowait(out)
-                await asyncio.sleep(0)  # let handlers stream before the next step
+                # let handlers stream before the next step (and do not spin on a failing engine)
+                await asyncio.sleep(0.05 if failed else 0)
             self._observe()
             await self._wake.wait()
 

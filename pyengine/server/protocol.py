@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pyengine.sampling_params import SamplingParams
 
@@ -140,10 +140,9 @@ class ParsedRequest:
     logprobs: int | None            # top-k alternatives per token (0: only the sampled token); None: off
     echo: bool = False
     user: str | None = None
-    extra: dict = field(default_factory=dict)
 
 
-def _common(body: dict, kind: str, vocab_size: int) -> dict:
+def _common(body: dict, vocab_size: int) -> dict:
     """Sampling fields shared by both endpoints, validated with OpenAI's ranges and names."""
     n = _int(body, "n", 1, MAX_N)
     best_of = _int(body, "best_of", 1, MAX_N)
@@ -196,7 +195,7 @@ def _make_params(kw: dict) -> SamplingParams:
     try:
         return SamplingParams(**given)
     except ValueError as exc:  # a rule the server did not pre-check: pass SamplingParams' words on
-        raise bad_param(param_named_in(str(exc), given) or "", str(exc)) from None
+        raise APIError(400, str(exc), param=param_named_in(str(exc), given), code="invalid_value") from None
 
 
 def _check_model(body: dict) -> str | None:
@@ -282,7 +281,7 @@ def parse_chat(body: dict, tokenizer, max_model_len: int) -> ParsedRequest:
     """POST /v1/chat/completions body -> ParsedRequest (prompt rendered with the model's chat template)."""
     _check_model(body)
     messages = _messages(body)
-    common = _common(body, "chat", tokenizer.vocab_size)
+    common = _common(body, tokenizer.vocab_size)
     logprobs = None
     if _bool(body, "logprobs"):
         logprobs = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
@@ -300,7 +299,7 @@ def parse_completion(body: dict, tokenizer, max_model_len: int) -> ParsedRequest
     prompt = body.get("prompt")
     if prompt is None:
         raise APIError(400, "prompt is required", param="prompt", code="missing_required_parameter")
-    common = _common(body, "completion", vocab)
+    common = _common(body, vocab)
     if isinstance(prompt, str):
         prompt = [prompt]
     if not isinstance(prompt, list) or not prompt:

@@ -56,6 +56,7 @@ class Generation:
         self.last_token_at = [0.0] * n_choices
         self.first_token_at: float | None = None
         self.failure: BaseException | None = None
+        self.abort_reason: str | None = None   # why the engine dropped it (disconnect, shutdown)
         self.closed = False
 
     @property
@@ -100,6 +101,8 @@ class Generation:
                     self.finish[c] = self.finish[c] or "abort"
                 if isinstance(item, EngineFailure):
                     self.failure = item.exc
+                else:
+                    self.abort_reason = item.reason
                 continue
             if item.finished:
                 self.pending.discard(rid)
@@ -157,8 +160,13 @@ class Generation:
             m.errors.labels(status="500").inc()
 
 
-def _failure_error(gen: Generation) -> P.APIError:
-    return P.APIError(500, f"engine error: {gen.failure!r}", type="server_error", code="engine_error")
+def _failure_error(gen: Generation) -> P.APIError | None:
+    """Why a generation ended without finishing, as an API error (None if it finished)."""
+    if gen.failure is not None:
+        return P.APIError(500, f"engine error: {gen.failure!r}", type="server_error", code="engine_error")
+    if gen.abort_reason is not None:
+        return P.APIError(503, f"request aborted: {gen.abort_reason}", type="server_error", code="aborted")
+    return None
 
 
 # --- non-streaming ---------------------------------------------------------------------------------
@@ -170,8 +178,9 @@ async def collect(gen: Generation, tokenizer, model_id: str, created: int) -> di
         ids[u.choice] += u.token_ids
         if u.logprobs:
             lps[u.choice] += u.logprobs
-    if gen.failure is not None:
-        raise _failure_error(gen)
+    err = _failure_error(gen)
+    if err is not None:
+        raise err
     use = P.usage(gen.prompt_tokens, gen.completion_tokens)
     choices = []
     for c in range(gen.n_choices):
@@ -221,8 +230,9 @@ async def stream(gen: Generation, tokenizer, model_id: str, created: int) -> Asy
                   if u.logprobs else None)
             offsets[u.choice] += len(u.delta)
             yield event([P.completion_choice(u.choice, u.delta, reason, lp)])
-    if gen.failure is not None:
-        yield sse(_failure_error(gen).body())
+    err = _failure_error(gen)
+    if err is not None:   # the client is gone if it disconnected; otherwise it learns why it ended
+        yield sse(err.body())
     elif p.include_usage:
         final = chunk(gen.api_id, created, model_id, [], False)
         final["usage"] = P.usage(gen.prompt_tokens, gen.completion_tokens)

@@ -77,6 +77,52 @@ export function dotQ4_1(w: WeightViews, off: number, x: Float64Array, xsum: Floa
   return acc;
 }
 
+/**
+ * Two consecutive rows at once (rows r and r+1, `rowBytes` apart): each x value loaded feeds both rows, which is
+ * what bounds the single-row kernel. Results go to out[o] and out[o + 1].
+ */
+export function dotQ4_1x2(w: WeightViews, off: number, rowBytes: number, x: Float64Array, xsum: Float64Array, n: number,
+  out: Float32Array, o: number): void {
+  const u32 = w.u32, u16 = w.u16, half = w.half;
+  let acc0 = 0, acc1 = 0;
+  for (let i = 0, b = 0, h = off >>> 1, g = (off + rowBytes) >>> 1; i < n; i += 32, b++, h += 10, g += 10) {
+    const k = (h >>> 1) + 1, l = (g >>> 1) + 1;
+    let s0 = 0, s1 = 0;
+    for (let j = 0; j < 4; j++) {
+      const q = u32[k + j], p = u32[l + j], lo = i + 4 * j, hi = lo + 16;
+      const x0 = x[lo], x1 = x[lo + 1], x2 = x[lo + 2], x3 = x[lo + 3];
+      const y0 = x[hi], y1 = x[hi + 1], y2 = x[hi + 2], y3 = x[hi + 3];
+      s0 += (q & 15) * x0 + ((q >>> 8) & 15) * x1 + ((q >>> 16) & 15) * x2 + ((q >>> 24) & 15) * x3
+        + ((q >>> 4) & 15) * y0 + ((q >>> 12) & 15) * y1 + ((q >>> 20) & 15) * y2 + (q >>> 28) * y3;
+      s1 += (p & 15) * x0 + ((p >>> 8) & 15) * x1 + ((p >>> 16) & 15) * x2 + ((p >>> 24) & 15) * x3
+        + ((p >>> 4) & 15) * y0 + ((p >>> 12) & 15) * y1 + ((p >>> 20) & 15) * y2 + (p >>> 28) * y3;
+    }
+    acc0 += half[u16[h]] * s0 + half[u16[h + 1]] * xsum[b];
+    acc1 += half[u16[g]] * s1 + half[u16[g + 1]] * xsum[b];
+  }
+  out[o] = acc0;
+  out[o + 1] = acc1;
+}
+
+/** Q8_0, two rows at once (see dotQ4_1x2). */
+export function dotQ8_0x2(w: WeightViews, off: number, rowBytes: number, x: Float64Array, n: number, out: Float32Array,
+  o: number): void {
+  const q = w.i16, u16 = w.u16, half = w.half;
+  let acc0 = 0, acc1 = 0;
+  for (let i = 0, h = off >>> 1, g = (off + rowBytes) >>> 1; i < n; i += 32, h += 17, g += 17) {
+    let s0 = 0, s1 = 0;
+    for (let j = 0; j < 16; j++) {
+      const v = q[h + 1 + j], u = q[g + 1 + j], k = i + 2 * j, x0 = x[k], x1 = x[k + 1];
+      s0 += ((v << 24) >> 24) * x0 + (v >> 8) * x1;
+      s1 += ((u << 24) >> 24) * x0 + (u >> 8) * x1;
+    }
+    acc0 += half[u16[h]] * s0;
+    acc1 += half[u16[g]] * s1;
+  }
+  out[o] = acc0;
+  out[o + 1] = acc1;
+}
+
 function readU32(u8: Uint8Array, p: number): number {
   return (u8[p] | (u8[p + 1] << 8) | (u8[p + 2] << 16) | (u8[p + 3] << 24)) >>> 0;
 }

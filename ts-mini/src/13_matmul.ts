@@ -2,7 +2,7 @@
 // linear layers, via pyengine/gguf/quants.py dequantize).
 //
 // matvec (decode, one token): out[r] = Σ_i W[r,i]·x[i] with the fused dequant-dot kernels — the weights are
-// read once per token straight from the GGUF buffer.
+// read once per token straight from the GGUF buffer (the hot types two rows per call, sharing the x loads).
 // matmul (prefill, T tokens): each weight row is dequantized once into a scratch row and dotted with all T
 // inputs, so the unpacking cost is shared by the whole chunk.
 
@@ -10,7 +10,8 @@ import { GGUFError } from "./02_gguf_header.js";
 import { GGMLType, TensorInfo, typeName } from "./04_tensor_table.js";
 import { WeightViews, dequantBF16, dequantF16, dequantF32, dotBF16, dotF16, dotF32 } from "./05_f16_bf16.js";
 import {
-  dequantQ4_0, dequantQ4_1, dequantQ5_0, dequantQ8_0, dotQ4_0, dotQ4_1, dotQ5_0, dotQ8_0, prepareInput,
+  dequantQ4_0, dequantQ4_1, dequantQ5_0, dequantQ8_0, dotQ4_0, dotQ4_1, dotQ4_1x2, dotQ5_0, dotQ8_0, dotQ8_0x2,
+  prepareInput,
 } from "./06_q8_q4_dot.js";
 import { dequantQ4_K, dequantQ6_K, dotQ4_K, dotQ6_K } from "./07_kquants.js";
 
@@ -41,7 +42,7 @@ export function dequantRow(w: WeightViews, t: TensorInfo, r: number, out: Float3
 export interface MatScratch {
   xs: Float64Array; // >= max input length
   xsum: Float64Array; // >= max input length / 32
-  row: Float32Array; // >= max input length (prefill: one dequantized weight row)
+  row: Float32Array; // >= 2 * max input length (prefill: two dequantized weight rows)
 }
 
 /** out[oo + r] = W[r,:] · x[xo .. xo + n) for every row r of W. */
@@ -52,8 +53,18 @@ export function matvec(w: WeightViews, t: TensorInfo, x: Float32Array, xo: numbe
   prepareInput(x, xo, n, xs, xsum);
   let off = t.offset;
   switch (t.type) {
-    case GGMLType.Q4_1: for (let r = 0; r < rows; r++, off += rb) out[oo + r] = dotQ4_1(w, off, xs, xsum, n); break;
-    case GGMLType.Q8_0: for (let r = 0; r < rows; r++, off += rb) out[oo + r] = dotQ8_0(w, off, xs, n); break;
+    case GGMLType.Q4_1: {
+      let r = 0;
+      for (; r + 2 <= rows; r += 2, off += 2 * rb) dotQ4_1x2(w, off, rb, xs, xsum, n, out, oo + r);
+      if (r < rows) out[oo + r] = dotQ4_1(w, off, xs, xsum, n);
+      break;
+    }
+    case GGMLType.Q8_0: {
+      let r = 0;
+      for (; r + 2 <= rows; r += 2, off += 2 * rb) dotQ8_0x2(w, off, rb, xs, n, out, oo + r);
+      if (r < rows) out[oo + r] = dotQ8_0(w, off, xs, n);
+      break;
+    }
     case GGMLType.Q4_0: for (let r = 0; r < rows; r++, off += rb) out[oo + r] = dotQ4_0(w, off, xs, xsum, n); break;
     case GGMLType.Q5_0: for (let r = 0; r < rows; r++, off += rb) out[oo + r] = dotQ5_0(w, off, xs, xsum, n); break;
     case GGMLType.Q4_K: for (let r = 0; r < rows; r++, off += rb) out[oo + r] = dotQ4_K(w, off, xs, xsum, n); break;
@@ -67,7 +78,8 @@ export function matvec(w: WeightViews, t: TensorInfo, x: Float32Array, xo: numbe
 
 /**
  * T tokens at once: x is [T, n] (row stride n), out is [T, rows] (row stride rows).
- * Each weight row is dequantized once and reused for all T tokens.
+ * Weight rows are dequantized once, two at a time, and each pair is dotted with the tokens four at a time:
+ * a 2x4 tile of accumulators, so every value loaded feeds two or four products.
  */
 export function matmul(w: WeightViews, t: TensorInfo, x: Float32Array, T: number, out: Float32Array,
   s: MatScratch): void {
@@ -75,31 +87,31 @@ export function matmul(w: WeightViews, t: TensorInfo, x: Float32Array, T: number
   const n = t.rowLength, rows = t.rows;
   const f = DEQUANT[t.type];
   if (!f) return checkSupported(t);
-  const row = s.row;
-  for (let r = 0, off = t.offset; r < rows; r++, off += t.rowBytes) {
+  const row = s.row; // 2 * n floats: rows r and r+1
+  for (let r = 0, off = t.offset; r < rows; r += 2, off += 2 * t.rowBytes) {
+    const pair = r + 1 < rows;
     f(w, off, n, row, 0);
+    if (pair) f(w, off + t.rowBytes, n, row, n);
     let k = 0;
-    // Four tokens per pass: each weight read from `row` feeds four products.
-    for (; k + 4 <= T; k += 4) {
+    for (; pair && k + 4 <= T; k += 4) {
       const x0 = k * n, x1 = x0 + n, x2 = x1 + n, x3 = x2 + n;
-      let a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+      let a0 = 0, a1 = 0, a2 = 0, a3 = 0, b0 = 0, b1 = 0, b2 = 0, b3 = 0;
       for (let i = 0; i < n; i++) {
-        const wi = row[i];
-        a0 += wi * x[x0 + i];
-        a1 += wi * x[x1 + i];
-        a2 += wi * x[x2 + i];
-        a3 += wi * x[x3 + i];
+        const wa = row[i], wb = row[n + i];
+        const v0 = x[x0 + i], v1 = x[x1 + i], v2 = x[x2 + i], v3 = x[x3 + i];
+        a0 += wa * v0; a1 += wa * v1; a2 += wa * v2; a3 += wa * v3;
+        b0 += wb * v0; b1 += wb * v1; b2 += wb * v2; b3 += wb * v3;
       }
-      out[k * rows + r] = a0;
-      out[(k + 1) * rows + r] = a1;
-      out[(k + 2) * rows + r] = a2;
-      out[(k + 3) * rows + r] = a3;
+      out[k * rows + r] = a0; out[(k + 1) * rows + r] = a1; out[(k + 2) * rows + r] = a2; out[(k + 3) * rows + r] = a3;
+      out[k * rows + r + 1] = b0; out[(k + 1) * rows + r + 1] = b1; out[(k + 2) * rows + r + 1] = b2;
+      out[(k + 3) * rows + r + 1] = b3;
     }
-    for (; k < T; k++) {
+    for (; k < T; k++) { // leftover tokens (and the last row of an odd-sized matrix)
       const xo = k * n;
-      let acc = 0;
-      for (let i = 0; i < n; i++) acc += row[i] * x[xo + i];
-      out[k * rows + r] = acc;
+      let a = 0, b = 0;
+      for (let i = 0; i < n; i++) { a += row[i] * x[xo + i]; b += row[n + i] * x[xo + i]; }
+      out[k * rows + r] = a;
+      if (pair) out[k * rows + r + 1] = b;
     }
   }
 }

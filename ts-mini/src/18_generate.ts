@@ -145,7 +145,7 @@ export class LlamaModel {
       .add("q", "f32", P * qDim).add("k", "f32", P * kvDim).add("v", "f32", P * kvDim).add("att", "f32", P * qDim)
       .add("gate", "f32", P * c.ffnDim).add("up", "f32", P * c.ffnDim)
       .add("logits", "f32", V)
-      .add("mat_xs", "f64", maxIn).add("mat_xsum", "f64", Math.ceil(maxIn / 32)).add("mat_row", "f32", maxIn)
+      .add("mat_xs", "f64", maxIn).add("mat_xsum", "f64", Math.ceil(maxIn / 32)).add("mat_row", "f32", 2 * maxIn)
       .add("scores", "f64", this.maxSeq).add("acc", "f64", c.headDim)
       .add("sample_probs", "f64", V).add("sample_idx", "i32", V);
     const a = (this.arena = new Arena(L));

@@ -12,6 +12,7 @@ declare const process: {
   argv: string[];
   env: Record<string, string | undefined>;
   exitCode?: number;
+  cpuUsage(previous?: { user: number; system: number }): { user: number; system: number };
   stdout: { write(s: string): boolean };
   stderr: { write(s: string): boolean };
 };

@@ -2,7 +2,8 @@
 // to float32 and run by transformers).
 import { test } from "node:test";
 import assert from "node:assert/strict";
-import { NO_MODEL, engineOnce, golden } from "./helpers.js";
+import { loadModel } from "../dist/index.js";
+import { NO_MODEL, engineOnce, golden, modelBuffer } from "./helpers.js";
 
 const GEN = golden("generation_smollm2.json");
 const N = 32; // greedy tokens compared per prompt
@@ -91,6 +92,16 @@ test("onToken can abort; bad requests raise clear errors", { skip: NO_MODEL }, (
   assert.throws(() => e.generate([1], { topP: 0 }), /topP must be in \(0, 1\]/);
   assert.throws(() => e.generate([1], { temperature: -1 }), /temperature must be >= 0/);
   assert.throws(() => e.generate([1], { maxTokens: 1.5 }), /maxTokens must be an integer/);
+});
+
+test("a full KV cache ends generation with 'length'; a prompt that cannot fit is refused", { skip: NO_MODEL }, () => {
+  const small = loadModel(modelBuffer(), { maxSeqLen: 8, prefillChunk: 2 });
+  assert.equal(small.model.maxSeq, 8);
+  const c = cases[0]; // 5 prompt tokens -> positions 5, 6, 7 are left: 1 token from the prompt + 3 more
+  const r = small.generate(c.prompt_ids, { maxTokens: 20, ignoreEos: true });
+  assert.deepEqual(r.tokenIds, c.greedy_ids.slice(0, 4)); // also: prefill in chunks of 2 gives the same tokens
+  assert.equal(r.finishReason, "length");
+  assert.throws(() => small.generate(cases[1].prompt_ids, {}), /prompt has 18 tokens; maxSeqLen is 8/);
 });
 
 function indexOfMax(a) {

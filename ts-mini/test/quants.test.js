@@ -55,10 +55,17 @@ for (const b of FIX.blocks) {
     for (let i = 0; i < b.n; i++) assert.equal(out[i], Math.fround(b.values[i]), `${b.type} element ${i}`);
     const x = seededX(b.n, 7);
     const y = new Float32Array(1);
-    const scratch = { xs: new Float64Array(b.n), xsum: new Float64Array(b.n / 32), row: new Float32Array(b.n) };
+    const scratch = { xs: new Float64Array(b.n), xsum: new Float64Array(b.n / 32), row: new Float32Array(2 * b.n) };
     matvec(w, t, x, 0, y, 0, scratch);
     const ref = dot64(b.values, x);
     assert.ok(Math.abs(y[0] - ref) <= 1e-5 * (1 + Math.abs(ref)), `${b.type} dot ${y[0]} vs ${ref}`);
+    // prefill path on a 1-row matrix (the odd-row tail) with 6 tokens (one 4-token tile + 2 leftovers)
+    const X = seededX(6 * b.n, 11), Y = new Float32Array(6);
+    matmul(w, t, X, 6, Y, scratch);
+    for (let k = 0; k < 6; k++) {
+      const r = dot64(b.values, X.subarray(k * b.n, (k + 1) * b.n));
+      assert.ok(Math.abs(Y[k] - r) <= 1e-5 * (1 + Math.abs(r)), `${b.type} matmul token ${k}`);
+    }
   });
 }
 
@@ -82,7 +89,7 @@ test("matvec (fused) and matmul (prefill) agree with dequantized rows · x on re
     const t = g.tensors.get(name);
     const n = t.rowLength, T = 5;
     const x = seededX(n * T, 3);
-    const scratch = { xs: new Float64Array(n), xsum: new Float64Array(n / 32), row: new Float32Array(n) };
+    const scratch = { xs: new Float64Array(n), xsum: new Float64Array(n / 32), row: new Float32Array(2 * n) };
     const y1 = new Float32Array(t.rows), yT = new Float32Array(t.rows * T), row = new Float32Array(n);
     matvec(w, t, x, n * 2, y1, 0, scratch); // token 2 of the batch
     matmul(w, t, x, T, yT, scratch);

@@ -18,6 +18,7 @@ def test_chat_repl_subprocess_one_turn():
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
     assert "loaded in" in proc.stderr and "tok/s" in proc.stderr
+    assert "finish stop ('<|im_end|>')" in proc.stderr                # the reply ended itself
 
 
 @pytest.fixture(scope="module")

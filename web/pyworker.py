@@ -13,7 +13,11 @@ import time
 # One tab generates for one user: a small batch keeps the KV cache and the activation arena small (the
 # defaults size them for a server); long prompts are prefilled in chunks of max_num_batched_tokens.
 BROWSER_LIMITS = {"max_num_seqs": 2, "max_num_batched_tokens": 256}
-DEFAULT_WEIGHTS_MODE = "resident"     # chosen by measurement, see the report in docs/ (peak wasm memory)
+# Measured in headless Chromium (scripts/measure_web.py, SmolLM2-135M Q4_1): "resident" (fp32 weights) peaks
+# at ~890 MB of wasm memory and loads in ~5.6 s; "lean" (quantized weights, per-layer dequant) peaks at ~320 MB,
+# loads in ~1 s and decodes within ~10% of resident -- without BLAS, wasm matmuls dominate either way.
+# (In CPython with BLAS, resident decodes ~4x faster, which is why the server keeps it.)
+DEFAULT_WEIGHTS_MODE = "lean"
 
 
 class WorkerSession:

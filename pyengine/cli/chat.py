@@ -80,10 +80,10 @@ def run(args) -> int:
             print(f"(dropped {len(history) + 1 - len(kept)} old messages to fit the context)", file=sys.stderr)
         start = time.perf_counter()
         stream = llm.stream({"prompt_token_ids": ids}, params)
-        reply, first, interrupted = stream_to(stream)
+        reply, interrupted = stream_to(stream)
         print(flush=True)
         if interrupted:
             print("[interrupted]", file=sys.stderr)
         if stream.output is not None:
-            print(summary(stream.output, start, first), file=sys.stderr, flush=True)
+            print(summary(stream.output, start, llm.get_tokenizer()), file=sys.stderr, flush=True)
         history = kept + [{"role": "assistant", "content": reply}]

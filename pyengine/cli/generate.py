@@ -77,25 +77,22 @@ def load_llm(args):
     return llm
 
 
-def stream_to(stream, out=None) -> tuple[str, float | None, bool]:
-    """Write a `TextStream`'s deltas to `out` as they come. Returns (text, time of first text or None,
-    interrupted). Ctrl-C aborts the request and returns what was shown so far."""
+def stream_to(stream, out=None) -> tuple[str, bool]:
+    """Write a `TextStream`'s deltas to `out` as they come. Returns (text, interrupted): Ctrl-C aborts
+    the request and returns what was shown so far."""
     out = out or sys.stdout
-    first = None
     try:
         for delta in stream:
-            if first is None:
-                first = time.perf_counter()
             out.write(delta)
             out.flush()
     except KeyboardInterrupt:
         stream.close()
-        return (stream.output.outputs[0].text if stream.output else ""), first, True
-    return stream.output.outputs[0].text, first, False
+        return (stream.output.outputs[0].text if stream.output else ""), True
+    return stream.output.outputs[0].text, False
 
 
-def summary(output, start: float, first: float | None) -> str:
-    """`N tokens in X s (Y tok/s), prompt P tokens, ...` for stderr."""
+def summary(output, start: float, tokenizer=None) -> str:
+    """`N tokens in X s (Y tok/s), prompt P tokens, ...` for stderr (a stop token shown as its text)."""
     elapsed = time.perf_counter() - start
     comp = output.outputs[0]
     n = len(comp.token_ids)
@@ -107,7 +104,10 @@ def summary(output, start: float, first: float | None) -> str:
         if m.finished_time is not None and n > 1:
             decode = m.finished_time - m.first_token_time
             parts.append(f"decode {(n - 1) / max(decode, 1e-9):.1f} tok/s")
-    parts.append(f"finish {comp.finish_reason}" + (f" ({comp.stop_reason!r})" if comp.stop_reason is not None else ""))
+    why = comp.stop_reason
+    if isinstance(why, int) and tokenizer is not None:
+        why = tokenizer.decode([why])
+    parts.append(f"finish {comp.finish_reason}" + (f" ({why!r})" if why is not None else ""))
     return "[" + ", ".join(parts) + "]"
 
 
@@ -120,10 +120,10 @@ def run(args) -> int:
         prompt = llm.chat_prompt(messages + [{"role": "user", "content": args.prompt}])
     start = time.perf_counter()
     stream = llm.stream(prompt, params)
-    text, first, interrupted = stream_to(stream)
+    text, interrupted = stream_to(stream)
     if not text.endswith("\n"):
         sys.stdout.write("\n")
     sys.stdout.flush()
     if stream.output is not None:
-        print(summary(stream.output, start, first), file=sys.stderr)
+        print(summary(stream.output, start, llm.get_tokenizer()), file=sys.stderr)
     return 130 if interrupted else 0

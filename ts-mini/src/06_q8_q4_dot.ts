@@ -17,7 +17,7 @@ import type { WeightViews } from "./05_f16_bf16.js";
 export function prepareInput(x: Float32Array, xo: number, n: number, xs: Float64Array, xsum: Float64Array): void {
   for (let b = 0, i = 0; i < n; b++) {
     let s = 0;
-    for (const end = i + 32; i < end; i++) {
+    for (const end = Math.min(i + 32, n); i < end; i++) {
       const v = x[xo + i];
       xs[i] = v;
       s += v;

@@ -10,7 +10,7 @@
 
 import { GGUFError } from "./02_gguf_header.js";
 import { metaNumber, metaString } from "./03_metadata.js";
-import { GGUFFile, TensorInfo, tensor } from "./04_tensor_table.js";
+import { GGMLType, GGUFFile, TensorInfo, tensor } from "./04_tensor_table.js";
 import { Arena, ArenaLayout } from "./01_arena.js";
 import { WeightViews, fillHalfTable, makeWeightViews } from "./05_f16_bf16.js";
 import { embed, rmsnorm } from "./11_embed_rmsnorm.js";
@@ -78,7 +78,7 @@ function matrix(g: GGUFFile, name: string, rows: number, cols: number): TensorIn
 /** A norm weight: a zero-copy Float32Array view of an F32 tensor. */
 function vector(g: GGUFFile, name: string, n: number): Float32Array {
   const t = tensor(g, name);
-  if (t.type !== 0 || t.rowLength * t.rows !== n) throw new GGUFError(`tensor "${name}" must be F32 of ${n} elements`);
+  if (t.type !== GGMLType.F32 || t.rowLength * t.rows !== n) throw new GGUFError(`tensor "${name}" must be F32 of ${n} elements`);
   return new Float32Array(g.buffer, t.offset, n);
 }
 
@@ -251,6 +251,7 @@ export class Generation {
     const V = model.config.vocabSize;
     for (const id of promptIds) if (!Number.isInteger(id) || id < 0 || id >= V) throw new RangeError(`prompt token id ${id} out of range 0..${V - 1}`);
     if (promptIds.length >= model.maxSeq) throw new RangeError(`prompt has ${promptIds.length} tokens; maxSeqLen is ${model.maxSeq}`);
+    if (o.seed !== undefined && !Number.isSafeInteger(o.seed)) throw new RangeError(`seed must be an integer, got ${o.seed}`);
     this.rng = new Rng(o.seed ?? Math.floor(Math.random() * 2 ** 32));
     this.stopIds = new Set([...(o.ignoreEos ? [] : eosIds), ...(o.stopTokenIds ?? [])]);
     this.prompt = promptIds;

@@ -7,39 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
-from pathlib import Path
 
 import pytest
+from e2e_support import CHROMIUM, CHROMIUM_ARGS, ROOT, free_port, wait_http
 
-ROOT = Path(__file__).resolve().parents[1]
-CHROMIUM = os.environ.get("PYENGINE_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync"]
 GOLDEN = ROOT / "tests" / "golden" / "generation_smollm2.json"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_http(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"dev server exited early: {proc.stdout.read() if proc.stdout else ''}")
-        try:
-            with urllib.request.urlopen(url, timeout=2):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise RuntimeError(f"dev server did not answer at {url}")
 
 
 @pytest.fixture(scope="session")
@@ -64,13 +38,13 @@ def web_assets():
 @pytest.fixture(scope="session")
 def server(web_assets, model_path):
     """Base URL of `python -m pyengine web --model <default>` on a free port."""
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "pyengine", "web", "--host", "127.0.0.1", "--port", str(port),
                              "--model", model_path], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        _wait_http(base + "/config.js", proc)
+        wait_http(base + "/config.js", proc)
         yield base
     finally:
         proc.terminate()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, _free_port, _wait_http
+from e2e_support import ROOT, free_port, wait_http
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -25,12 +25,12 @@ def static_site(tmp_path_factory, web_assets):
     assert not (out / "vendor" / "pyodide").exists()          # --pyodide: the runtime is not shipped
     shutil.copytree(ROOT / "web" / "vendor" / "pyodide", out / "alt-pyodide")
     shutil.copytree(ROOT / "web" / "vendor" / "pyodide", out / "other-pyodide")
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1",
                              "--directory", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
-        _wait_http(base + "/index.html", proc)
+        wait_http(base + "/index.html", proc)
         yield base, out
     finally:
         proc.terminate()

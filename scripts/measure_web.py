@@ -17,7 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "e2e"))
-from conftest import CHROMIUM, CHROMIUM_ARGS, _free_port, _wait_http  # noqa: E402
+from e2e_support import CHROMIUM, CHROMIUM_ARGS, free_port, wait_http  # noqa: E402
 
 MB = 1 << 20
 
@@ -90,13 +90,13 @@ def main(argv=None) -> int:
     p.add_argument("--no-cpython", action="store_true")
     a = p.parse_args(argv)
     modes = a.modes.split(",")
-    port = _free_port()
+    port = free_port()
     from pyengine.model_files import default_model_path
     proc = subprocess.Popen([sys.executable, "-m", "pyengine", "web", "--port", str(port), "--model",
                              default_model_path()], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         base = f"http://127.0.0.1:{port}"
-        _wait_http(base + "/config.js", proc)
+        wait_http(base + "/config.js", proc)
         rows = measure_browser(base, modes, a.prompt, a.tokens)
     finally:
         proc.terminate()

@@ -58,6 +58,19 @@ def test_arena_holds_all_runtime_state(runner):
     assert kv_bytes < runner.arena.nbytes < kv_bytes + 64 * 2**20
 
 
+def test_default_num_blocks(gguf, runner):
+    """Enough blocks for max_num_seqs full-length sequences, capped by the KV memory budget (but always at
+    least one full-length sequence)."""
+    assert runner.num_blocks == 2 * 128 // 16
+    per_block = 2 * 30 * 16 * 3 * 64 * 4
+    capped = ModelRunner(gguf, max_model_len=256, max_num_batched_tokens=16, max_num_seqs=64, weights_mode="lean",
+                         kv_budget_bytes=40 * per_block)
+    assert capped.num_blocks == 40
+    tiny = ModelRunner(gguf, max_model_len=256, max_num_batched_tokens=16, max_num_seqs=64, weights_mode="lean",
+                       kv_budget_bytes=1)
+    assert tiny.num_blocks == 256 // 16
+
+
 def test_lean_weights_give_the_same_logits(gguf, runner):
     """Lean mode keeps quantized bytes and dequantizes a layer at a time into the arena: same numbers."""
     lean = ModelRunner(gguf, max_model_len=128, max_num_batched_tokens=64, max_num_seqs=2, weights_mode="lean")

@@ -21,6 +21,7 @@ from pyengine.server.runner import ServerThread
 
 N_STREAMS = 200
 CONCURRENCY = 32
+SHARED_BLOCK = list(range(2000, 2016))
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +55,9 @@ def test_200_random_disconnects_free_everything(server):
         # cut at a random moment (often before the first token: waiting or mid-prefill), right after
         # the response headers, or after 1-3 streamed tokens
         kind = rng.choice(["at-random-time", "after-headers", "after-events"])
-        plan.append((kind, rng.randint(1, 3), rng.uniform(0.0, 1.0), f"Story {i % 7}: {rng.random():.6f}"))
+        # token prompts: one shared 16-token block (so blocks are shared by many sequences and must all be
+        # released by their aborts) plus a token of its own
+        plan.append((kind, rng.randint(1, 3), rng.uniform(0.0, 1.0), SHARED_BLOCK + [1000 + i]))
 
     async def one(client, sem, kind, events, delay, prompt):
         body = {"model": "smol", "prompt": prompt, "max_tokens": 200, "ignore_eos": True, "stream": True}

@@ -141,8 +141,8 @@ def test_sse_one_event_per_token(server):
 
 
 def test_greedy_matches_transformers_async_concurrent(server):
-    """Token-id prompts at temperature 0, streamed and not, all in flight together (so the engine batches
-    them): each text is HF's greedy continuation and usage is exact."""
+    """Async client, token-id prompts at temperature 0, streamed and not, plus a chat stream, all in flight
+    together (the engine batches them): each text is HF's greedy continuation and usage is exact."""
     cases = safe_greedy_cases()[:2]
     k = 8
 
@@ -165,10 +165,18 @@ def test_greedy_matches_transformers_async_concurrent(server):
                 use = chunk.usage or use
             return "".join(parts), use
 
-        async with aclient:
-            return await asyncio.gather(*(f(c) for c in cases for f in (nonstream, stream)))
+        async def chat_stream():
+            stream = await aclient.chat.completions.create(
+                model=server.model_id, messages=[{"role": "user", "content": "Say hello."}], max_tokens=4,
+                temperature=0, stream=True)
+            return [c async for c in stream]
 
-    got = asyncio.run(go())
+        async with aclient:
+            return await asyncio.gather(chat_stream(), *(f(c) for c in cases for f in (nonstream, stream)))
+
+    chunks, *got = asyncio.run(go())
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
     want = [server.tok.decode(c["greedy_ids"][:k], skip_special_tokens=True) for c in cases for _ in range(2)]
     assert [text for text, _ in got] == want
     for (_, use), case in zip(got, [c for c in cases for _ in range(2)]):
@@ -197,19 +205,6 @@ def test_curl_n_streams_chat_tokens_as_they_come(server):
     assert len(with_text) >= 4
     gaps = [b[0] - a[0] for a, b in zip(with_text, with_text[1:])]
     assert sum(g > 1e-3 for g in gaps) >= 3      # they came one engine step apart, not in one burst
-
-
-def test_async_chat_stream(server):
-    async def go():
-        async with async_client(server) as aclient:
-            stream = await aclient.chat.completions.create(
-                model=server.model_id, messages=[{"role": "user", "content": "Say hello."}], max_tokens=4,
-                temperature=0, stream=True)
-            return [c async for c in stream]
-
-    chunks = asyncio.run(go())
-    assert len(chunks) >= 3 and chunks[-1].choices[0].finish_reason in ("stop", "length")
-    assert chunks[0].choices[0].delta.role == "assistant"
 
 
 def test_n_choices_seeded_and_logprobs(server, client):
@@ -269,17 +264,22 @@ def metric(text: str, name: str, labels: str = "") -> float:
 
 def test_metrics_counters_equal_usage(server, client):
     before = httpx.get(server.url + "/metrics").text
-    usages, reasons = [], []
-    for max_tokens, prompt in ((3, "One, two,"), (4, "The sky is")):
+    def completion(max_tokens, prompt):
         r = client.completions.create(model=server.model_id, prompt=prompt, max_tokens=max_tokens,
                                       temperature=0, extra_body={"ignore_eos": True})
-        usages.append(r.usage)
-        reasons.append(r.choices[0].finish_reason)
-    chunks = list(client.chat.completions.create(model=server.model_id, messages=[{"role": "user", "content": "Hi"}],
-                                                 max_tokens=3, temperature=0, stream=True,
-                                                 stream_options={"include_usage": True}))
-    usages.append(chunks[-1].usage)
-    reasons += [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        return r.usage, [r.choices[0].finish_reason]
+
+    def chat():
+        chunks = list(client.chat.completions.create(
+            model=server.model_id, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0,
+            stream=True, stream_options={"include_usage": True}))
+        return chunks[-1].usage, [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+
+    with ThreadPoolExecutor(3) as pool:
+        done = [f.result() for f in (pool.submit(completion, 3, "One, two,"), pool.submit(completion, 4, "The sky is"),
+                                     pool.submit(chat))]
+    usages = [u for u, _ in done]
+    reasons = [r for _, rs in done for r in rs]
     time.sleep(0.2)
     after = httpx.get(server.url + "/metrics").text
     delta = lambda name, labels="": metric(after, name, labels) - metric(before, name, labels)  # noqa: E731

@@ -162,11 +162,12 @@ class EngineClient {
     this.showError("");
     plot.reset(this.name);
     const done = new Promise((resolve, reject) => this.running.set(id, { resolve, reject, tokens: [], ms: [] }));
-    this.worker.postMessage({
+    const msg = {
       type: "generate", id, prompt: opts.prompt ?? "", maxTokens: opts.maxTokens ?? 64,
-      temperature: opts.temperature ?? 0, topP: opts.topP ?? 1, topK: opts.topK ?? -1,
-      seed: opts.seed ?? null, chat: !!opts.chat,
-    });
+      temperature: opts.temperature ?? 0, topP: opts.topP ?? 1, topK: opts.topK ?? -1, chat: !!opts.chat,
+    };
+    if (opts.seed != null) msg.seed = opts.seed;     // no seed: leave the field out (engines pick one)
+    this.worker.postMessage(msg);
     updateButtons();
     return done;
   }

@@ -12,10 +12,18 @@ from pyengine.arena import Arena
 from pyengine.engine.forward_batch import ForwardBatch
 from pyengine.engine.kv_cache import PagedKVCache
 
-DEFAULT_KV_BUDGET_BYTES = 512 << 20       # cap of the default num_blocks (the full-size default would need 3.8 GB)
+# Cap of the default num_blocks: SmolLM2's server defaults (64 sequences x 2048 tokens) would need 6 GB of KV.
+DEFAULT_KV_BUDGET_BYTES = 512 << 20
 
 
 class ModelRunner:
+    """``model``: path, bytes-like or GGUFFile. Beyond the contract's limits:
+    weights_mode      "resident" (float32 weights, fastest) or "lean" (quantized, dequantized per layer)
+    kv_budget_bytes   cap on the KV cache when num_blocks is None (default: max_num_seqs full-length sequences)
+    max_logits        logits rows planned in the arena per run (default max_num_seqs; more rows still work)
+    flash_min_query   sequences with at least this many new tokens use tiled flash attention
+    """
+
     def __init__(self, model, max_model_len: int = 2048, num_blocks: int | None = None, block_size: int = 16,
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 64, weights_mode: str = "resident",
                  kv_budget_bytes: int = DEFAULT_KV_BUDGET_BYTES, max_logits: int | None = None,

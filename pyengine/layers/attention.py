@@ -70,6 +70,8 @@ def grouped_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, offset: int |
     if out is None:
         out = np.empty(q.shape, np.float32)
     n = Hkv * Tk * Tq * g
+    if scratch is not None and scratch.size < n:
+        raise ValueError(f"grouped_attention scratch has {scratch.size} floats, {Tq}x{Tk} scores need {n}")
     s = (np.empty(n, np.float32) if scratch is None else scratch.reshape(-1)[:n]).reshape(Hkv, Tk, Tq * g)
     np.matmul(k.transpose(1, 0, 2), _regroup_q(q, Hkv, scale), out=s)   # (Hkv, Tk, Tq*g)
     bias = _causal_bias(0, Tk, 0, Tq, offset, g)

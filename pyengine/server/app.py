@@ -19,7 +19,7 @@ import time
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 
@@ -80,12 +80,15 @@ class ServerState:
             raise too_big
         body = bytearray()
         seen = 0
-        async for chunk in request.stream():
-            seen += len(chunk)
-            if seen <= limit:
-                body += chunk
-            elif seen > DRAIN_LIMIT:   # stop reading: the connection will be closed after the 413
-                raise too_big
+        try:
+            async for chunk in request.stream():
+                seen += len(chunk)
+                if seen <= limit:
+                    body += chunk
+                elif seen > DRAIN_LIMIT:   # stop reading: the connection will be closed after the 413
+                    raise too_big
+        except ClientDisconnect:   # gone mid-body: nobody to answer, nothing was started
+            raise P.APIError(400, "client disconnected while sending the request", code="client_disconnected")
         if seen > limit or (declared and declared.isdigit() and int(declared) > limit):
             raise too_big
         try:

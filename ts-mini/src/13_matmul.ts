@@ -3,8 +3,8 @@
 //
 // matvec (decode, one token): out[r] = Σ_i W[r,i]·x[i] with the fused dequant-dot kernels — the weights are
 // read once per token straight from the GGUF buffer (the hot types two rows per call, sharing the x loads).
-// matmul (prefill, T tokens): each weight row is dequantized once into a scratch row and dotted with all T
-// inputs, so the unpacking cost is shared by the whole chunk.
+// matmul (prefill, T tokens): weight rows are dequantized once, two at a time, into scratch and dotted with all
+// T inputs in 2x4 tiles, so the unpacking cost is shared by the whole chunk.
 
 import { GGUFError } from "./02_gguf_header.js";
 import { GGMLType, TensorInfo, typeName } from "./04_tensor_table.js";

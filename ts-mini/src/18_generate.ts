@@ -131,9 +131,11 @@ export class LlamaModel {
     const c = (this.config = readConfig(g));
     this.gguf = g;
     this.weights = bindWeights(g, c);
-    this.maxSeq = Math.min(opts.maxSeqLen ?? 2048, c.contextLength);
-    this.chunk = Math.max(1, opts.prefillChunk ?? 32);
-    if (!Number.isInteger(this.maxSeq) || this.maxSeq < 1) throw new RangeError(`maxSeqLen must be a positive integer`);
+    const maxSeqLen = opts.maxSeqLen ?? 2048, chunk = opts.prefillChunk ?? 32;
+    if (!Number.isInteger(maxSeqLen) || maxSeqLen < 1) throw new RangeError(`maxSeqLen must be a positive integer, got ${maxSeqLen}`);
+    if (!Number.isInteger(chunk) || chunk < 1) throw new RangeError(`prefillChunk must be a positive integer, got ${chunk}`);
+    this.maxSeq = Math.min(maxSeqLen, c.contextLength);
+    this.chunk = chunk;
     const P = this.chunk, d = c.dModel, qDim = c.nHeads * c.headDim, kvDim = c.nKvHeads * c.headDim;
     const maxIn = Math.max(d, qDim, c.ffnDim), V = c.vocabSize, half = c.headDim / 2;
 
@@ -251,7 +253,7 @@ export class Generation {
     const V = model.config.vocabSize;
     for (const id of promptIds) if (!Number.isInteger(id) || id < 0 || id >= V) throw new RangeError(`prompt token id ${id} out of range 0..${V - 1}`);
     if (promptIds.length >= model.maxSeq) throw new RangeError(`prompt has ${promptIds.length} tokens; maxSeqLen is ${model.maxSeq}`);
-    if (o.seed !== undefined && !Number.isSafeInteger(o.seed)) throw new RangeError(`seed must be an integer, got ${o.seed}`);
+    if (o.seed != null && !Number.isSafeInteger(o.seed)) throw new RangeError(`seed must be an integer, got ${o.seed}`);
     this.rng = new Rng(o.seed ?? Math.floor(Math.random() * 2 ** 32));
     this.stopIds = new Set([...(o.ignoreEos ? [] : eosIds), ...(o.stopTokenIds ?? [])]);
     this.prompt = promptIds;

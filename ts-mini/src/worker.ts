@@ -1,10 +1,12 @@
 // Web worker front end (the same protocol as the Pyodide worker, docs/architecture.md):
-//   main -> worker  {type:"load", model: ArrayBuffer}
+//   main -> worker  {type:"load", model: ArrayBuffer, maxSeqLen?}   (maxSeqLen: KV cache length, default 2048)
 //                   {type:"generate", id, prompt, maxTokens, temperature, topP, topK, seed, chat}
 //                   {type:"cancel", id}
 //   worker -> main  {type:"progress", stage, loaded, total}  {type:"ready", info}
 //                   {type:"token", id, tokenId, text, ms}     {type:"done", id, tokenIds, text, tokensPerSecond,
-//                   finishReason}                             {type:"error", id?, message}
+//                   finishReason, ttftMs}                     {type:"error", id?, message, modelKept?}
+// `ms` is the time since the previous token (the first: since the request started, prefill included).
+// Optional numbers may be null (= default). A failed load keeps the previous model (modelKept: true).
 // Usage: new Worker(new URL("ts-mini/dist/worker.js", base), { type: "module" }).
 // Generation runs one token per turn of the event loop, so a "cancel" posted meanwhile is seen before the
 // next token. Requests are served one at a time, in arrival order.
@@ -19,11 +21,11 @@ interface GenerateMsg {
   type: "generate";
   id: string | number;
   prompt: string | number[];
-  maxTokens?: number;
-  temperature?: number;
-  topP?: number;
-  topK?: number;
-  seed?: number;
+  maxTokens?: number | null;
+  temperature?: number | null;
+  topP?: number | null;
+  topK?: number | null;
+  seed?: number | null;
   chat?: boolean;
 }
 
@@ -74,12 +76,14 @@ export function createHandler(post: Post): (msg: unknown) => void {
   async function generate(req: GenerateMsg): Promise<void> {
     if (!engine) throw new Error("no model loaded: send {type:'load', model} first");
     if (typeof req.prompt !== "string" && !Array.isArray(req.prompt)) throw new Error("prompt must be a string or an array of token ids");
+    const opt = (v: number | null | undefined) => (v === null ? undefined : v); // pages send null for "unset"
+    const t0 = performance.now();
     const gen = engine.start(req.prompt, {
-      maxTokens: req.maxTokens, temperature: req.temperature, topP: req.topP, topK: req.topK, seed: req.seed,
-      chat: !!req.chat,
+      maxTokens: opt(req.maxTokens), temperature: opt(req.temperature), topP: opt(req.topP), topK: opt(req.topK),
+      seed: opt(req.seed), chat: !!req.chat,
     });
     const stream = new Utf8Stream();
-    let text = "", tFirst = 0, tPrev = performance.now();
+    let text = "", tFirst = 0, tPrev = t0;
     while (!gen.done) {
       if (cancelled.has(req.id)) { gen.abort(); break; }
       const id = gen.step();
@@ -98,6 +102,7 @@ export function createHandler(post: Post): (msg: unknown) => void {
     post({
       type: "done", id: req.id, tokenIds: gen.tokenIds, text,
       tokensPerSecond: n > 1 ? ((n - 1) * 1000) / (end - tFirst) : 0, finishReason: gen.finishReason,
+      ttftMs: n > 0 ? tFirst - t0 : null,
     });
   }
 
@@ -109,8 +114,15 @@ export function createHandler(post: Post): (msg: unknown) => void {
         case "load": {
           if (!(msg.model instanceof ArrayBuffer)) throw new Error("load: 'model' must be an ArrayBuffer with the GGUF bytes");
           const t0 = performance.now();
-          engine = null;
-          const e = loadModel(msg.model, { onProgress: (stage, loaded, total) => post({ type: "progress", stage, loaded, total }) });
+          const maxSeqLen = (msg as { maxSeqLen?: number | null }).maxSeqLen ?? undefined; // optional extension
+          let e: Engine;
+          try {
+            e = loadModel(msg.model, { maxSeqLen, onProgress: (stage, loaded, total) => post({ type: "progress", stage, loaded, total }) });
+          } catch (err) {
+            // The previous model (if any) still serves requests; say so, as the Pyodide worker does.
+            post({ type: "error", message: message(err), modelKept: engine !== null });
+            break;
+          }
           engine = e;
           const c = e.config;
           post({
@@ -143,8 +155,10 @@ export function createHandler(post: Post): (msg: unknown) => void {
           throw new Error(`unknown message type ${JSON.stringify(msg.type)} (expected load, generate or cancel)`);
       }
     } catch (e) {
-      post(msg && typeof msg === "object" && msg.id !== undefined ? { type: "error", id: msg.id, message: message(e) }
-        : { type: "error", message: message(e) });
+      const err: Record<string, unknown> = { type: "error", message: message(e) };
+      if (msg && typeof msg === "object" && msg.id !== undefined) err.id = msg.id;
+      if (msg && typeof msg === "object" && msg.type === "load") err.modelKept = engine !== null;
+      post(err);
     }
   };
 }

@@ -103,6 +103,8 @@ test("a full KV cache ends generation with 'length'; a prompt that cannot fit is
   assert.deepEqual(r.tokenIds, c.greedy_ids.slice(0, 4)); // also: prefill in chunks of 2 gives the same tokens
   assert.equal(r.finishReason, "length");
   assert.throws(() => small.generate(cases[1].prompt_ids, {}), /prompt has 18 tokens; maxSeqLen is 8/);
+  assert.throws(() => loadModel(modelBuffer(), { maxSeqLen: 0 }), /maxSeqLen must be a positive integer/);
+  assert.throws(() => loadModel(modelBuffer(), { prefillChunk: 2.5 }), /prefillChunk must be a positive integer/);
 });
 
 function indexOfMax(a) {

@@ -32,6 +32,7 @@ test("errors before load and on malformed messages", async () => {
   assert.match(h.msgs.at(-1).message, /'model' must be an ArrayBuffer/);
   h.handle({ type: "load", model: new ArrayBuffer(16) });
   assert.match(h.msgs.at(-1).message, /not a GGUF file/);
+  assert.equal(h.msgs.at(-1).modelKept, false);
   h.handle(null);
   assert.equal(h.msgs.at(-1).type, "error");
 });
@@ -82,6 +83,21 @@ test("load -> progress + ready; generate streams tokens then done; cancel aborts
   assert.deepEqual(d2.tokenIds, []);
   assert.equal(d2.finishReason, "abort");
   await h.until((m) => m.type === "done" && m.id === "d1");
+
+  // the demo page sends null for unset options; done carries ttftMs
+  h.handle({ type: "generate", id: "n", prompt: FRANCE.prompt, maxTokens: 3, temperature: 0, topP: 1, topK: -1, seed: null, chat: false });
+  const n = await h.until((m) => (m.type === "done" || m.type === "error") && m.id === "n");
+  assert.equal(n.type, "done", n.message);
+  assert.deepEqual(n.tokenIds, FRANCE.greedy_ids.slice(0, 3));
+  assert.ok(n.ttftMs > 0);
+
+  // a failed load keeps the previous model, and says so
+  h.handle({ type: "load", model: new ArrayBuffer(8) });
+  const lf = h.msgs.at(-1);
+  assert.equal(lf.type, "error");
+  assert.equal(lf.modelKept, true);
+  h.handle({ type: "generate", id: "k", prompt: [504], maxTokens: 2 });
+  assert.equal((await h.until((m) => m.type === "done" && m.id === "k")).tokenIds.length, 2);
 
   // bad generation options come back as an error for that id
   h.handle({ type: "generate", id: "e", prompt: "x", topP: 2 });

@@ -46,7 +46,7 @@ class Arena:
             raise ValueError(f"arena size must be >= 0, got {nbytes}")
         self.buffer = np.zeros(int(nbytes), dtype=np.uint8)
         # np.zeros is 16-byte aligned at least; start the first region on a 64-byte boundary.
-        self._offset = (-self.buffer.ctypes.data) % ALIGNMENT
+        self._offset = (-self.buffer.__array_interface__["data"][0]) % ALIGNMENT   # no ctypes (Pyodide)
         self.regions: dict[str, tuple[int, int, tuple[int, ...], np.dtype]] = {}
         self.views: dict[str, np.ndarray] = {}
 

@@ -275,3 +275,15 @@ def test_priority_orders_service_through_the_engine():
     assert order == ["high", "mid", "mid2", "low"]
     with pytest.raises(ValueError, match="priority"):
         eng.add_request("x", "ab", greedy(2), priority="urgent")
+
+
+def test_bos_follows_the_tokenizer_flag():
+    class BosTokenizer(FakeTokenizer):
+        add_bos_token = True
+        bos_token_id = 47
+    plain = make_engine()
+    plain.add_request("a", "abc", greedy(2))
+    with_bos = make_engine(tokenizer=BosTokenizer())
+    with_bos.add_request("a", "abc", greedy(2))
+    assert run_all(plain)["a"].prompt_token_ids == [1, 2, 3]             # SmolLM2 / HF: no BOS
+    assert run_all(with_bos)["a"].prompt_token_ids == [47, 1, 2, 3]      # Gemma-style add_bos_token

@@ -316,3 +316,30 @@ def test_engine_failure_is_500_and_server_recovers():
         ok = httpx.post(srv.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 3})
         assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "abc"
         assert httpx.get(srv.url + "/health").json() == {"status": "ok"}
+
+
+class SlowEngine(FakeEngine):
+    in_step = False
+
+    def step(self):
+        import time
+        self.in_step = True
+        time.sleep(1.0)      # a long step (a big prefill, say): it runs in a worker thread
+        self.in_step = False
+        return super().step()
+
+
+def test_event_loop_keeps_serving_during_a_step():
+    engine = SlowEngine()
+    with ServerThread(create_app(engine, model_id="m")) as srv:
+        async def go():
+            async with httpx.AsyncClient(base_url=srv.url, timeout=30) as c:
+                gen = asyncio.ensure_future(c.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2}))
+                while not engine.in_step:
+                    await asyncio.sleep(0.005)
+                health = await c.get("/health")
+                answered_during_step = engine.in_step
+                return health.status_code, answered_during_step, (await gen).json()
+        status, during, body = asyncio.run(go())
+    assert status == 200 and during       # /health answered while step() was still running
+    assert body["choices"][0]["text"] == "ab"

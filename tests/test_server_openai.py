@@ -209,7 +209,9 @@ def test_curl_n_streams_chat_tokens_as_they_come(server):
 
 def test_n_choices_seeded_and_logprobs(server, client):
     kw = dict(model=server.model_id, messages=[{"role": "user", "content": "Write a word."}], max_tokens=4,
-              temperature=1.0, seed=1234, n=3, logprobs=True, top_logprobs=2)
+              temperature=1.0, seed=1234, n=3, logprobs=True, top_logprobs=2, top_p=0.95, presence_penalty=0.5,
+              frequency_penalty=0.3, user="tester", stop="\n\n",
+              extra_body={"top_k": 40, "min_p": 0.02, "repetition_penalty": 1.1})
     with ThreadPoolExecutor(2) as pool:   # the same seeded request twice, concurrently
         a, b = pool.map(lambda _: client.chat.completions.create(**kw), range(2))
     assert [c.index for c in a.choices] == [0, 1, 2]
@@ -243,6 +245,7 @@ def test_logit_bias_forces_a_token(server, client):
                                   logit_bias={str(tid): 100}, logprobs=0)
     tok_text = server.tok.token_bytes(tid).decode()
     assert r.choices[0].logprobs.tokens == [tok_text] * 3
+    assert [list(d) for d in r.choices[0].logprobs.top_logprobs] == [[tok_text]] * 3   # logprobs=0: sampled only
     assert r.choices[0].text == tok_text * 3
 
 

@@ -126,7 +126,10 @@ def create_app(engine, *, model_id: str | None = None, aliases=(), api_key: str 
             state.check_model(body)
             parse = P.parse_chat if kind == "chat" else P.parse_completion
             # Tokenizing runs off the event loop: a long prompt must not stall other streams.
-            parsed = await asyncio.to_thread(parse, body, state.tokenizer, state.max_model_len)
+            try:
+                parsed = await asyncio.to_thread(parse, body, state.tokenizer, state.max_model_len)
+            except ValueError as exc:   # e.g. the chat template refusing a message sequence
+                raise P.APIError(400, str(exc), param="messages" if kind == "chat" else "prompt") from None
             gen = S.Generation(state.loop, state.metrics, parsed, P.new_id(kind), arrival)
             await gen.start()
         except P.APIError as err:
@@ -135,18 +138,10 @@ def create_app(engine, *, model_id: str | None = None, aliases=(), api_key: str 
         created = P.now()
         watcher = DisconnectWatcher(request.receive, gen.abort)
         if parsed.stream:
-            async def events():
-                try:
-                    async for chunk in S.stream(gen, state.tokenizer, state.model_id, created):
-                        yield chunk
-                finally:
-                    watcher.stop()
-                    gen.close()
-
-            def on_close():
+            def on_close():   # the stream ended, failed or lost its client: abort leftovers, count it
                 watcher.stop()
                 gen.close()
-            return EventStreamResponse(events(), on_close=on_close)
+            return EventStreamResponse(S.stream(gen, state.tokenizer, state.model_id, created), on_close=on_close)
         try:
             result = await S.collect(gen, state.tokenizer, state.model_id, created)
         except P.APIError as err:

@@ -408,7 +408,9 @@ def completion_logprobs(tokenizer, token_ids: list[int], entries: list, k: int, 
         alts: dict[str, float] = {}
         for aid, alp in top[:k]:
             alts.setdefault(_token_text(tokenizer, aid)[0], _safe_lp(alp))
-        tops.append(alts if k else None)
+        if not k:   # logprobs=0: the sampled token alone (as vLLM does)
+            alts[tok] = _safe_lp(lp)
+        tops.append(alts)
         offsets.append(pos)
         pos += len(tok)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}

@@ -91,6 +91,20 @@ def test_arbitrary_bytes_match_with_nan_equality(t):
     assert np.array_equal(ours, want, equal_nan=True)
 
 
+@pytest.mark.parametrize("t", [GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q6_K], ids=lambda t: t.name)
+def test_dequantize_into_preallocated_out(t):
+    """The lean weight mode decodes into arena scratch: out= gives the same bits and returns that very array."""
+    rng = np.random.default_rng(11)
+    bs = GGML_BLOCK[t].block_size
+    shape = (N_BLOCKS * bs // 256, 256)
+    raw = _random_raw(t, N_BLOCKS, rng)
+    out = np.full(shape, np.nan, np.float32)
+    assert dequantize(raw, t, shape, out=out) is out
+    assert _bits_equal(out, _reference(raw, t, shape))
+    with pytest.raises(ValueError, match="out must be"):
+        dequantize(raw, t, shape, out=np.empty(shape[::-1], np.float32))
+
+
 @pytest.mark.parametrize("t", [GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.F16], ids=lambda t: t.name)
 def test_many_chunks(t):
     """Large tensors are decoded in chunks of blocks; the seams must not show."""

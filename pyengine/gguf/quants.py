@@ -251,8 +251,12 @@ SUPPORTED_TYPES = tuple(_KERNELS)
 _CHUNK_WEIGHTS = 1 << 18
 
 
-def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...] | int) -> np.ndarray:
-    """Raw tensor bytes (uint8) of a ggml type -> a new float32 array of ``shape`` (NumPy order)."""
+def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...] | int,
+               out: np.ndarray | None = None) -> np.ndarray:
+    """Raw tensor bytes (uint8) of a ggml type -> float32 array of ``shape`` (NumPy order).
+
+    ``out``: a preallocated C-contiguous float32 array of that shape to decode into (the lean weight mode
+    decodes each layer into arena scratch this way, with no model-sized temporaries)."""
     shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
     layout = block_layout(ggml_type)
     kernel = _KERNELS.get(GGMLType(ggml_type))
@@ -269,12 +273,16 @@ def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...] | int) ->
         raise GGUFError(f"{type_name(ggml_type)} tensor of shape {shape} needs {nbytes} bytes, got {raw.size}")
     blocks = np.ascontiguousarray(raw).reshape(-1).view(layout.dtype)
     n_blocks = blocks.shape[0]
-    out = np.empty((n_blocks, layout.block_size), np.float32)
+    if out is None:
+        out = np.empty(shape, np.float32)
+    elif out.dtype != np.float32 or out.shape != shape or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a C-contiguous float32 array of shape {shape}")
+    result, out = out, out.reshape(n_blocks, layout.block_size)
     step = max(1, _CHUNK_WEIGHTS // layout.block_size)
     with np.errstate(all="ignore"):   # inf/NaN scales in a file decode to inf/NaN, as in ggml, silently
         for start in range(0, n_blocks, step):
             kernel(blocks[start:start + step], out[start:start + step])
-    return out.reshape(shape)
+    return result
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -87,6 +87,25 @@ def test_greedy_tokens_match_each_other_and_golden(loaded, golden):
     print("decode tok/s:", report)
 
 
+def test_chat_template_toggle_matches_golden_chat_prompt(loaded, golden):
+    """chat: true wraps the prompt in the model's chat template (SmolLM2 adds its default system turn):
+    the result must be the golden ChatML case's greedy tokens, from both engines."""
+    page, log, _ = loaded
+    from golden_checks import check_greedy
+
+    case = next(c for c in golden["cases"] if c["prompt"].startswith("<|im_start|>system"))
+    user = case["prompt"].split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
+    n = 8
+    results = _js(page, """async ([engines, prompt, n]) => {
+        const out = await Promise.all(engines.map((engine) =>
+            window.pyengineDemo.generate({engine, prompt, maxTokens: n, temperature: 0, chat: true})));
+        return Object.fromEntries(engines.map((e, i) => [e, out[i]]));
+    }""", [list(ENGINES), user, n])
+    for name in ENGINES:
+        assert len(results[name]["tokenIds"]) == n, (name, results[name])
+        assert not check_greedy(results[name]["tokenIds"], case, n), (name, results[name]["tokenIds"])
+
+
 def test_cancel_stops_generation(loaded):
     page, log, _ = loaded
     for name in ENGINES:

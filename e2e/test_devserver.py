@@ -75,3 +75,21 @@ def test_no_model_and_traversal():
         assert c.get("/vendor/../../pyproject.toml").status_code == 404
     with pytest.raises(FileNotFoundError, match="model file not found"):
         create_app(model="/nonexistent.gguf")
+
+
+def test_mountable_under_a_prefix(model_path):
+    """The OpenAI server can serve the demo in the same process: Mount('/demo', app=create_app(...)).
+    The page uses only relative URLs, so everything resolves under the prefix."""
+    from starlette.applications import Starlette
+    from starlette.routing import Mount
+    from starlette.testclient import TestClient
+
+    from pyengine.web_server import create_app
+    outer = Starlette(routes=[Mount("/demo", app=create_app(model=model_path))])
+    with TestClient(outer) as c:
+        page = c.get("/demo/")
+        assert page.status_code == 200 and 'src="app.js"' in page.text
+        assert 'src="/' not in page.text and "href=\"/" not in page.text   # nothing absolute
+        assert c.get("/demo/config.js").status_code == 200
+        r = c.get("/demo/model/default.gguf", headers={"Range": "bytes=0-3"})
+        assert r.status_code == 206 and r.content == b"GGUF"

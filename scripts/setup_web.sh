@@ -128,8 +128,14 @@ say "wrote web/vendor/manifest.json"
 if [ $WHEEL_ONLY = 1 ]; then
     :
 elif [ -f ts-mini/package.json ]; then
-    if [ -f ts-mini/package-lock.json ]; then (cd ts-mini && npm ci --silent --no-audit --no-fund)
-    else (cd ts-mini && npm install --silent --no-audit --no-fund); fi
+    # (re)install the compiler only when node_modules is missing or older than the lock file
+    if [ ! -d ts-mini/node_modules ] || [ ts-mini/package-lock.json -nt ts-mini/node_modules ] \
+            || [ ts-mini/package.json -nt ts-mini/node_modules ]; then
+        if [ -f ts-mini/package-lock.json ]; then (cd ts-mini && npm ci --silent --no-audit --no-fund)
+        else (cd ts-mini && npm install --silent --no-audit --no-fund); fi
+        touch ts-mini/node_modules
+        say "installed ts-mini's build dependencies"
+    fi
     (cd ts-mini && npm run --silent build)
     if [ -f ts-mini/dist/worker.js ]; then say "built ts-mini/dist/worker.js"
     else echo "setup_web: WARNING: ts-mini built but ts-mini/dist/worker.js is missing" >&2; fi

@@ -100,7 +100,8 @@ def test_200_random_disconnects_free_everything(server):
                                                           "ignore_eos": True}, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
     metrics = httpx.get(server.url + "/metrics").text
-    aborted = [ln for ln in metrics.splitlines() if ln.startswith('pyengine_request_success_total{finish_reason="abort"}')]
+    key = 'pyengine_request_success_total{finish_reason="abort"}'
+    aborted = [ln for ln in metrics.splitlines() if ln.startswith(key)]
     assert aborted and float(aborted[0].split()[1]) >= sum(1 for s in seen if s > 0)
 
 

@@ -49,7 +49,8 @@ class ByteTokenizer:
         return bytes([tid]) if tid < 256 else b""
 
     def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
-        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + ("<assistant>" if add_generation_prompt else "")
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        text += "<assistant>" if add_generation_prompt else ""
         return self.encode(text) if tokenize else text
 
 

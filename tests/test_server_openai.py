@@ -276,7 +276,8 @@ def test_metrics_counters_equal_usage(server, client):
         chunks = list(client.chat.completions.create(
             model=server.model_id, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0,
             stream=True, stream_options={"include_usage": True}))
-        return chunks[-1].usage, [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        return chunks[-1].usage, reasons
 
     with ThreadPoolExecutor(3) as pool:
         done = [f.result() for f in (pool.submit(completion, 3, "One, two,"), pool.submit(completion, 4, "The sky is"),

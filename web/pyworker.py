@@ -13,11 +13,12 @@ import time
 # One tab generates for one user: a small batch keeps the KV cache and the activation arena small (the
 # defaults size them for a server); long prompts are prefilled in chunks of max_num_batched_tokens.
 BROWSER_LIMITS = {"max_num_seqs": 2, "max_num_batched_tokens": 256}
-# Measured in headless Chromium (scripts/measure_web.py, SmolLM2-135M Q4_1): "resident" (fp32 weights) peaks
-# at ~890 MB of wasm memory and loads in ~5.6 s; "lean" (quantized weights, per-layer dequant) peaks at ~320 MB,
-# loads in ~1 s and decodes within ~10% of resident -- without BLAS, wasm matmuls dominate either way.
-# (In CPython with BLAS, resident decodes ~4x faster, which is why the server keeps it.)
-DEFAULT_WEIGHTS_MODE = "lean"
+# Chosen by measurement (scripts/measure_web.py, headless Chromium, SmolLM2-135M Q4_1, 32 greedy tokens):
+#   resident (fp32 weights): wasm memory 890 MB, load 1.8 s, decode 2.5 tok/s
+#   lean (per-layer dequant): wasm memory 319 MB, load 0.7 s, decode 1.1 tok/s
+# Decode speed is what a user watches, and 890 MB fits a desktop tab's 4 GB wasm32 limit, so resident is the
+# default; the page asks for lean on devices reporting < 4 GB (navigator.deviceMemory) or with ?pymode=lean.
+DEFAULT_WEIGHTS_MODE = "resident"
 
 
 class WorkerSession:

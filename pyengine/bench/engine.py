@@ -4,6 +4,8 @@ the same run, plus the KV-cache scaling claim and flash attention's memory claim
   decode    greedy decode tok/s (one sequence, KV cache) vs a bare chain of matvecs over the same weight
             arrays (fused QKV, Wo, fused gate|up, down per layer, and the 49152x576 head): the roofline.
   prefill   tok/s for one prompt vs a bare chain of matmuls of the same shapes.
+  batch     batched decode: B sequences (each ~128 tokens of context, scattered block tables) advance one
+            token per step in one forward; aggregate tok/s for each B and its ratio to B=1.
   kv-cache  time per decode step at several context lengths with the cache vs recomputing the whole prefix
             each step (no cache); fitted growth exponents (per step: ~0 vs ~1; per sequence add 1).
   flash     tracemalloc peak and time of plain vs tiled flash attention for one long prefill.
@@ -32,7 +34,10 @@ def add_arguments(p) -> None:
     p.add_argument("--repeat", type=int, default=3, help="repetitions of the prefill / roofline timings")
     p.add_argument("--weights", choices=("resident", "lean"), default="resident")
     p.add_argument("--profile", action="store_true", help="cProfile 16 decode steps and print the top entries")
-    p.add_argument("--skip", default="", help="comma list of sections to skip: decode,prefill,kv,flash")
+    p.add_argument("--batch-sizes", default="1,8,32", help="sequences per batched decode step")
+    p.add_argument("--batch-context", type=int, default=128, help="context tokens of each batched sequence")
+    p.add_argument("--batch-steps", type=int, default=8, help="timed batched decode steps per batch size")
+    p.add_argument("--skip", default="", help="comma list of sections to skip: decode,prefill,batch,kv,flash")
 
 
 def _median_time(fn, repeat: int) -> float:
@@ -83,6 +88,36 @@ def roofline(mats, head, rows: int, head_rows: int = 1):
     return chain
 
 
+def batched_decode(runner, batch_sizes, context: int, steps: int, rng):
+    """{B: (median wall s, median cpu s) per decode step} for B sequences decoding together. Each sequence
+    gets its own blocks from one shuffled pool (as a block manager hands them out) and a random prompt of
+    ``context`` tokens, prefilled in ragged batches; then ``steps`` decode steps of all B are timed."""
+    from pyengine.engine.forward_batch import ForwardBatch
+    bs, vocab = runner.block_size, runner.config.vocab_size
+    per_seq = -(-(context + steps + 2) // bs)
+    results = {}
+    for B in batch_sizes:
+        pool = rng.permutation(runner.num_blocks)[:B * per_seq].astype(np.int32)
+        tables = [pool[i * per_seq:(i + 1) * per_seq] for i in range(B)]
+        per_batch = max(1, runner.max_num_batched_tokens // context)
+        for s0 in range(0, B, per_batch):
+            n = min(B, s0 + per_batch) - s0
+            runner.run(ForwardBatch(rng.integers(0, vocab, n * context), np.tile(np.arange(context), n),
+                                    [context] * n, [context] * n, tables[s0:s0 + n],
+                                    np.arange(1, n + 1) * context - 1))
+        walls, cpus = [], []
+        for step in range(steps + 1):
+            pos = np.full(B, context + step, dtype=np.int64)
+            b = ForwardBatch(rng.integers(0, vocab, B), pos, [1] * B, list(pos + 1), tables, np.arange(B))
+            t, c = time.perf_counter(), time.process_time()
+            runner.run(b)
+            if step:                        # the first step warms up this batch size's buffers
+                walls.append(time.perf_counter() - t)
+                cpus.append(time.process_time() - c)
+        results[B] = (float(np.median(walls)), float(np.median(cpus)))
+    return results
+
+
 def _fit_exponent(xs, ys) -> float:
     return float(np.polyfit(np.log(xs), np.log(ys), 1)[0])
 
@@ -95,14 +130,20 @@ def run(args) -> int:
     skip = set(filter(None, args.skip.split(",")))
     contexts = [int(c) for c in args.contexts.split(",") if c]
     path = resolve_model(args.model)
-    max_len = max([args.prefill_tokens + 8, args.decode_tokens + 32] + [c + 8 for c in contexts])
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b] if "batch" not in skip else []
+    max_len = max([args.prefill_tokens + 8, args.decode_tokens + 32, args.batch_context + args.batch_steps + 8]
+                  + [c + 8 for c in contexts])
+    # blocks: a full-length sequence for the single-stream sections, or all batched sequences at once
+    per_seq = -(-(args.batch_context + args.batch_steps + 2) // 16)
+    num_blocks = max(-(-max_len // 16), max(batch_sizes, default=0) * per_seq)
     print(f"model {os.path.basename(path)}; cpu_count {os.cpu_count()}; numpy {np.__version__}; "
           f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')} "
           f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}; {_load()}")
     print("(numpy's BLAS picks its own thread count; on a busy machine OPENBLAS_NUM_THREADS=1 is steadier)")
     t = time.perf_counter()
     runner = ModelRunner(path, max_model_len=max_len, max_num_batched_tokens=max(args.prefill_tokens, max(contexts)),
-                         max_num_seqs=1, weights_mode=args.weights)
+                         max_num_seqs=max(batch_sizes, default=1), num_blocks=num_blocks, block_size=16,
+                         weights_mode=args.weights)
     print(f"load {time.perf_counter() - t:.1f} s; weights ({args.weights}) {runner.weights.nbytes / 2**20:.0f} MiB")
     print(runner.arena.summary())
     rng = np.random.default_rng(0)
@@ -157,6 +198,17 @@ def run(args) -> int:
             s = io.StringIO()
             pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(12)
             print(s.getvalue())
+
+    if batch_sizes:
+        res = batched_decode(runner, batch_sizes, args.batch_context, args.batch_steps, rng)
+        w1, c1 = res.get(1, (None, None))
+        print(f"\nbatched decode, {args.batch_context} tokens of context each (aggregate tok/s = B / step time; "
+              f"ratio = aggregate / B=1; serving target: >= 330 tok/s at B=32)")
+        print(f"{'B':>4} {'step ms':>9} {'tok/s':>8} {'ratio':>6} {'cpu ms':>9} {'cpu tok/s':>10} {'cpu ratio':>9}")
+        for B, (w, c) in res.items():
+            rw = f"{(B / w) / (1 / w1):6.2f}" if w1 else f"{'-':>6}"
+            rc = f"{(B / c) / (1 / c1):9.2f}" if c1 else f"{'-':>9}"
+            print(f"{B:>4} {w * 1e3:>9.1f} {B / w:>8.1f} {rw} {c * 1e3:>9.1f} {B / c:>10.1f} {rc}")
 
     if "kv" not in skip:
         print("\nKV cache: ms per decode step at context L (with cache: append 1 token and attend; "

@@ -43,6 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare", choices=["prefix-cache", "chunked-prefill"], default=None,
                    help="in-process only: run every rate with the option on and off")
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget per engine step (bounds how long a prefill can stall decoding)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
@@ -213,7 +215,8 @@ class InProcess:
         self.args = args
         self.path = resolve_model(args.model)
         t = time.perf_counter()
-        base = LLMEngine(self.path, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs)
+        base = LLMEngine(self.path, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                         max_num_batched_tokens=args.max_num_batched_tokens)
         self.runner, self.tokenizer = base.runner, base.get_tokenizer()
         print(f"model loaded in {time.perf_counter() - t:.1f}s", file=sys.stderr)
         self.model_id, _ = served_names(self.path)
@@ -224,7 +227,8 @@ class InProcess:
         from pyengine.server.runner import ServerThread
 
         engine = LLMEngine(runner=self.runner, tokenizer=self.tokenizer, max_model_len=self.args.max_model_len,
-                           max_num_seqs=self.args.max_num_seqs, enable_prefix_caching=prefix_cache,
+                           max_num_seqs=self.args.max_num_seqs,
+                           max_num_batched_tokens=self.args.max_num_batched_tokens, enable_prefix_caching=prefix_cache,
                            enable_chunked_prefill=chunked, max_waiting=None)
         app = create_app(engine, model_id=self.model_id, max_model_len=self.args.max_model_len)
         return ServerThread(app)  # started by `with`
@@ -264,16 +268,19 @@ def print_table(rows: list[dict]) -> None:
 
 
 def print_ratios(rows: list[dict], configs: list[str]) -> None:
+    """Same-run ratios of the two configurations at each rate (> 1: the first one is better)."""
     if len(configs) != 2:
         return
     a, b = configs
     for rate in sorted({r["rate"] for r in rows}):
         ra = next((r for r in rows if r["rate"] == rate and r["config"] == a), None)
         rb = next((r for r in rows if r["rate"] == rate and r["config"] == b), None)
-        if ra and rb and rb["ttft_p50"] > 0 and ra["ttft_p50"] > 0:
-            print(f"rate {rate:g}: [{a}] vs [{b}]: TTFT p50 x{rb['ttft_p50'] / ra['ttft_p50']:.2f} lower, "
-                  f"E2E p50 x{rb['e2e_p50'] / ra['e2e_p50']:.2f} lower, "
-                  f"out tok/s x{ra['out_tok_per_s'] / max(rb['out_tok_per_s'], 1e-9):.2f}")
+        if not (ra and rb and ra["completed"] and rb["completed"]):
+            continue
+        ratio = lambda key: rb[key] / ra[key] if ra[key] > 0 else float("nan")  # noqa: E731
+        print(f"rate {rate:g}, [{b}] / [{a}]: TTFT p50 {ratio('ttft_p50'):.2f}x, TTFT p99 {ratio('ttft_p99'):.2f}x, "
+              f"E2E p50 {ratio('e2e_p50'):.2f}x; output tok/s [{a}] / [{b}] "
+              f"{ra['out_tok_per_s'] / max(rb['out_tok_per_s'], 1e-9):.2f}x")
 
 
 def run(args) -> int:

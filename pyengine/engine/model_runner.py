@@ -56,7 +56,8 @@ class ModelRunner:
         self.weights = LlamaWeights.from_gguf(self.gguf, c, mode=weights_mode)
         self.model = LlamaModel(c, self.weights, flash_min_query=flash_min_query)
         self.max_logits = int(max_logits or max(max_num_seqs, 1))
-        specs = (self.model.arena_specs(self.max_num_batched_tokens, self.max_model_len, self.max_logits)
+        specs = (self.model.arena_specs(self.max_num_batched_tokens, self.max_model_len, self.max_logits,
+                                        max_seqs=self.max_num_seqs, block_size=self.block_size)
                  + PagedKVCache.arena_specs(c.n_layers, self.num_blocks, block_size, c.n_kv_heads, c.head_dim))
         self.arena = Arena.from_specs(specs)
         self.kv_cache = PagedKVCache(self.arena, c.n_layers, self.num_blocks, block_size, c.n_kv_heads,

@@ -4,12 +4,14 @@ Shapes: q (Tq, H, hd); k, v (Tk, Hkv, hd) with H = Hkv * g. Query row i sits at 
 (default Tk - Tq: the new tokens are the last ones of the context) and sees keys 0 .. offset + i.
 Query head h uses KV head h // g (HF's repeat_kv order).
 
-Three forms, all computing the same numbers:
+Four forms, all computing the same numbers:
   attention           readable reference: repeats K/V per query head, materializes all scores.
   grouped_attention   fast plain softmax: no repeat (q is regrouped as (Hkv, hd, Tq*g) so one matmul per KV
                       head covers its whole query group), scores written into caller scratch.
   flash_attention     S12: tiles over keys (and queries) with an online softmax (running max m and sum l),
                       so memory is O(tile^2) instead of O(Tq * Tk); fully-masked key tiles are skipped.
+  decode_attention    S09: B decoding sequences (one query each) at once over K/V padded to a common length
+                      plus a length mask: two batched matmuls instead of a Python loop of B small calls.
 Scores are kept keys-major, (Hkv, Tk, Tq*g): the K operand is then a plain strided view of the KV cache
 (row stride Hkv*hd), which BLAS takes directly, instead of a transposed view NumPy would copy.
 """
@@ -137,4 +139,37 @@ def flash_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, offset: int | N
             m = m_new
         acc /= l.transpose(0, 2, 1)
         _write_out(acc, out[q0:q1], Hkv)
+    return out
+
+
+def decode_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, lens: np.ndarray, scale: float | None = None,
+                     out: np.ndarray | None = None, scratch: np.ndarray | None = None) -> np.ndarray:
+    """One query per sequence, each at the last position of its own context.
+
+    q (B, H, hd); k, v (B, L, Hkv, hd) padded contexts: rows >= lens[b] get zero weight (they must only be
+    finite, e.g. stale cache blocks); lens (B,) context lengths in 1..L. ``scratch``: float32 buffer of >= B*H*L elements for the scores.
+    """
+    B, H, hd = q.shape
+    _, L, Hkv, _ = k.shape
+    g = H // Hkv
+    scale = hd ** -0.5 if scale is None else scale
+    lens = np.asarray(lens)
+    if lens.shape != (B,) or (B and (int(lens.min()) < 1 or int(lens.max()) > L)):
+        raise ValueError(f"decode_attention lens must be {B} lengths in [1, {L}], got {lens}")
+    if out is None:
+        out = np.empty(q.shape, np.float32)
+    n = B * H * L
+    if scratch is not None and scratch.size < n:
+        raise ValueError(f"decode_attention scratch has {scratch.size} floats, {B}x{H}x{L} scores need {n}")
+    s = (np.empty(n, np.float32) if scratch is None else scratch.reshape(-1)[:n]).reshape(B, Hkv, g, L)
+    qg = q.reshape(B, Hkv, g, hd) * np.float32(scale)                   # (B*H*hd): small
+    np.matmul(qg, k.transpose(0, 2, 3, 1), out=s)                         # (B, Hkv, g, L); K as a strided view
+    # padding keys get -inf by assignment: exact zeros after exp, whatever their scores were
+    np.copyto(s, np.float32(-np.inf), where=(np.arange(L) >= lens[:, None])[:, None, None, :])
+    s -= s.max(axis=-1, keepdims=True)
+    np.exp(s, out=s)
+    denom = s.sum(axis=-1, keepdims=True)                                 # (B, Hkv, g, 1)
+    acc = np.matmul(s, v.transpose(0, 2, 1, 3))                           # (B, Hkv, g, hd): small
+    acc /= denom
+    np.copyto(out, acc.reshape(B, H, hd))
     return out

@@ -1,0 +1,125 @@
+"""S09: batched decode (B sequences, one new token each) in one forward: attention batched over sequences
+through their block tables, few-row GEMMs as matvecs. Everything equals the per-sequence path."""
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from pyengine.engine.forward_batch import ForwardBatch
+from pyengine.engine.model_runner import ModelRunner
+from pyengine.layers.attention import grouped_attention
+from pyengine.model_files import default_model_path
+from pyengine.models.llama import HEAD_ROW_LOOP_MAX, LINEAR_ROW_LOOP_MAX, linear
+
+LENS = [37, 130, 5, 64, 101]
+
+
+@pytest.fixture(scope="module")
+def state():
+    """A runner (max_num_seqs=2: its batched-decode scratch holds 2 full contexts, so 5 sequences are split
+    into groups) with 5 prompts prefilled in one ragged batch through shuffled block tables."""
+    r = ModelRunner(default_model_path(), max_model_len=256, max_num_batched_tokens=400, max_num_seqs=2,
+                    num_blocks=96, max_logits=8)
+    rng = np.random.default_rng(5)
+    bs = r.block_size
+    per = -(-(max(LENS) + 4) // bs)
+    order = rng.permutation(r.num_blocks)[:len(LENS) * per].astype(np.int32)
+    tables = [order[i * per:(i + 1) * per] for i in range(len(LENS))]
+    prompts = [rng.integers(0, r.config.vocab_size, n) for n in LENS]
+    logits = r.run(ForwardBatch(np.concatenate(prompts), np.concatenate([np.arange(n) for n in LENS]), LENS, LENS,
+                                tables, np.cumsum(LENS) - 1))
+    return r, tables, np.argmax(logits, axis=-1)
+
+
+def decode_batch(tables, toks, idx, lens):
+    pos = np.array([lens[s] for s in idx])
+    return ForwardBatch(np.asarray([toks[s] for s in idx], np.int64), pos, [1] * len(idx), list(pos + 1),
+                        [tables[s] for s in idx], np.arange(len(idx)))
+
+
+def test_decode_groups_cover_every_sequence_within_budget(state):
+    r, tables, _ = state
+    bs, slots = r.block_size, r.arena["attn.k_batch"].shape[0]
+    decodes = [(i, n + 1, tables[i]) for i, n in enumerate(LENS)]
+    groups = r.model._decode_groups(decodes, bs, slots)
+    assert len(groups) > 1                                    # the budget forces a split here
+    seen = []
+    for rows, blocks, lens, _ in groups:
+        rows = np.arange(rows.start, rows.stop) if isinstance(rows, slice) else rows
+        assert blocks.size * bs <= slots and len(rows) == len(lens) == blocks.shape[0]
+        for row, n, blk in zip(rows, lens, blocks):
+            need = -(-n // bs)
+            assert n == LENS[row] + 1 and list(blk[:need]) == list(tables[row][:need])
+        seen += list(rows)
+    assert sorted(seen) == list(range(len(LENS)))
+
+
+def test_batched_attention_equals_per_sequence_on_the_cache(state):
+    """Inside the model, on the real (scattered) KV cache of every layer: the batched decode attention of all
+    sequences = grouped attention of each sequence over its own gathered context, within 1e-5."""
+    r, tables, _ = state
+    m, kv, A = r.model, r.kv_cache, r.arena.views
+    B = len(LENS)
+    rng = np.random.default_rng(1)
+    q_rot = rng.standard_normal((B, 9, 64)).astype(np.float32)
+    lens = [n - 2 for n in LENS]                               # attend over a cached prefix of each sequence
+    groups = m._decode_groups([(i, lens[i], tables[i]) for i in range(B)], kv.block_size,
+                              A["attn.k_batch"].shape[0])
+    for layer in (0, 17, 29):
+        got = np.zeros((B, 9, 64), np.float32)
+        for g in groups:
+            m._decode_attention(layer, kv, A, q_rot, got, *g)
+        for s in range(B):
+            slots = tables[s][np.arange(lens[s]) // kv.block_size] * kv.block_size + np.arange(lens[s]) % kv.block_size
+            k, v = kv.k_slots[layer][slots], kv.v_slots[layer][slots]
+            want = grouped_attention(q_rot[s:s + 1], k, v, scale=m.scale)[0]
+            assert np.abs(got[s] - want).max() <= 1e-5, (layer, s)
+
+
+def test_batched_decode_step_equals_each_alone(state):
+    """One decode step of all 5 sequences (in budget-split groups, shuffled batch order) = each one alone;
+    then the next step too, through the K/V the batched step wrote."""
+    r, tables, toks = state
+    order = [3, 0, 4, 1, 2]
+    together = r.run(decode_batch(tables, toks, order, LENS)).copy()
+    alone = np.stack([r.run(decode_batch(tables, toks, [s], LENS))[0].copy() for s in order])
+    assert np.abs(together - alone).max() <= 1e-4
+    assert list(np.argmax(together, -1)) == list(np.argmax(alone, -1))
+    nxt = np.argmax(together, -1)
+    toks2 = {s: int(t) for s, t in zip(order, nxt)}
+    lens2 = [n + 1 for n in LENS]
+    together = r.run(decode_batch(tables, toks2, order, lens2)).copy()
+    alone = np.stack([r.run(decode_batch(tables, toks2, [s], lens2))[0].copy() for s in order])
+    assert np.abs(together - alone).max() <= 1e-4
+
+
+def test_batched_decode_allocates_nothing_model_sized(state):
+    r, tables, toks = state
+    idx = list(range(len(LENS)))
+    r.run(decode_batch(tables, toks, idx, LENS))           # warm-up
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        r.run(decode_batch(tables, toks, idx, LENS))
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    assert peak < r.weights.layers[0].wo.nbytes / 4, peak
+
+
+def test_few_row_matvecs_equal_gemm(state):
+    r, _, _ = state
+    rng = np.random.default_rng(2)
+    w = r.weights.layers[3].w_gate_up
+    for n in range(1, LINEAR_ROW_LOOP_MAX + 3):
+        x = rng.standard_normal((n, w.shape[0])).astype(np.float32)
+        out = np.empty((n, w.shape[1]), np.float32)
+        assert linear(x, w, out) is out
+        assert np.abs(out - x.astype(np.float64) @ w).max() <= 1e-4
+    head = r.weights.head
+    for n in (1, 2, HEAD_ROW_LOOP_MAX, HEAD_ROW_LOOP_MAX + 1):
+        h = rng.standard_normal((n, head.shape[0])).astype(np.float32)
+        out = np.empty((n, head.shape[1]), np.float32)
+        r.model._lm_head(h, out, r.arena.views)
+        assert np.abs(out - h.astype(np.float64) @ head).max() <= 1e-4

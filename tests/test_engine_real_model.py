@@ -18,7 +18,7 @@ from pyengine.sampling_params import SamplingParams
 pytestmark = pytest.mark.slow
 TIE = 2e-3
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "generation_smollm2.json")
-MAX_TOKENS = 10
+MAX_TOKENS = 8
 
 OTHER_PROMPTS = [
     "Write a haiku about the sea.", "The three primary colors are", "import numpy as np\n\ndef softmax(x):",

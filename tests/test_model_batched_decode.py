@@ -52,6 +52,10 @@ def test_decode_groups_cover_every_sequence_within_budget(state):
             assert n == LENS[row] + 1 and list(blk[:need]) == list(tables[row][:need])
         seen += list(rows)
     assert sorted(seen) == list(range(len(LENS)))
+    # when everything fits: one group in batch order (rows a slice), padded to the longest context
+    (rows, blocks, lens, contiguous), = r.model._decode_groups(decodes, bs, 10**6)
+    assert contiguous and rows == slice(0, len(LENS)) and list(lens) == [n + 1 for n in LENS]
+    assert blocks.shape == (len(LENS), -(-(max(LENS) + 1) // bs))
 
 
 def test_batched_attention_equals_per_sequence_on_the_cache(state):

@@ -344,3 +344,11 @@ def test_event_loop_keeps_serving_during_a_step():
         status, during, body = asyncio.run(go())
     assert status == 200 and during       # /health answered while step() was still running
     assert body["choices"][0]["text"] == "ab"
+
+
+def test_served_names():
+    from pyengine.server.app import served_names
+    assert served_names("/m/SmolLM2-135M-Instruct.Q4_1.gguf") == ("SmolLM2-135M-Instruct.Q4_1",
+                                                                 ["SmolLM2-135M-Instruct"])
+    assert served_names("/m/gemma.GGUF") == ("gemma", [])
+    assert served_names(None) == ("pyengine", [])

@@ -171,10 +171,17 @@ def test_greedy_matches_transformers_async_concurrent(server):
                 temperature=0, stream=True)
             return [c async for c in stream]
 
-        async with aclient:
-            return await asyncio.gather(chat_stream(), *(f(c) for c in cases for f in (nonstream, stream)))
+        async def chat():
+            r = await aclient.chat.completions.create(
+                model=server.model_id, messages=[{"role": "user", "content": "Say hello."}], max_tokens=4,
+                temperature=0)
+            return r.choices[0].message.content
 
-    chunks, *got = asyncio.run(go())
+        async with aclient:
+            return await asyncio.gather(chat_stream(), chat(), *(f(c) for c in cases for f in (nonstream, stream)))
+
+    chunks, chat_text, *got = asyncio.run(go())
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == chat_text   # same greedy reply
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
     want = [server.tok.decode(c["greedy_ids"][:k], skip_special_tokens=True) for c in cases for _ in range(2)]
@@ -272,6 +279,14 @@ def test_metrics_counters_equal_usage(server, client):
                                       temperature=0, extra_body={"ignore_eos": True})
         return r.usage, [r.choices[0].finish_reason]
 
+    def completion_stream(max_tokens, prompt):
+        chunks = list(client.completions.create(model=server.model_id, prompt=prompt, max_tokens=max_tokens,
+                                                temperature=0, stream=True, stream_options={"include_usage": True},
+                                                extra_body={"ignore_eos": True}))
+        assert sum(1 for c in chunks if c.choices and c.choices[0].text) >= 2
+        reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        return chunks[-1].usage, reasons
+
     def chat():
         chunks = list(client.chat.completions.create(
             model=server.model_id, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0,
@@ -280,8 +295,9 @@ def test_metrics_counters_equal_usage(server, client):
         return chunks[-1].usage, reasons
 
     with ThreadPoolExecutor(3) as pool:
-        done = [f.result() for f in (pool.submit(completion, 3, "One, two,"), pool.submit(completion, 4, "The sky is"),
-                                     pool.submit(chat))]
+        futures = [pool.submit(completion, 3, "One, two,"), pool.submit(completion_stream, 4, "The sky is"),
+                   pool.submit(chat)]
+        done = [f.result() for f in futures]
     usages = [u for u, _ in done]
     reasons = [r for _, rs in done for r in rs]
     time.sleep(0.2)

@@ -108,9 +108,10 @@ def bench_waste(args) -> None:
     r = kv_waste(n, args.max_model_len, seed=args.seed)
     print(f"(a) KV memory reserved but holding no token ({n} requests, {r['steps']} steps, "
           f"prompts 8-1024, outputs 5-100% of max_tokens 128/256/512):")
-    print(f"  contiguous, max_model_len={args.max_model_len} per sequence:  {100 * r['waste_slab_max_len']:5.1f}% wasted")
-    print(f"  contiguous, prompt+max_tokens per sequence:      {100 * r['waste_slab_request']:5.1f}% wasted")
-    print(f"  paged, 16-token blocks:                          {100 * r['waste_paged']:5.1f}% wasted")
+    for name, key in ((f"contiguous, max_model_len={args.max_model_len} per sequence", "waste_slab_max_len"),
+                      ("contiguous, prompt+max_tokens per sequence", "waste_slab_request"),
+                      ("paged, 16-token blocks", "waste_paged")):
+        print(f"  {name + ':':<52} {100 * r[key]:5.1f}% wasted")
     ratio = r["waste_slab_max_len"] / max(r["waste_paged"], 1e-9)
     _line("max-length slabs waste / paged waste", f"{100 * r['waste_paged']:.1f}% vs "
           f"{100 * r['waste_slab_max_len']:.1f}%", ratio, "paged<4%", r["waste_paged"] < 0.04)

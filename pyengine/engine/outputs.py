@@ -52,7 +52,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
-    error: str | None = None                # reserved for requests ended by an engine-side error
 
     @property
     def num_cached_tokens(self) -> int:

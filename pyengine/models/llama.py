@@ -292,7 +292,10 @@ class LlamaModel:
         (a new array if more rows are asked than the arena was planned for).
 
         One GEMM per weight for all T tokens of the ragged batch; K/V of every token is written to its cache
-        slot, then each sequence attends over its own context through its block table.
+        slot, then each sequence attends over its own context through its block table: decoding sequences
+        (one new token) together, in batched calls over their gathered, padded contexts (``_decode_groups``);
+        prefills and chunks one by one (plain or flash). A lone decode whose blocks are consecutive reads its
+        context as a zero-copy slice instead.
         """
         c, w = self.config, self.weights
         H, Hkv, hd = c.n_heads, c.n_kv_heads, c.head_dim
@@ -320,9 +323,12 @@ class LlamaModel:
                 seqs.append((start, start + qlen, ctx, ContextView(table, ctx, kv.block_size)))
             start += qlen
         slots = np.concatenate(slots) if slots else np.zeros(0, np.int64)
-        if len(decodes) == 1:       # one decode alone: its context is usually a zero-copy slice of the cache
-            a, ctx, table = decodes.pop()
-            seqs.append((a, a + 1, ctx, ContextView(table, ctx, kv.block_size)))
+        if len(decodes) == 1:       # one decode alone: if its blocks are consecutive, read a zero-copy slice
+            a, ctx, table = decodes[0]
+            view = ContextView(table, ctx, kv.block_size)
+            if view.start is not None:
+                seqs.append((a, a + 1, ctx, view))
+                decodes = []
         groups = self._decode_groups(decodes, kv.block_size, A["attn.k_batch"].shape[0])
 
         w.embed_rows(np.asarray(batch.token_ids, dtype=np.int64), out=x)
@@ -371,18 +377,21 @@ class LlamaModel:
         ids (padding repeats the last valid block: read but masked) and the context lengths."""
         if not decodes:
             return []
-        decodes = sorted(decodes, key=lambda d: d[1])           # similar lengths together: less padding
-        groups, cur = [], []
+        longest = -(-max(d[1] for d in decodes) // block_size) * block_size
+        if len(decodes) * longest > max_slots:                 # must split: similar lengths together pad less
+            decodes = sorted(decodes, key=lambda d: d[1])
+        groups, cur, cur_nb = [], [], 0
         for d in decodes:
-            nb = -(-d[1] // block_size)
+            nb = max(cur_nb, -(-d[1] // block_size))
             if cur and (len(cur) + 1) * nb * block_size > max_slots:
                 groups.append(cur)
-                cur = []
+                cur, nb = [], -(-d[1] // block_size)
             cur.append(d)
+            cur_nb = nb
         groups.append(cur)
         out = []
         for g in groups:
-            nb = -(-g[-1][1] // block_size)
+            nb = -(-max(d[1] for d in g) // block_size)
             blocks = np.empty((len(g), nb), np.int64)
             for j, (_, ctx, table) in enumerate(g):
                 n = -(-ctx // block_size)

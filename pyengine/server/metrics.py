@@ -37,6 +37,7 @@ class ServerMetrics:
         self.running = Gauge(p + "num_requests_running", "Sequences in the engine's running batch", registry=r)
         self.waiting = Gauge(p + "num_requests_waiting", "Sequences waiting for admission", registry=r)
         self.kv_blocks_used = Gauge(p + "kv_cache_used_blocks", "KV-cache blocks in use", registry=r)
+        self.kv_usage = Gauge(p + "kv_cache_usage_ratio", "Fraction of the KV-cache blocks in use", registry=r)
         self.prefix_hit_rate = Gauge(p + "prefix_cache_hit_rate", "Prefix-cache hit rate (0..1) so far",
                                      registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of finished requests (as in usage)",
@@ -54,7 +55,10 @@ class ServerMetrics:
             self.running.set(stats["running"])
         if "waiting" in stats:
             self.waiting.set(stats["waiting"])
-        self.kv_blocks_used.set(engine.num_used_blocks())
+        used = engine.num_used_blocks()
+        self.kv_blocks_used.set(used)
+        if stats.get("total_blocks"):
+            self.kv_usage.set(used / stats["total_blocks"])
         rate = _hit_rate(stats)
         if rate is not None:
             self.prefix_hit_rate.set(rate)

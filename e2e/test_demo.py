@@ -143,6 +143,14 @@ def test_corrupt_file_shows_error_and_page_keeps_working(loaded, server):
         catch (e) { return e.message; }
     }""")
     assert "magic" in message2.lower() or "GGUF" in message2, message2
+    # Through the UI: the file picker with a junk file shows the error in the banner and per engine.
+    page.evaluate("() => { document.querySelector('#error').hidden = true; }")
+    page.set_input_files("#model-file", files=[{"name": "junk.gguf", "mimeType": "application/octet-stream",
+                                                "buffer": b"NOPE" + bytes(4000)}])
+    page.wait_for_selector("#error:not([hidden])", timeout=60_000)
+    page.wait_for_function("() => window.pyengineDemo.state().python.status !== 'loading'", timeout=60_000)
+    assert "magic" in page.inner_text("#engine-python [data-role=error]").lower()
+    assert "junk.gguf: not loaded" in page.inner_text("#model-label")
     # The Python worker keeps its previous model when a load fails: it generates right away.
     r = _js(page, """async () => window.pyengineDemo.generate(
         {engine: 'python', prompt: 'The capital of France is', maxTokens: 4, temperature: 0})""")

@@ -56,6 +56,7 @@ def test_static_build_boots_pyodide_from_configured_location(browser, static_sit
     base, out = static_site
     state, requests = _boot(browser, f"{base}/index.html{query}")
     assert state["python"]["status"] == "idle", state
+    assert state["ts"]["status"] != "unavailable", state          # ts-mini's worker is in the build too
     wasm = [u for u in requests if u.endswith("pyodide.asm.wasm")]
     assert wasm and all(f"/{folder}/" in u for u in wasm), wasm
     assert any(u.endswith(".whl") and "/vendor/wheels/pyengine-" in u for u in requests), requests

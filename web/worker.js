@@ -17,7 +17,7 @@ let py = null;          // the Pyodide instance
 let session = null;     // PyProxy of pyworker.WorkerSession
 let pumping = false;
 let peakWasm = 0;
-const STAGES = ["pyodide", "numpy", "micropip", "pyengine"];
+const STAGES = ["pyodide", "numpy", "pyengine", "worker"];   // progress: stage k of 4 is starting
 
 const post = (msg) => self.postMessage(msg);
 const progress = (stage, loaded, total) => post({ type: "progress", stage, loaded, total });
@@ -48,15 +48,15 @@ async function boot() {
   const { loadPyodide } = await import(pyodideBase + "pyodide.mjs");
   py = await loadPyodide({ indexURL: pyodideBase });
   const manifest = await (await fetch(vendorBase + "manifest.json", { cache: "no-cache" })).json();
-  progress("numpy", 1, STAGES.length);
+  progress("numpy", 1, STAGES.length);         // numpy + micropip
   // By name, through the lock file of whichever Pyodide we booted: the vendored one (whose lock setup_web.sh
   // points at the wheels it ships) or a CDN's.
   await py.loadPackage(["numpy", "micropip"], { messageCallback: () => {} });
-  progress("micropip", 2, STAGES.length);
+  progress("pyengine", 2, STAGES.length);      // micropip.install of our wheel
   const micropip = py.pyimport("micropip");
   await micropip.install.callKwargs(vendorBase + manifest.pyengine, { deps: false });
   micropip.destroy();
-  progress("pyengine", 3, STAGES.length);
+  progress("worker", 3, STAGES.length);        // pyworker.py, the Python half of this worker
   const glue = await (await fetch(new URL("./pyworker.py", self.location.href), { cache: "no-cache" })).text();
   const ns = py.globals.get("dict")();
   py.runPython(glue, { globals: ns });
@@ -80,7 +80,7 @@ async function load(msg) {
   // One copy into the wasm heap (Python bytes); the transferred ArrayBuffer is garbage afterwards.
   py.globals.set("_model_js", u8);
   py.globals.set("_session", session);
-  py.globals.set("_mode", msg.mode || null);
+  py.globals.set("_mode", msg.mode || undefined);   // undefined -> None (null would be JsNull)
   let info;
   try {
     info = py.runPython("_session.load(_model_js.to_bytes(), _mode)");

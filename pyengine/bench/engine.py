@@ -33,7 +33,8 @@ def add_arguments(p) -> None:
     p.add_argument("--flash-tokens", type=int, default=2048, help="prefill length for the flash memory test")
     p.add_argument("--repeat", type=int, default=3, help="repetitions of the prefill / roofline timings")
     p.add_argument("--weights", choices=("resident", "lean"), default="resident")
-    p.add_argument("--profile", action="store_true", help="cProfile 16 decode steps and print the top entries")
+    p.add_argument("--profile", action="store_true",
+                   help="cProfile 16 single-stream decode steps and the largest batch's steps; print the top entries")
     p.add_argument("--batch-sizes", default="1,8,32", help="sequences per batched decode step")
     p.add_argument("--batch-context", type=int, default=128, help="context tokens of each batched sequence")
     p.add_argument("--batch-steps", type=int, default=8, help="timed batched decode steps per batch size")
@@ -88,10 +89,11 @@ def roofline(mats, head, rows: int, head_rows: int = 1):
     return chain
 
 
-def batched_decode(runner, batch_sizes, context: int, steps: int, rng):
+def batched_decode(runner, batch_sizes, context: int, steps: int, rng, profile=None):
     """{B: (median wall s, median cpu s) per decode step} for B sequences decoding together. Each sequence
     gets its own blocks from one shuffled pool (as a block manager hands them out) and a random prompt of
-    ``context`` tokens, prefilled in ragged batches; then ``steps`` decode steps of all B are timed."""
+    ``context`` tokens, prefilled in ragged batches; then ``steps`` decode steps of all B are timed.
+    ``profile``: a cProfile.Profile enabled around the timed steps of the largest B."""
     from pyengine.engine.forward_batch import ForwardBatch
     bs, vocab = runner.block_size, runner.config.vocab_size
     per_seq = -(-(context + steps + 2) // bs)
@@ -109,8 +111,13 @@ def batched_decode(runner, batch_sizes, context: int, steps: int, rng):
         for step in range(steps + 1):
             pos = np.full(B, context + step, dtype=np.int64)
             b = ForwardBatch(rng.integers(0, vocab, B), pos, [1] * B, list(pos + 1), tables, np.arange(B))
+            prof = profile if profile is not None and step and B == max(batch_sizes) else None
+            if prof:
+                prof.enable()
             t, c = time.perf_counter(), time.process_time()
             runner.run(b)
+            if prof:
+                prof.disable()
             if step:                        # the first step warms up this batch size's buffers
                 walls.append(time.perf_counter() - t)
                 cpus.append(time.process_time() - c)
@@ -200,7 +207,8 @@ def run(args) -> int:
             print(s.getvalue())
 
     if batch_sizes:
-        res = batched_decode(runner, batch_sizes, args.batch_context, args.batch_steps, rng)
+        prof = cProfile.Profile() if args.profile else None
+        res = batched_decode(runner, batch_sizes, args.batch_context, args.batch_steps, rng, profile=prof)
         w1, c1 = res.get(1, (None, None))
         print(f"\nbatched decode, {args.batch_context} tokens of context each (aggregate tok/s = B / step time; "
               f"ratio = aggregate / B=1; serving target: >= 330 tok/s at B=32)")
@@ -209,6 +217,10 @@ def run(args) -> int:
             rw = f"{(B / w) / (1 / w1):6.2f}" if w1 else f"{'-':>6}"
             rc = f"{(B / c) / (1 / c1):9.2f}" if c1 else f"{'-':>9}"
             print(f"{B:>4} {w * 1e3:>9.1f} {B / w:>8.1f} {rw} {c * 1e3:>9.1f} {B / c:>10.1f} {rc}")
+        if prof is not None:
+            s = io.StringIO()
+            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(10)
+            print(f"profile of {args.batch_steps} steps at B={max(batch_sizes)}:\n{s.getvalue()}")
 
     if "kv" not in skip:
         print("\nKV cache: ms per decode step at context L (with cache: append 1 token and attend; "

@@ -81,6 +81,6 @@ class ContextView:
         if self.start is not None:
             return kv.k_slots[layer][self.start:self.start + n], kv.v_slots[layer][self.start:self.start + n]
         k, v = k_out[:n], v_out[:n]
-        np.take(kv.k_slots[layer], self.slots, axis=0, out=k)
-        np.take(kv.v_slots[layer], self.slots, axis=0, out=v)
+        np.take(kv.k_slots[layer], self.slots, axis=0, mode="clip", out=k)
+        np.take(kv.v_slots[layer], self.slots, axis=0, mode="clip", out=v)
         return k, v

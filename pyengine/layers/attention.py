@@ -147,7 +147,8 @@ def decode_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, lens: np.ndarr
     """One query per sequence, each at the last position of its own context.
 
     q (B, H, hd); k, v (B, L, Hkv, hd) padded contexts: rows >= lens[b] get zero weight (they must only be
-    finite, e.g. stale cache blocks); lens (B,) context lengths in 1..L. ``scratch``: float32 buffer of >= B*H*L elements for the scores.
+    finite, e.g. stale cache blocks); lens (B,) context lengths in 1..L.
+    ``scratch``: float32 buffer of >= B*H*L elements for the scores.
     """
     B, H, hd = q.shape
     _, L, Hkv, _ = k.shape

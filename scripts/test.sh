@@ -14,4 +14,7 @@ if ! command -v chromium >/dev/null 2>&1; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
 fi
 bash scripts/setup_web.sh
+# Tests check numbers, not speed: one BLAS thread per process keeps pytest, the dev server, Node and Chromium
+# (which run side by side in the e2e tests) from oversubscribing the cores.
+export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

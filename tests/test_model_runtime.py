@@ -104,6 +104,11 @@ def test_refuses_other_architectures():
         ModelRunner(GEMMA, max_model_len=32)
 
 
+def test_max_model_len_beyond_the_trained_context_is_refused(gguf):
+    with pytest.raises(ValueError, match="max_model_len 8193 exceeds the model's context length 8192"):
+        ModelRunner(gguf, max_model_len=8193)
+
+
 def test_bad_batches_raise_value_errors(runner):
     ok = runner.contiguous_batch(PROMPT, 0)
     cases = {

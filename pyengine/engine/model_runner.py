@@ -42,6 +42,9 @@ class ModelRunner:
         self.config = ModelConfig.from_gguf(self.gguf)
         check_arch(self.config)
         c = self.config
+        if c.context_length and max_model_len > c.context_length:
+            # RoPE was trained up to context_length: longer sequences would silently degrade.
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's context length {c.context_length}")
         self.max_model_len = int(max_model_len)
         self.block_size = int(block_size)
         self.max_num_batched_tokens = int(max_num_batched_tokens)

@@ -68,20 +68,7 @@ def check_arch(config) -> None:
 
 def dequantize_into(raw: np.ndarray, ggml_type: int, out: np.ndarray) -> np.ndarray:
     """Dequantize raw bytes into a preallocated C-contiguous float32 ``out`` (no model-sized temporaries)."""
-    kernel = getattr(quants, "_KERNELS", {}).get(quants.GGMLType(ggml_type))
-    layout = quants.block_layout(ggml_type)
-    if kernel is None or not out.flags.c_contiguous:
-        np.copyto(out, quants.dequantize(raw, ggml_type, out.shape))
-        return out
-    blocks = np.ascontiguousarray(raw).reshape(-1).view(layout.dtype)
-    dst = out.reshape(-1, layout.block_size)
-    if blocks.shape[0] != dst.shape[0]:
-        raise ValueError(f"{quants.type_name(ggml_type)} data holds {blocks.shape[0]} blocks, "
-                         f"output needs {dst.shape[0]}")
-    step = max(1, (1 << 18) // layout.block_size)       # ~1 MB of output per kernel call
-    for a in range(0, blocks.shape[0], step):
-        kernel(blocks[a:a + step], dst[a:a + step])
-    return out
+    return quants.dequantize(raw, ggml_type, out.shape, out=out)
 
 
 class QuantMatrix:

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from model_paths import model_path
 from pyengine.tokenizer import Tokenizer
 from pyengine.tokenizer.chat_template import (KNOWN_TEMPLATES, SMOLLM2_TEMPLATE, fingerprint, recognize,
                                               render_chat)
 
 HERE = Path(__file__).resolve().parent
-GEMMA3 = HERE.parent / ".cache" / "models" / "gemma-3-270m-q4_k_m.gguf"
 HAVE_JINJA = importlib.util.find_spec("jinja2") is not None
 
 
@@ -25,12 +25,7 @@ def golden() -> dict:
 
 @functools.lru_cache(maxsize=None)
 def tokenizer(name: str) -> Tokenizer:
-    if name == "smollm2":
-        from pyengine.model_files import default_model_path
-        return Tokenizer.from_gguf(default_model_path())
-    if not GEMMA3.is_file():
-        pytest.skip(f"{GEMMA3} missing (made by scripts/assemble_gemma.py)")
-    return Tokenizer.from_gguf(str(GEMMA3))
+    return Tokenizer.from_gguf(model_path(name))
 
 
 def _templates():

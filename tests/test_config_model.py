@@ -14,7 +14,7 @@ from pyengine.model_files import default_model_path
 
 gguf = pytest.importorskip("gguf")
 
-GEMMA = Path(__file__).resolve().parent.parent / ".cache" / "models" / "gemma-3-270m-q4_k_m.gguf"
+from model_paths import gemma_gguf
 
 
 def _ref_scalar(reader, key):
@@ -41,9 +41,7 @@ def test_smollm2_config_matches_reference_reader():
 
 
 def test_gemma3_is_readable_for_info():
-    if not GEMMA.is_file():
-        pytest.skip("Gemma 3 GGUF not assembled (python scripts/assemble_gemma.py)")
-    cfg = ModelConfig.from_gguf(GEMMA)
+    cfg = ModelConfig.from_gguf(gemma_gguf())
     assert cfg.arch == "gemma3"
     assert (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim) == (18, 640, 4, 1, 256)
     assert (cfg.vocab_size, cfg.ffn_dim, cfg.bos_token_id, cfg.eos_token_id) == (262144, 2048, 2, 1)

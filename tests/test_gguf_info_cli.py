@@ -11,7 +11,7 @@ from pyengine.model_files import default_model_path
 
 gguf = pytest.importorskip("gguf")
 
-GEMMA = Path(__file__).resolve().parent.parent / ".cache" / "models" / "gemma-3-270m-q4_k_m.gguf"
+from model_paths import gemma_gguf
 
 
 def _field(text: str, label: str) -> str:
@@ -67,9 +67,7 @@ def test_info_tensors_listing(capsys, smol_ref):
 
 
 def test_info_gemma(capsys):
-    if not GEMMA.is_file():
-        pytest.skip("Gemma 3 GGUF not assembled (python scripts/assemble_gemma.py)")
-    assert main(["info", str(GEMMA)]) == 0
+    assert main(["info", gemma_gguf()]) == 0
     out = capsys.readouterr().out
     assert _field(out, "architecture").startswith("gemma3")
     assert (_field(out, "layers"), _field(out, "heads (q/kv)"), _field(out, "head dim")) == ("18", "4/1", "256")

@@ -15,7 +15,7 @@ from pyengine.model_files import default_model_path
 
 gguf = pytest.importorskip("gguf")
 
-GEMMA = Path(__file__).resolve().parent.parent / ".cache" / "models" / "gemma-3-270m-q4_k_m.gguf"
+from model_paths import gemma_gguf
 
 
 @pytest.fixture(scope="module")
@@ -95,9 +95,7 @@ def test_gemma_tensors_are_bit_exact():
     """Real Q4_K/Q6_K/Q5_0/Q8_0 data. (The reference *reader* needs ~13 s on this file's 262k-token vocab, so
     the reference here is the gguf package's dequantizer applied to the bytes our table points at; the table
     itself is checked against the reference reader on SmolLM2 above and in the Pyodide test.)"""
-    if not GEMMA.is_file():
-        pytest.skip("Gemma 3 GGUF not assembled (python scripts/assemble_gemma.py)")
-    g = GGUFFile(GEMMA)
+    g = GGUFFile(gemma_gguf())
     assert g.file_size == g.data_offset + max(t.offset - g.data_offset + t.nbytes for t in g.tensors.values())
     types, seen = set(), {}
     for info in g.tensors.values():

@@ -150,7 +150,6 @@ def test_shuffled_block_tables_equal_contiguous(runner, golden):
 def test_ragged_batch_equals_each_alone(runner, golden):
     """A prefill, a chunked-prefill continuation and a decode in one ragged batch = each run alone."""
     a, b, c = (golden[i]["prompt_ids"] for i in (0, 2, 5))
-    bs = runner.block_size
     tables = [np.arange(0, 4, dtype=np.int32), np.arange(20, 24, dtype=np.int32)[::-1].copy(),
               np.arange(40, 44, dtype=np.int32)]
 

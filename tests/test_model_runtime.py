@@ -1,5 +1,4 @@
 """S05/S21: the runner's memory discipline (arena, no per-token allocations), lean weights, bad input."""
-import os
 import tracemalloc
 
 import numpy as np
@@ -8,10 +7,10 @@ import pytest
 from pyengine.engine.forward_batch import ForwardBatch
 from pyengine.engine.model_runner import ModelRunner
 from pyengine.gguf.reader import GGUFFile
+from model_paths import gemma_gguf
 from pyengine.model_files import default_model_path
 
 PROMPT = [504, 3575, 282, 4649, 314, 253, 1345, 2767, 28, 351, 260, 1795, 282, 1038, 30]   # any ids < vocab
-GEMMA = os.path.join(os.path.dirname(__file__), "..", ".cache", "models", "gemma-3-270m-q4_k_m.gguf")
 
 
 @pytest.fixture(scope="module")
@@ -98,10 +97,9 @@ def test_accepts_bytes(gguf):
     assert r.config.n_layers == 30 and r.num_blocks >= 2
 
 
-@pytest.mark.skipif(not os.path.isfile(GEMMA), reason="Gemma GGUF not assembled (scripts/assemble_gemma.py)")
 def test_refuses_other_architectures():
     with pytest.raises(ValueError, match="gemma3"):
-        ModelRunner(GEMMA, max_model_len=32)
+        ModelRunner(gemma_gguf(), max_model_len=32)
 
 
 def test_max_model_len_beyond_the_trained_context_is_refused(gguf):

@@ -23,13 +23,8 @@ harness = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(harness)
 sys.path.insert(0, str(HERE / "pyodide"))   # golden_checks: shared with the Pyodide snippets
 
-GEMMA = HERE.parent / ".cache" / "models" / "gemma-3-270m-q4_k_m.gguf"
+from model_paths import model_path  # noqa: E402
 N_SAMPLES = 4096
-
-
-def _smollm2() -> str:
-    from pyengine.model_files import default_model_path
-    return default_model_path()
 
 
 def gguf_reference(path: str, out_json: Path) -> dict:
@@ -128,9 +123,7 @@ def setup_ok():
 
 @pytest.mark.parametrize("which", ["smollm2", "gemma3"])
 def test_gguf_reader_and_dequant_in_pyodide(setup_ok, tmp_path, which):
-    if which == "gemma3" and not GEMMA.is_file():
-        pytest.skip("Gemma 3 GGUF not assembled (python scripts/assemble_gemma.py)")
-    path = _smollm2() if which == "smollm2" else str(GEMMA)
+    path = model_path(which)
     ref = gguf_reference(path, tmp_path / "ref.json")
     report = harness.run_in_pyodide(SNIPPET_GGUF, files={"/work/ref.json": tmp_path / "ref.json"}, model=path)
     print(report["stdout"], report["timings_ms"], f"wall {report['wall_s']}s")
@@ -162,9 +155,7 @@ def test_tokenizer_golden_in_pyodide(setup_ok, which):
     golden = HERE / "golden" / f"tokenizer_{which}.json"
     if not golden.is_file():
         pytest.fail(f"{golden} missing (produced by scripts/ of the tokenizer chapter)")
-    if which == "gemma3" and not GEMMA.is_file():
-        pytest.skip("Gemma 3 GGUF not assembled (python scripts/assemble_gemma.py)")
-    path = _smollm2() if which == "smollm2" else str(GEMMA)
+    path = model_path(which)
     report = harness.run_in_pyodide(SNIPPET_TOKENIZER, model=path, files={"/work/golden/tokenizer.json": golden})
     print(report["stdout"], report["timings_ms"], f"wall {report['wall_s']}s")
     assert report["ok"], harness.describe(report)

@@ -12,20 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from model_paths import model_path
 from pyengine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 HERE = Path(__file__).resolve().parent
-GEMMA3 = HERE.parent / ".cache" / "models" / "gemma-3-270m-q4_k_m.gguf"
 MODELS = ("smollm2", "gemma3")
-
-
-def model_path(name: str) -> str:
-    if name == "smollm2":
-        from pyengine.model_files import default_model_path
-        return default_model_path()
-    if not GEMMA3.is_file():
-        pytest.skip(f"{GEMMA3} missing (made by scripts/assemble_gemma.py)")
-    return str(GEMMA3)
 
 
 @functools.lru_cache(maxsize=None)

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from e2e_support import CHROMIUM, CHROMIUM_ARGS, ROOT, free_port, wait_http
+from e2e_support import CHROMIUM, CHROMIUM_ARGS, ROOT, free_port, stop_process, wait_http
 
 GOLDEN = ROOT / "tests" / "golden" / "generation_smollm2.json"
 
@@ -47,11 +47,7 @@ def server(web_assets, model_path):
         wait_http(base + "/config.js", proc)
         yield base
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
 
 
 @pytest.fixture(scope="session")

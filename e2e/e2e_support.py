@@ -34,3 +34,12 @@ def wait_http(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
         except OSError:
             time.sleep(0.2)
     raise RuntimeError(f"server did not answer at {url}")
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 10) -> None:
+    """Terminate a server we started; kill it if it does not exit in `timeout` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from e2e_support import ROOT, free_port, wait_http
+from e2e_support import ROOT, free_port, stop_process, wait_http
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -32,8 +32,7 @@ def static_site(tmp_path_factory, web_assets):
         wait_http(base + "/index.html", proc)
         yield base, out
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        stop_process(proc)
 
 
 def _boot(browser, url: str) -> tuple[dict, list[str]]:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "e2e"))
-from e2e_support import CHROMIUM, CHROMIUM_ARGS, free_port, wait_http  # noqa: E402
+from e2e_support import CHROMIUM, CHROMIUM_ARGS, free_port, stop_process, wait_http  # noqa: E402
 
 MB = 1 << 20
 
@@ -99,8 +99,7 @@ def main(argv=None) -> int:
         wait_http(base + "/config.js", proc)
         rows = measure_browser(base, modes, a.prompt, a.tokens)
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        stop_process(proc)
     if not a.no_cpython:
         rows += measure_cpython(a.prompt, a.tokens, modes)
     print(f"prompt {a.prompt!r}, {a.tokens} greedy tokens; tok/s = decode rate after the first token")

@@ -3,19 +3,15 @@ mounted in the same process, and `pyengine bench serve --url` against it."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import time
+from pathlib import Path
 
 import httpx
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
+from e2e_support import free_port, stop_process, wait_http  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -33,26 +29,11 @@ def served():
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
     try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"pyengine serve exited: {proc.stdout.read()}")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("pyengine serve did not come up in 120 s")
-            time.sleep(0.2)
+        wait_http(url + "/health", proc, timeout=120)
         yield url, with_demo
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc, timeout=20)
 
 
 def test_serve_requires_key_and_serves(served):

@@ -18,7 +18,8 @@ def naive_last_query(q, k, v):
     return out
 
 
-@pytest.mark.parametrize("B,L,h,hkv", [(1, 1, 9, 3), (5, 40, 9, 3), (8, 144, 9, 3), (3, 17, 4, 4), (6, 33, 8, 1)])
+@pytest.mark.parametrize("B,L,h,hkv", [(1, 1, 9, 3), (5, 40, 9, 3), (8, 144, 9, 3), (3, 17, 4, 4), (6, 33, 8, 1),
+                                      (4, 600, 9, 3), (2, 512, 4, 1)])    # several key chunks
 def test_decode_attention_equals_per_sequence(B, L, h, hkv):
     rng = np.random.default_rng(B * 100 + L)
     lens = rng.integers(1, L + 1, B)

@@ -5,7 +5,7 @@ import pytest
 
 from pyengine.arena import Arena
 from pyengine.engine.kv_cache import ContextView, PagedKVCache, contiguous_start, slot_mapping
-from pyengine.layers.attention import attention, flash_attention, grouped_attention
+from pyengine.layers.attention import KEY_TREE_MIN, _reduce_keys, attention, flash_attention, grouped_attention
 
 RNG = np.random.default_rng(0)
 
@@ -31,12 +31,27 @@ def naive(q, k, v, offset):
 
 
 @pytest.mark.parametrize("tq,tk,h,hkv", [(1, 1, 9, 3), (1, 50, 9, 3), (6, 6, 4, 4), (5, 40, 9, 3),
-                                          (17, 17, 8, 1), (70, 130, 6, 2)])
+                                          (17, 17, 8, 1), (70, 130, 6, 2),
+                                          # key counts where the halving reductions take over (odd and even)
+                                          (1, 513, 9, 3), (8, 1000, 9, 3), (3, 256, 4, 2)])
 def test_reference_and_grouped_match_naive(tq, tk, h, hkv):
     q, k, v = qkv(tq, tk, h, hkv)
     want = naive(q, k, v, tk - tq)
     assert np.abs(attention(q, k, v) - want).max() < 1e-5
     assert np.abs(grouped_attention(q, k, v) - want).max() < 1e-5
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, KEY_TREE_MIN - 1, KEY_TREE_MIN, KEY_TREE_MIN + 1, 1000, 4097])
+def test_reduce_keys_equals_numpy(n):
+    s = np.random.default_rng(n).standard_normal((3, n, 5)).astype(np.float32)
+    before = s.copy()
+    for op in (np.maximum, np.add):
+        want = op.reduce(s.astype(np.float64), axis=1, keepdims=True)
+        for tmp in (None, np.zeros(3 * n * 5, np.float32), np.zeros(4, np.float32)):   # too small: allocates
+            got = _reduce_keys(op, s, tmp)
+            assert got.shape == (3, 1, 5) and got.dtype == np.float32
+            assert np.abs(got - want).max() <= 1e-5 * max(1.0, np.abs(want).max())
+    assert np.array_equal(s, before)                      # the input is only read
 
 
 SHAPES = [(1, 300, 9, 3), (64, 64, 9, 3), (50, 250, 9, 3), (300, 300, 9, 3), (257, 400, 8, 2), (33, 33, 4, 4)]

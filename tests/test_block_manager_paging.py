@@ -244,3 +244,56 @@ def test_random_churn_with_prefix_sharing_never_leaks():
         bm.free(s)
     bm.check_invariants([])
     assert bm.num_used_blocks() == 0 and bm.num_free_blocks() == bm.num_blocks
+
+
+def _consecutive(table):
+    return all(b == a + 1 for a, b in zip(table, table[1:]))
+
+
+def test_chunked_prompt_gets_consecutive_blocks_beside_growing_decodes():
+    """A long prompt prefilled in chunks while decodes grow every step still ends up with consecutive block
+    ids (so the runner reads its context as a zero-copy slice), and a lone sequence grows in place."""
+    bm = BlockManager(128, BS, enable_prefix_caching=False)
+    decoders = [make_seq(i, [7] * 3) for i in range(4)]
+    for d in decoders:
+        assert admit(bm, d)
+        d.num_computed_tokens = d.num_tokens
+    long = make_seq(9, list(range(100, 160)))               # 60 tokens = 15 blocks, 2 tokens per step
+    bm.allocate(long, [], 2)
+    while long.num_computed_tokens < long.num_tokens:
+        long.num_computed_tokens += 2
+        for d in decoders:                                  # each decode writes one token per step
+            bm.append_slots(d, 1)
+            d.num_computed_tokens += 1
+            d.append_token(5)
+        if long.num_computed_tokens < long.num_tokens:
+            bm.append_slots(long, 2)
+    assert len(long.block_table) == 15 and _consecutive(long.block_table)
+    assert sum(len(d.block_table) for d in decoders) > 15    # the decodes did take blocks meanwhile
+    bm.check_invariants(decoders + [long])
+    solo = make_seq(20, [3] * 9)
+    assert admit(bm, solo)
+    solo.num_computed_tokens = solo.num_tokens
+    for _ in range(30):
+        bm.append_slots(solo, 1)
+        solo.num_computed_tokens += 1
+        solo.append_token(4)
+    assert _consecutive(solo.block_table)
+    bm.check_invariants(decoders + [long, solo])
+
+
+def test_fragmented_pool_still_allocates_every_free_block():
+    """No run is long enough: the allocator falls back to the longest run, then any block, down to the last."""
+    bm = BlockManager(16, BS, enable_prefix_caching=False)
+    holes = [make_seq(i, [1] * BS) for i in range(16)]
+    for s in holes:
+        assert admit(bm, s)
+    freed = sorted(s.block_table[0] for s in holes[::2])
+    assert [b + 1 for b in freed[:-1]] != freed[1:]         # not one run
+    for s in holes[::2]:                                    # free every other sequence's block
+        bm.free(s)
+    big = make_seq(99, [2] * (8 * BS))
+    assert admit(bm, big)
+    assert sorted(big.block_table) == freed
+    assert bm.num_free_blocks() == 0
+    bm.check_invariants(holes[1::2] + [big])

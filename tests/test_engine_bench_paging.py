@@ -22,3 +22,31 @@ def test_cli_options_and_waste_only_run(capsys):
     assert paging.run(args) == 0
     out = capsys.readouterr().out
     assert "paged, 16-token blocks" in out and "ratio" in out
+
+
+def test_hf_baseline_plumbing(tmp_path):
+    """--hf-python: the job (model, prompts, steps) goes to the other interpreter as JSON on stdin, its last
+    JSON line comes back; a failing interpreter ends the bench with its error, not a traceback."""
+    import json
+    import os
+    import sys
+
+    import pytest
+
+    fake = tmp_path / "fakepython"
+    fake.write_text(f"#!{sys.executable}\n"
+                    "import json, os, sys\n"
+                    "job = json.load(sys.stdin)\n"
+                    "assert os.path.basename(sys.argv[1]) == 'hf_batched.py' and os.path.exists(sys.argv[1])\n"
+                    "assert os.path.exists(job['model'])\n"
+                    "print('loading...')\n"
+                    "print(json.dumps({'decode_tok_s': float(sum(map(len, job['prompts']))), "
+                    "'threads': job['steps']}))\n")
+    fake.chmod(0o755)
+    args = argparse.Namespace(hf_python=os.fspath(fake), model=None)
+    assert paging._hf_batched_rate(args, [[1, 2, 3], [4, 5]], 7) == {"decode_tok_s": 5.0, "threads": 7}
+    broken = tmp_path / "broken"
+    broken.write_text(f"#!{sys.executable}\nimport sys\nsys.exit('no module named torch')\n")
+    broken.chmod(0o755)
+    with pytest.raises(SystemExit, match="(?s)HF baseline failed.*no module named torch"):
+        paging._hf_batched_rate(argparse.Namespace(hf_python=os.fspath(broken), model=None), [[1]], 1)

@@ -43,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-requests", type=int, default=128)
     g.add_argument("--long-output", type=int, default=192, help="output length of the long requests")
     g.add_argument("--decode-steps", type=int, default=16, help="decode steps timed for the aggregate rate")
+    g.add_argument("--hf-python", default=None, metavar="PY",
+                   help="an interpreter with torch+transformers+gguf: also time HF's batched generate on the same "
+                        "prompts (pyengine/bench/hf_batched.py) and print the ratio (target >= 1.5x)")
     g = p.add_argument_group("chunked")
     g.add_argument("--long-prompt", type=int, default=4096)
     g.add_argument("--decoders", type=int, default=8)
@@ -234,6 +237,25 @@ def bench_batching(args) -> None:
     rate = produced / (time.perf_counter() - t0)
     _line(f"aggregate decode rate, {conc} sequences", f"{rate:.1f} tok/s", rate / 330.0,
           ">= 330" if conc >= 32 else "(at 32)", rate >= 330.0 and conc >= 32)
+    if args.hf_python:
+        hf = _hf_batched_rate(args, [prompts[i % len(prompts)] for i in range(conc)], steps)
+        _line(f"  / HF transformers batched generate ({hf['threads']} threads)", f"{rate:.1f} vs "
+              f"{hf['decode_tok_s']:.1f} tok/s", rate / hf["decode_tok_s"], ">= 1.5x", rate >= 1.5 * hf["decode_tok_s"])
+
+
+def _hf_batched_rate(args, prompts: list[list[int]], steps: int) -> dict:
+    """HF's batched decode rate on the same prompts, from another interpreter (it needs torch)."""
+    import json
+    import os
+    import subprocess
+
+    from pyengine.model_files import resolve_model
+    job = json.dumps({"model": os.fspath(resolve_model(args.model)), "prompts": prompts, "steps": steps})
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_batched.py")
+    done = subprocess.run([args.hf_python, script], input=job, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"HF baseline failed ({args.hf_python}):\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 # --- (d) chunked prefill -------------------------------------------------------------------------------

@@ -12,12 +12,20 @@ positions >= its ``num_computed_tokens`` (always inside a private block), so no 
 sequences. When a cached block's reference count drops to 0 it stays in the cache, reusable, until the
 allocator needs the memory: then the least recently released cached block is evicted (LRU). Blocks
 without a hash (partial, or duplicates of an already cached block) are handed out before any eviction.
+
+Which free block (contiguity): a sequence whose blocks are consecutive ids reads its context as a zero-copy
+slice of the cache instead of a gather (the runner checks; a chunked 4k-token prompt re-reads its whole
+context every chunk). So a growing sequence takes the block right after its last one when that is free; a
+prompt starting a new run takes the first free run long enough for the rest of it; a decode that cannot
+extend its run takes the highest free block, away from the low runs prompts are given.
 """
 from __future__ import annotations
 
 import hashlib
 import struct
-from collections import OrderedDict, deque
+from collections import OrderedDict
+
+import numpy as np
 
 from pyengine.engine.sequence import Sequence
 
@@ -44,7 +52,8 @@ class BlockManager:
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.block_tokens: list[tuple | None] = [None] * num_blocks   # verified on a hit (no trust in hashes alone)
         self.cached: dict[bytes, int] = {}                            # hash -> block id
-        self.free_uncached: deque[int] = deque(range(num_blocks))     # refcount 0, no hash: used first
+        self.free_mask = np.ones(num_blocks, dtype=bool)              # refcount 0, no hash: used first
+        self.num_free_uncached = num_blocks
         self.evictable: OrderedDict[int, None] = OrderedDict()        # refcount 0, cached: LRU first
         # counters (blocks): a *query* is each full prompt block that could have been a hit
         self.hits = 0
@@ -55,7 +64,12 @@ class BlockManager:
 
     # accounting ----------------------------------------------------------------------------------
     def num_free_blocks(self) -> int:
-        return len(self.free_uncached) + len(self.evictable)
+        return self.num_free_uncached + len(self.evictable)
+
+    @property
+    def free_uncached(self) -> list[int]:
+        """Ids of the free blocks that hold no cached prefix (handed out before any eviction)."""
+        return np.flatnonzero(self.free_mask).tolist()
 
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks()
@@ -141,12 +155,30 @@ class BlockManager:
         need = self._num_new_blocks(seq, seq.num_computed_tokens + num_new_tokens)
         if need > self.num_free_blocks():
             raise ValueError(f"not enough free KV blocks for sequence {seq.seq_id}: need {need}")
-        for _ in range(need):
-            seq.block_table.append(self._take_free_block())
+        # blocks this sequence will want from here on (a chunked prompt: the rest of it, not just this chunk)
+        want = max(need, self._num_new_blocks(seq, seq.num_tokens))
+        table = seq.block_table
+        for i in range(need):
+            table.append(self._take_free_block(table[-1] if table else None, want - i))
 
-    def _take_free_block(self) -> int:
-        if self.free_uncached:
-            b = self.free_uncached.popleft()
+    def _pick_uncached(self, prev: int | None, want: int) -> int:
+        """A free uncached block for a sequence whose last block is ``prev`` and that needs ``want`` more."""
+        mask = self.free_mask
+        if prev is not None and prev + 1 < self.num_blocks and mask[prev + 1]:
+            return prev + 1                                # extend the run
+        if want <= 1:
+            return self.num_blocks - 1 - int(np.argmax(mask[::-1]))   # highest free block
+        edges = np.diff(np.concatenate(([False], mask, [False])).view(np.int8))
+        starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+        lengths = ends - starts
+        fits = np.flatnonzero(lengths >= want)
+        return int(starts[fits[0]] if fits.size else starts[np.argmax(lengths)])
+
+    def _take_free_block(self, prev: int | None = None, want: int = 1) -> int:
+        if self.num_free_uncached:
+            b = self._pick_uncached(prev, want)
+            self.free_mask[b] = False
+            self.num_free_uncached -= 1
         else:
             b, _ = self.evictable.popitem(last=False)      # least recently released cached block
             del self.cached[self.block_hash[b]]
@@ -167,7 +199,7 @@ class BlockManager:
                 if self.block_hash[b] is not None:
                     self.evictable[b] = None
                 else:
-                    self.free_uncached.append(b)
+                    self._release_uncached(b)
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
@@ -201,15 +233,19 @@ class BlockManager:
             del self.cached[self.block_hash[b]]
             self.block_hash[b] = None
             self.block_tokens[b] = None
-            self.free_uncached.append(b)
+            self._release_uncached(b)
         return n
+
+    def _release_uncached(self, b: int) -> None:
+        self.free_mask[b] = True
+        self.num_free_uncached += 1
 
     # self-check used by the tests ----------------------------------------------------------------
     def check_invariants(self, live: list[Sequence] | None = None) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent; with ``live`` sequences, also check that
         every reference count equals the number of live block tables holding the block."""
         free_u, evict = set(self.free_uncached), set(self.evictable)
-        assert len(free_u) == len(self.free_uncached), "duplicate block in the free list"
+        assert len(free_u) == self.num_free_uncached, "free block count disagrees with the free mask"
         assert not free_u & evict, "block both free and evictable"
         assert self.num_used_blocks() + self.num_free_blocks() == self.num_blocks
         for b in range(self.num_blocks):

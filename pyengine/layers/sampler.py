@@ -240,7 +240,9 @@ class Sampler:
         tokens = np.empty(B, dtype=np.int64)
         # Plain greedy rows (no bias/penalties) need no copy: one argmax over all of them.
         plain = [i for i, p in enumerate(params) if p.greedy and not p.logit_bias and not p.has_penalties]
-        if plain:
+        if len(plain) == B:
+            np.argmax(logits, axis=-1, out=tokens)              # all greedy: no (B, V) copy
+        elif plain:
             tokens[plain] = np.argmax(logits[plain], axis=-1)
         plain_set = set(plain)
         for i, p in enumerate(params):

@@ -241,8 +241,9 @@ class LlamaModel:
         c = self.config
         H, Hkv, hd, d = c.n_heads, c.n_kv_heads, c.head_dim, c.d_model
         qkv = (H + 2 * Hkv) * hd
-        plain_scores = Hkv * (self.flash_min_query - 1) * (H // Hkv) * max_model_len
-        flash_scores = Hkv * self.flash_tile * self.flash_q_tile * (H // Hkv)
+        # scores, plus half as much again for the halving key reductions (attention._reduce_keys)
+        plain_scores = Hkv * (self.flash_min_query - 1) * (H // Hkv) * (max_model_len + max_model_len // 2 + 1)
+        flash_scores = Hkv * (self.flash_tile + self.flash_tile // 2 + 1) * self.flash_q_tile * (H // Hkv)
         # batched decode: padded K/V of several sequences; always room for one full-length context
         full = -(-max_model_len // block_size) * block_size
         decode_slots = max(full, min(max(1, min(max_seqs, max_tokens)) * full, DECODE_SLOTS))

@@ -241,7 +241,8 @@ class Sampler:
         # Plain greedy rows (no bias/penalties) need no copy: one argmax over all of them.
         plain = [i for i, p in enumerate(params) if p.greedy and not p.logit_bias and not p.has_penalties]
         if len(plain) == B:
-            np.argmax(logits, axis=-1, out=tokens)              # all greedy: no (B, V) copy
+            tokens[:] = np.argmax(logits, axis=-1)              # all greedy: no (B, V) copy (out= needs intp:
+                                                                # int32 on wasm32)
         elif plain:
             tokens[plain] = np.argmax(logits[plain], axis=-1)
         plain_set = set(plain)

@@ -126,4 +126,4 @@ def test_few_row_matvecs_equal_gemm(state):
         h = rng.standard_normal((n, head.shape[0])).astype(np.float32)
         out = np.empty((n, head.shape[1]), np.float32)
         r.model._lm_head(h, out, r.arena.views)
-        assert np.abs(out - h.astype(np.float64) @ head).max() <= 1e-4
+        assert np.abs(out - h.astype(np.float64) @ np.asarray(head, dtype=np.float64)).max() <= 1e-4

@@ -1,4 +1,5 @@
-"""S03: RMSNorm, RoPE and SwiGLU against direct float64 formulas, and the GGUF Q/K row permutation."""
+"""S03: RMSNorm, RoPE and SwiGLU against direct float64 formulas, the GGUF Q/K row permutation, and the
+resident head's column blocks."""
 import math
 
 import numpy as np
@@ -88,3 +89,23 @@ def test_rope_scaling():
     assert np.allclose(rope_inv_freq(64, 500000.0, freq_factors=np.full(32, 2.0)), base / 2)
     with pytest.raises(ValueError, match="yarn"):
         rope_inv_freq(64, 10000.0, "yarn", 4.0)
+
+
+def test_column_blocks_equal_the_dense_matrix():
+    """The resident head's column blocks (last block narrower) multiply and gather like the dense matrix."""
+    from pyengine.models.llama import ColumnBlocks
+    rng = np.random.default_rng(5)
+    rows_out_in = rng.standard_normal((10, 3)).astype(np.float32)       # GGUF order: (cols, rows)
+    dense = rows_out_in.T                                                # (3, 10)
+    m = ColumnBlocks(rows_out_in, 4)
+    assert m.shape == (3, 10) and [b.shape for b in m.blocks] == [(3, 4), (3, 4), (3, 2)]
+    assert all(b.flags.c_contiguous for b in m.blocks) and m.nbytes == dense.nbytes
+    x = rng.standard_normal((5, 3)).astype(np.float32)
+    assert np.allclose(m.matmul(x), x @ dense, atol=1e-6)
+    assert np.allclose(m.matmul(x[0]), x[0] @ dense, atol=1e-6)         # one row as a vector
+    out = np.empty((5, 10), np.float32)
+    assert m.matmul(x, out) is out
+    ids = np.array([9, 0, 4, 4, 7, 3])
+    cols = m.columns(ids, np.empty((len(ids), 3), np.float32))
+    assert np.array_equal(cols, dense[:, ids].T)
+    assert np.array_equal(np.asarray(m), dense)

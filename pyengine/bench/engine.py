@@ -66,12 +66,13 @@ def _load() -> str:
 
 def _layer_mats(runner):
     """The (in, out) matrices a forward multiplies, in order, plus the head (dequantized if lean)."""
+    from pyengine.models.llama import HEAD_COL_CHUNK, ColumnBlocks
     w = runner.weights
     mats = []
     for i in range(runner.config.n_layers):
         L = w.layer(i)          # lean: freshly dequantized (the roofline is always the float32 chain)
         mats += [np.ascontiguousarray(m) for m in (L.wqkv, L.wo, L.w_gate_up, L.w_down)]
-    head = w.head if w.mode == "resident" else np.ascontiguousarray(w.head.dequantize().T)
+    head = w.head if w.mode == "resident" else ColumnBlocks(w.head.dequantize(), HEAD_COL_CHUNK)
     return mats, head
 
 
@@ -85,7 +86,7 @@ def roofline(mats, head, rows: int, head_rows: int = 1):
     def chain():
         for m in mats:
             np.matmul(xs[m.shape[0]], m, out=ys[m.shape])
-        np.matmul(hx, head, out=logits)
+        head.matmul(hx, logits)
     return chain
 
 

@@ -33,7 +33,8 @@ def naive(q, k, v, offset):
 @pytest.mark.parametrize("tq,tk,h,hkv", [(1, 1, 9, 3), (1, 50, 9, 3), (6, 6, 4, 4), (5, 40, 9, 3),
                                           (17, 17, 8, 1), (70, 130, 6, 2),
                                           # key counts where the halving reductions take over (odd and even)
-                                          (1, 513, 9, 3), (8, 1000, 9, 3), (3, 256, 4, 2)])
+                                          (1, 513, 9, 3), (8, 1000, 9, 3), (3, 256, 4, 2),
+                                          (64, 300, 4, 4)])           # Tq*g == hd: the output layout is unambiguous
 def test_reference_and_grouped_match_naive(tq, tk, h, hkv):
     q, k, v = qkv(tq, tk, h, hkv)
     want = naive(q, k, v, tk - tq)

@@ -47,10 +47,15 @@ def _regroup_q(q: np.ndarray, n_kv: int, scale: float) -> np.ndarray:
     return qT * np.float32(scale)
 
 
-def _write_out(acc: np.ndarray, out: np.ndarray, n_kv: int) -> None:
-    """(Hkv, Tq*g, hd) -> out (Tq, H, hd)."""
+def _write_out(acc: np.ndarray, out: np.ndarray, n_kv: int, hd_first: bool = False) -> None:
+    """(Hkv, Tq*g, hd), or (Hkv, hd, Tq*g) with ``hd_first`` -> out (Tq, H, hd)."""
     Tq, H, hd = out.shape
-    np.copyto(out.reshape(Tq, n_kv, H // n_kv, hd), acc.reshape(n_kv, Tq, H // n_kv, hd).transpose(1, 0, 2, 3))
+    g = H // n_kv
+    dest = out.reshape(Tq, n_kv, g, hd)
+    if not hd_first:
+        np.copyto(dest, acc.reshape(n_kv, Tq, g, hd).transpose(1, 0, 2, 3))
+    else:
+        np.copyto(dest, acc.reshape(n_kv, hd, Tq, g).transpose(2, 0, 3, 1))
 
 
 KEY_TREE_MIN = 256          # key counts from which the halving reduction beats NumPy's axis reduction
@@ -111,10 +116,11 @@ def grouped_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, offset: int |
         s[:, k0:] += bias
     s -= _reduce_keys(np.maximum, s, tmp)
     np.exp(s, out=s)
-    denom = _reduce_keys(np.add, s, tmp).transpose(0, 2, 1)             # (Hkv, Tq*g, 1)
-    acc = np.matmul(s.transpose(0, 2, 1), v.transpose(1, 0, 2))         # (Hkv, Tq*g, hd): small
-    acc /= denom
-    _write_out(acc, out, Hkv)
+    denom = _reduce_keys(np.add, s, tmp)                                 # (Hkv, 1, Tq*g)
+    # V^T @ P rather than P^T @ V: for few queries over many keys OpenBLAS runs it ~2x faster (8 x 4k: 0.4 vs 0.8 ms)
+    acc_t = np.matmul(v.transpose(1, 2, 0), s)                          # (Hkv, hd, Tq*g): small
+    acc_t /= denom
+    _write_out(acc_t, out, Hkv, hd_first=True)
     return out
 
 
@@ -167,7 +173,8 @@ def flash_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, offset: int | N
             l *= corr
             l += _reduce_keys(np.add, s, tmp)
             acc *= corr.transpose(0, 2, 1)
-            acc += np.matmul(s.transpose(0, 2, 1), vt[:, k0:k1])
+            # P^T @ V here (unlike grouped_attention): with a full query tile (384 columns) it is the faster one
+            acc += np.matmul(s.transpose(0, 2, 1), vt[:, k0:k1])        # (Hkv, cols, hd)
             m = m_new
         acc /= l.transpose(0, 2, 1)
         _write_out(acc, out[q0:q1], Hkv)

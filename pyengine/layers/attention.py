@@ -58,7 +58,8 @@ def _write_out(acc: np.ndarray, out: np.ndarray, n_kv: int, hd_first: bool = Fal
         np.copyto(dest, acc.reshape(n_kv, hd, Tq, g).transpose(2, 0, 3, 1))
 
 
-KEY_TREE_MIN = 256          # key counts from which the halving reduction beats NumPy's axis reduction
+KEY_TREE_MIN = 256          # key counts from which the halving reduction beats NumPy's axis reduction,
+KEY_TREE_MAX_ROW = 256      # for rows shorter than this (a flash tile's 384-float rows reduce well as they are)
 DECODE_KEY_CHUNK = 256      # keys per matmul in decode_attention (see there)
 
 
@@ -67,7 +68,7 @@ def _reduce_keys(op, s: np.ndarray, tmp: np.ndarray | None = None) -> np.ndarray
     combines the first and second half of what is left, one ufunc call over contiguous (n/2)*C runs.
     ``tmp``: float32 scratch of >= Hkv * ceil(Tk/2) * C elements (else allocated)."""
     H, n, C = s.shape
-    if n < KEY_TREE_MIN:
+    if n < KEY_TREE_MIN or C >= KEY_TREE_MAX_ROW:
         return op.reduce(s, axis=1, keepdims=True)
     need = H * (n - n // 2) * C
     t = (np.empty(need, np.float32) if tmp is None or tmp.size < need else tmp.reshape(-1)[:need])

@@ -5,7 +5,7 @@ browser worker only pay for what they touch.
 """
 from __future__ import annotations
 
-import importlib
+from pyengine._lazy import lazy_getattr
 
 __version__ = "0.1.0"
 
@@ -25,10 +25,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'pyengine' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())

@@ -1,5 +1,10 @@
 """`pyengine bench paging`: the model-free KV-waste replay and the command-line surface."""
 import argparse
+import json
+import os
+import sys
+
+import pytest
 
 from pyengine.bench import paging
 
@@ -27,12 +32,6 @@ def test_cli_options_and_waste_only_run(capsys):
 def test_hf_baseline_plumbing(tmp_path):
     """--hf-python: the job (model, prompts, steps) goes to the other interpreter as JSON on stdin, its last
     JSON line comes back; a failing interpreter ends the bench with its error, not a traceback."""
-    import json
-    import os
-    import sys
-
-    import pytest
-
     fake = tmp_path / "fakepython"
     fake.write_text(f"#!{sys.executable}\n"
                     "import json, os, sys\n"

@@ -5,7 +5,7 @@ importing each other; everything else is imported on first use.
 """
 from __future__ import annotations
 
-import importlib
+from pyengine._lazy import lazy_getattr
 
 
 class GGUFError(ValueError):
@@ -25,10 +25,4 @@ _EXPORTS = {
 __all__ = ["GGUFError", *sorted(_EXPORTS)]
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'pyengine.gguf' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())

@@ -3,7 +3,7 @@ per-sequence grouped path and a float64 loop, whatever the padding rows hold."""
 import numpy as np
 import pytest
 
-from pyengine.layers.attention import decode_attention, grouped_attention
+from pyengine.layers.attention import decode_attention, grouped_attention, padding_mask
 
 
 def naive_last_query(q, k, v):
@@ -39,6 +39,8 @@ def test_decode_attention_equals_per_sequence(B, L, h, hkv):
         alone = grouped_attention(q[b:b + 1], k[b, :n], v[b, :n])[0]
         assert np.abs(out[b] - alone).max() <= 1e-5, b
         assert np.abs(out[b] - naive_last_query(q[b], k[b, :n], v[b, :n])).max() <= 1e-5, b
+    # the engine's form: the padding mask built once (per step) instead of the lengths
+    assert np.array_equal(decode_attention(q, k, v, pad=padding_mask(lens, L), scratch=scratch), out)
 
 
 def test_decode_attention_validates():
@@ -48,5 +50,9 @@ def test_decode_attention_validates():
         decode_attention(q, k, k, np.array([0, 3]))
     with pytest.raises(ValueError, match="lens"):
         decode_attention(q, k, k, np.array([9, 3]))
+    with pytest.raises(ValueError, match="2 context lengths"):
+        decode_attention(q, k, k, np.array([3]))
+    with pytest.raises(ValueError, match="2 context lengths"):
+        decode_attention(q, k, k, pad=padding_mask(np.array([3, 3, 3]), 8))
     with pytest.raises(ValueError, match="scratch"):
         decode_attention(q, k, k, np.array([8, 3]), scratch=np.zeros(10, np.float32))

@@ -44,7 +44,9 @@ def test_decode_groups_cover_every_sequence_within_budget(state):
     groups = r.model._decode_groups(decodes, bs, slots)
     assert len(groups) > 1                                    # the budget forces a split here
     seen = []
-    for rows, blocks, lens, _ in groups:
+    for rows, blocks, lens, _, pad in groups:
+        assert pad.shape == (len(lens), 1, 1, blocks.shape[1] * bs)
+        assert list(pad.sum(axis=-1).ravel()) == list(blocks.shape[1] * bs - lens)
         rows = np.arange(rows.start, rows.stop) if isinstance(rows, slice) else rows
         assert blocks.size * bs <= slots and len(rows) == len(lens) == blocks.shape[0]
         for row, n, blk in zip(rows, lens, blocks):
@@ -53,7 +55,7 @@ def test_decode_groups_cover_every_sequence_within_budget(state):
         seen += list(rows)
     assert sorted(seen) == list(range(len(LENS)))
     # when everything fits: one group in batch order (rows a slice), padded to the longest context
-    (rows, blocks, lens, contiguous), = r.model._decode_groups(decodes, bs, 10**6)
+    (rows, blocks, lens, contiguous, _), = r.model._decode_groups(decodes, bs, 10**6)
     assert contiguous and rows == slice(0, len(LENS)) and list(lens) == [n + 1 for n in LENS]
     assert blocks.shape == (len(LENS), -(-(max(LENS) + 1) // bs))
 
@@ -72,7 +74,7 @@ def test_batched_attention_equals_per_sequence_on_the_cache(state):
     for layer in (0, 17, 29):
         got = np.zeros((B, 9, 64), np.float32)
         for g in groups:
-            m._decode_attention(layer, kv, A, q_rot, got, *g)
+            m._decode_attention(layer, kv, A, q_rot, got, g)
         for s in range(B):
             slots = tables[s][np.arange(lens[s]) // kv.block_size] * kv.block_size + np.arange(lens[s]) % kv.block_size
             k, v = kv.k_slots[layer][slots], kv.v_slots[layer][slots]

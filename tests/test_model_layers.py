@@ -46,6 +46,9 @@ def test_rope_is_a_rotation_with_the_expected_angles():
     a = 7 * inv[5]
     assert np.allclose(y[1, :, 5], x[1, :, 5] * math.cos(a) - x[1, :, 37] * math.sin(a), atol=1e-5)
     assert np.allclose(y[1, :, 37], x[1, :, 37] * math.cos(a) + x[1, :, 5] * math.sin(a), atol=1e-5)
+    # tables already repeated per head (the fast forward's form) give the same rotation
+    per_head = [np.ascontiguousarray(np.broadcast_to(t[:, None, :], (2, 3, 32))) for t in (cos, sin)]
+    assert np.array_equal(apply_rope(x, *per_head), y)
 
 
 def test_relative_position_property():

@@ -182,21 +182,31 @@ def flash_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, offset: int | N
     return out
 
 
-def decode_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, lens: np.ndarray, scale: float | None = None,
-                     out: np.ndarray | None = None, scratch: np.ndarray | None = None) -> np.ndarray:
+def padding_mask(lens: np.ndarray, L: int) -> np.ndarray:
+    """(B, 1, 1, L) True where key l >= lens[b]: the padding keys of decode_attention's contexts. Validates
+    lens (B,) in 1..L; a caller running many layers over the same contexts builds it once."""
+    lens = np.asarray(lens)
+    if lens.ndim != 1 or (lens.size and (int(lens.min()) < 1 or int(lens.max()) > L)):
+        raise ValueError(f"decode_attention lens must be context lengths in [1, {L}], got {lens}")
+    return (np.arange(L) >= lens[:, None])[:, None, None, :]
+
+
+def decode_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, lens: np.ndarray | None = None,
+                     scale: float | None = None, out: np.ndarray | None = None, scratch: np.ndarray | None = None,
+                     pad: np.ndarray | None = None) -> np.ndarray:
     """One query per sequence, each at the last position of its own context.
 
     q (B, H, hd); k, v (B, L, Hkv, hd) padded contexts: rows >= lens[b] get zero weight (they must only be
-    finite, e.g. stale cache blocks); lens (B,) context lengths in 1..L.
+    finite, e.g. stale cache blocks); lens (B,) context lengths in 1..L, or ``pad`` = padding_mask(lens, L).
     ``scratch``: float32 buffer of >= B*H*L elements for the scores.
     """
     B, H, hd = q.shape
     _, L, Hkv, _ = k.shape
     g = H // Hkv
     scale = hd ** -0.5 if scale is None else scale
-    lens = np.asarray(lens)
-    if lens.shape != (B,) or (B and (int(lens.min()) < 1 or int(lens.max()) > L)):
-        raise ValueError(f"decode_attention lens must be {B} lengths in [1, {L}], got {lens}")
+    pad = padding_mask(lens, L) if pad is None else pad
+    if pad.shape != (B, 1, 1, L):
+        raise ValueError(f"decode_attention needs {B} context lengths for {B} queries, got {pad.shape[0]}")
     if out is None:
         out = np.empty(q.shape, np.float32)
     n = B * H * L
@@ -212,7 +222,7 @@ def decode_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, lens: np.ndarr
         l1 = min(L, l0 + DECODE_KEY_CHUNK)
         np.matmul(qg, kt[..., l0:l1], out=s[..., l0:l1])                  # (B, Hkv, g, keys)
     # padding keys get -inf by assignment: exact zeros after exp, whatever their scores were
-    np.copyto(s, np.float32(-np.inf), where=(np.arange(L) >= lens[:, None])[:, None, None, :])
+    np.copyto(s, np.float32(-np.inf), where=pad)
     s -= s.max(axis=-1, keepdims=True)
     np.exp(s, out=s)
     denom = s.sum(axis=-1, keepdims=True)                                 # (B, Hkv, g, 1)

@@ -60,14 +60,16 @@ def rope_cos_sin(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarra
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, out: np.ndarray | None = None,
                tmp: np.ndarray | None = None) -> np.ndarray:
-    """Rotate x (T, n_heads, hd) half-split style with cos/sin (T, hd/2). ``out`` must not alias x;
-    ``tmp`` (T, n_heads, hd/2) is scratch so that no array is allocated."""
+    """Rotate x (T, n_heads, hd) half-split style with cos/sin (T, hd/2), or (T, n_heads, hd/2) already
+    repeated per head (NumPy multiplies those ~1.7x faster than a broadcast over the heads axis, so the fast
+    forward repeats them once per step for all layers). ``out`` must not alias x; ``tmp`` (T, n_heads, hd/2)
+    is scratch so that no array is allocated."""
     half = x.shape[-1] // 2
     if out is None:
         out = np.empty(x.shape, dtype=x.dtype)
     if tmp is None:
         tmp = np.empty(x.shape[:-1] + (half,), dtype=x.dtype)
-    c, s = cos[:, None, :], sin[:, None, :]
+    c, s = (cos, sin) if cos.ndim == 3 else (cos[:, None, :], sin[:, None, :])
     x1, x2 = x[..., :half], x[..., half:]
     o1, o2 = out[..., :half], out[..., half:]
     np.multiply(x1, c, out=o1)          # o1 = x1 cos - x2 sin

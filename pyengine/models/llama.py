@@ -32,7 +32,8 @@ from pyengine.arena import Arena, ArenaSpec, spec
 from pyengine.engine.kv_cache import ContextView, PagedKVCache, slot_mapping
 from pyengine.gguf import quants
 from pyengine.layers.activation import swiglu
-from pyengine.layers.attention import attention, decode_attention, flash_attention, grouped_attention
+from pyengine.layers.attention import (attention, decode_attention, flash_attention, grouped_attention,
+                                       padding_mask)
 from pyengine.layers.norm import rms_norm
 from pyengine.layers.rotary import apply_rope, interleaved_to_half, rope_cos_sin, rope_inv_freq
 
@@ -125,6 +126,15 @@ class ColumnBlocks:
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         return np.concatenate(self.blocks, axis=1).astype(dtype or np.float32, copy=False)
+
+
+class DecodeGroup(NamedTuple):
+    """Decoding sequences attended in one batched call (built once per step, used by every layer)."""
+    rows: slice | np.ndarray   # their rows in the batch: a slice when consecutive
+    blocks: np.ndarray         # (G, n_blocks) block ids; padding repeats the last valid block (read but masked)
+    lens: np.ndarray           # (G,) context lengths
+    contiguous: bool           # rows is a slice
+    pad: np.ndarray            # (G, 1, 1, n_blocks * block_size) padding-key mask (attention.padding_mask)
 
 
 class LayerWeights(NamedTuple):
@@ -289,7 +299,7 @@ class LlamaModel:
             spec("act.attn", (max_tokens, H, hd)), spec("act.proj", (max_tokens, d)),
             spec("act.gate_up", (max_tokens, 2 * c.ffn_dim)), spec("act.ffn", (max_tokens, c.ffn_dim)),
             spec("rope.table_cos", (max_model_len, hd // 2)), spec("rope.table_sin", (max_model_len, hd // 2)),
-            spec("rope.cos", (max_tokens, hd // 2)), spec("rope.sin", (max_tokens, hd // 2)),
+            spec("rope.cos", (max_tokens, H + Hkv, hd // 2)), spec("rope.sin", (max_tokens, H + Hkv, hd // 2)),
             spec("attn.k_ctx", (max_model_len, Hkv, hd)), spec("attn.v_ctx", (max_model_len, Hkv, hd)),
             spec("attn.k_batch", (decode_slots, Hkv, hd)), spec("attn.v_batch", (decode_slots, Hkv, hd)),
             spec("attn.scores", (max(plain_scores, flash_scores, H * decode_slots),)),
@@ -335,8 +345,9 @@ class LlamaModel:
 
         # Per-batch metadata (O(T) small integers): cache slots of the new tokens and each sequence's context.
         positions = np.asarray(batch.positions, dtype=np.int64)
-        np.take(A["rope.table_cos"], positions, axis=0, out=cos)
-        np.take(A["rope.table_sin"], positions, axis=0, out=sin)
+        # this step's cos/sin, repeated for the H + Hkv rotated heads once here rather than broadcast per layer
+        np.copyto(cos, np.take(A["rope.table_cos"], positions, axis=0)[:, None, :])
+        np.copyto(sin, np.take(A["rope.table_sin"], positions, axis=0)[:, None, :])
         seqs, slots, decodes, start = [], [], [], 0
         for qlen, ctx, table in zip(batch.query_lens, batch.context_lens, batch.block_tables):
             slots.append(slot_mapping(positions[start:start + qlen], table, kv.block_size))
@@ -363,8 +374,8 @@ class LlamaModel:
             apply_rope(qkv[:, :nq + nk].reshape(T, H + Hkv, hd), cos, sin, out=qk_rot, tmp=rope_tmp)
             kv.k_slots[i][slots] = k_rot
             kv.v_slots[i][slots] = qkv[:, nq + nk:].reshape(T, Hkv, hd)
-            for rows, blocks, lens, contiguous in groups:
-                self._decode_attention(i, kv, A, q_rot, attn, rows, blocks, lens, contiguous)
+            for group in groups:
+                self._decode_attention(i, kv, A, q_rot, attn, group)
             for a, b, ctx, view in seqs:
                 k, v = view.kv(kv, i, k_ctx, v_ctx)
                 if b - a >= self.flash_min_query:
@@ -395,9 +406,8 @@ class LlamaModel:
 
     @staticmethod
     def _decode_groups(decodes, block_size: int, max_slots: int):
-        """Split the decoding sequences [(row, context_len, block_table)] into groups whose padded contexts fit
-        ``max_slots``; per group: rows (a slice if consecutive, else an index array), the (G, n_blocks) block
-        ids (padding repeats the last valid block: read but masked) and the context lengths."""
+        """Split the decoding sequences [(row, context_len, block_table)] into `DecodeGroup`s whose padded
+        contexts fit ``max_slots``."""
         if not decodes:
             return []
         longest = -(-max(d[1] for d in decodes) // block_size) * block_size
@@ -422,13 +432,15 @@ class LlamaModel:
                 blocks[j, n:] = table[n - 1]
             rows = np.array([d[0] for d in g], np.int64)
             contiguous = bool(np.all(np.diff(rows) == 1))
-            out.append((slice(int(rows[0]), int(rows[-1]) + 1) if contiguous else rows, blocks,
-                        np.array([d[1] for d in g], np.int64), contiguous))
+            lens = np.array([d[1] for d in g], np.int64)
+            out.append(DecodeGroup(slice(int(rows[0]), int(rows[-1]) + 1) if contiguous else rows, blocks, lens,
+                                   contiguous, padding_mask(lens, nb * block_size)))
         return out
 
-    def _decode_attention(self, layer, kv, A, q_rot, attn, rows, blocks, lens, contiguous) -> None:
+    def _decode_attention(self, layer, kv, A, q_rot, attn, group: DecodeGroup) -> None:
         """Attention of a group of decoding sequences in one batched call: their context blocks are gathered
         (whole blocks, np.take into arena scratch) into a padded (G, n_blocks*block_size, Hkv, hd) buffer."""
+        rows, blocks, contiguous = group.rows, group.blocks, group.contiguous
         G, nb = blocks.shape
         bs, Hkv, hd = kv.block_size, kv.n_kv_heads, kv.head_dim
         n = G * nb * bs
@@ -439,11 +451,11 @@ class LlamaModel:
         np.take(kv.v[layer], blocks, axis=0, out=vb, mode="clip")
         shape = (G, nb * bs, Hkv, hd)
         if contiguous:
-            decode_attention(q_rot[rows], kb.reshape(shape), vb.reshape(shape), lens, scale=self.scale,
-                             out=attn[rows], scratch=A["attn.scores"])
+            decode_attention(q_rot[rows], kb.reshape(shape), vb.reshape(shape), scale=self.scale,
+                             out=attn[rows], scratch=A["attn.scores"], pad=group.pad)
         else:
-            attn[rows] = decode_attention(q_rot[rows], kb.reshape(shape), vb.reshape(shape), lens,
-                                          scale=self.scale, scratch=A["attn.scores"])
+            attn[rows] = decode_attention(q_rot[rows], kb.reshape(shape), vb.reshape(shape), scale=self.scale,
+                                          scratch=A["attn.scores"], pad=group.pad)
 
     def _lm_head(self, h: np.ndarray, out: np.ndarray, A: dict) -> None:
         head = self.weights.head

@@ -54,6 +54,12 @@ def test_decode_groups_cover_every_sequence_within_budget(state):
             assert n == LENS[row] + 1 and list(blk[:need]) == list(tables[row][:need])
         seen += list(rows)
     assert sorted(seen) == list(range(len(LENS)))
+    # a budget below the longest context: that sequence gets a group of its own, nobody is dropped
+    small = (max(LENS) + 1) // 2
+    groups = r.model._decode_groups(decodes, bs, small)
+    rows = [i for g in groups for i in (range(g.rows.start, g.rows.stop) if isinstance(g.rows, slice) else g.rows)]
+    assert sorted(rows) == list(range(len(LENS)))
+    assert all(len(g.lens) == 1 for g in groups if g.blocks.size * bs > small)
     # when everything fits: one group in batch order (rows a slice), padded to the longest context
     (rows, blocks, lens, contiguous, _), = r.model._decode_groups(decodes, bs, 10**6)
     assert contiguous and rows == slice(0, len(LENS)) and list(lens) == [n + 1 for n in LENS]

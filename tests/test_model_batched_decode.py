@@ -23,7 +23,7 @@ def state():
     rng = np.random.default_rng(5)
     bs = r.block_size
     per = -(-(max(LENS) + 4) // bs)
-    order = rng.permutation(r.num_blocks)[:len(LENS) * per].astype(np.int32)
+    order = rng.permutation(80)[:len(LENS) * per].astype(np.int32)     # blocks 80..95 stay free
     tables = [order[i * per:(i + 1) * per] for i in range(len(LENS))]
     prompts = [rng.integers(0, r.config.vocab_size, n) for n in LENS]
     logits = r.run(ForwardBatch(np.concatenate(prompts), np.concatenate([np.arange(n) for n in LENS]), LENS, LENS,
@@ -44,7 +44,7 @@ def test_decode_groups_cover_every_sequence_within_budget(state):
     groups = r.model._decode_groups(decodes, bs, slots)
     assert len(groups) > 1                                    # the budget forces a split here
     seen = []
-    for rows, blocks, lens, _, pad in groups:
+    for rows, blocks, lens, _, pad, _ in groups:
         assert pad.shape == (len(lens), 1, 1, blocks.shape[1] * bs)
         assert list(pad.sum(axis=-1).ravel()) == list(blocks.shape[1] * bs - lens)
         rows = np.arange(rows.start, rows.stop) if isinstance(rows, slice) else rows
@@ -61,8 +61,8 @@ def test_decode_groups_cover_every_sequence_within_budget(state):
     assert sorted(rows) == list(range(len(LENS)))
     assert all(len(g.lens) == 1 for g in groups if g.blocks.size * bs > small)
     # when everything fits: one group in batch order (rows a slice), padded to the longest context
-    (rows, blocks, lens, contiguous, _), = r.model._decode_groups(decodes, bs, 10**6)
-    assert contiguous and rows == slice(0, len(LENS)) and list(lens) == [n + 1 for n in LENS]
+    (rows, blocks, lens, contiguous, _, start), = r.model._decode_groups(decodes, bs, 10**6)
+    assert contiguous and rows == slice(0, len(LENS)) and list(lens) == [n + 1 for n in LENS] and start is None
     assert blocks.shape == (len(LENS), -(-(max(LENS) + 1) // bs))
 
 
@@ -86,6 +86,29 @@ def test_batched_attention_equals_per_sequence_on_the_cache(state):
             k, v = kv.k_slots[layer][slots], kv.v_slots[layer][slots]
             want = grouped_attention(q_rot[s:s + 1], k, v, scale=m.scale)[0]
             assert np.abs(got[s] - want).max() <= 1e-5, (layer, s)
+
+
+def test_lone_decode_with_consecutive_blocks_reads_the_cache_in_place(state):
+    """A decode alone in its group whose blocks are consecutive attends over a zero-copy slice of the cache
+    (no gather), with the same result as through a scattered table holding the same K/V."""
+    r, tables, _ = state
+    m, kv, A = r.model, r.kv_cache, r.arena.views
+    s, bs = 1, kv.block_size
+    n = LENS[s]
+    need = -(-n // bs)
+    run = np.arange(80, 80 + need, dtype=np.int32)                # blocks no table uses
+    for layer in range(kv.n_layers):
+        kv.k[layer][run] = kv.k[layer][tables[s][:need]]
+        kv.v[layer][run] = kv.v[layer][tables[s][:need]]
+    (in_place,) = m._decode_groups([(0, n, run)], bs, 10**6)
+    (gathered,) = m._decode_groups([(0, n, tables[s])], bs, 10**6)
+    assert in_place.start == 80 * bs and gathered.start is None
+    q = np.random.default_rng(3).standard_normal((1, 9, 64)).astype(np.float32)
+    for layer in (0, 29):
+        a, b = np.zeros_like(q), np.zeros_like(q)
+        m._decode_attention(layer, kv, A, q, a, in_place)
+        m._decode_attention(layer, kv, A, q, b, gathered)
+        assert np.abs(a - b).max() <= 1e-6
 
 
 def test_batched_decode_step_equals_each_alone(state):

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import numpy as np
 
 from pyengine.arena import Arena, ArenaSpec, spec
-from pyengine.engine.kv_cache import ContextView, PagedKVCache, slot_mapping
+from pyengine.engine.kv_cache import ContextView, PagedKVCache, contiguous_start, slot_mapping
 from pyengine.gguf import quants
 from pyengine.layers.activation import swiglu
 from pyengine.layers.attention import (attention, decode_attention, flash_attention, grouped_attention,
@@ -137,6 +137,7 @@ class DecodeGroup(NamedTuple):
     lens: np.ndarray           # (G,) context lengths
     contiguous: bool           # rows is a slice
     pad: np.ndarray            # (G, 1, 1, n_blocks * block_size) padding-key mask (attention.padding_mask)
+    start: int | None          # a lone sequence with consecutive blocks: its first cache slot (no gather)
 
 
 class LayerWeights(NamedTuple):
@@ -329,8 +330,9 @@ class LlamaModel:
         One GEMM per weight for all T tokens of the ragged batch; K/V of every token is written to its cache
         slot, then each sequence attends over its own context through its block table: decoding sequences
         (one new token) together, in batched calls over their gathered, padded contexts (``_decode_groups``);
-        prefills and chunks one by one (plain or flash). A lone decode whose blocks are consecutive reads its
-        context as a zero-copy slice instead.
+        prefills and chunks one by one (plain or flash). A decode alone in its group whose blocks are
+        consecutive (single-stream generation, as the allocator keeps runs) reads its context as a zero-copy
+        slice instead.
         """
         c, w = self.config, self.weights
         H, Hkv, hd = c.n_heads, c.n_kv_heads, c.head_dim
@@ -359,12 +361,6 @@ class LlamaModel:
                 seqs.append((start, start + qlen, ctx, ContextView(table, ctx, kv.block_size)))
             start += qlen
         slots = np.concatenate(slots) if slots else np.zeros(0, np.int64)
-        if len(decodes) == 1:       # one decode alone: if its blocks are consecutive, read a zero-copy slice
-            a, ctx, table = decodes[0]
-            view = ContextView(table, ctx, kv.block_size)
-            if view.start is not None:
-                seqs.append((a, a + 1, ctx, view))
-                decodes = []
         groups = self._decode_groups(decodes, kv.block_size, min(DECODE_SLOTS, A["attn.k_batch"].shape[0]))
 
         w.embed_rows(np.asarray(batch.token_ids, dtype=np.int64), out=x)
@@ -435,23 +431,28 @@ class LlamaModel:
             rows = np.array([d[0] for d in g], np.int64)
             contiguous = bool(np.all(np.diff(rows) == 1))
             lens = np.array([d[1] for d in g], np.int64)
+            start = contiguous_start(g[0][2], g[0][1], block_size) if len(g) == 1 else None
             out.append(DecodeGroup(slice(int(rows[0]), int(rows[-1]) + 1) if contiguous else rows, blocks, lens,
-                                   contiguous, padding_mask(lens, nb * block_size)))
+                                   contiguous, padding_mask(lens, nb * block_size), start))
         return out
 
     def _decode_attention(self, layer, kv, A, q_rot, attn, group: DecodeGroup) -> None:
         """Attention of a group of decoding sequences in one batched call: their context blocks are gathered
-        (whole blocks, np.take into arena scratch) into a padded (G, n_blocks*block_size, Hkv, hd) buffer."""
+        (whole blocks, np.take into arena scratch) into a padded (G, n_blocks*block_size, Hkv, hd) buffer, or,
+        for a lone sequence with consecutive blocks, read in place."""
         rows, blocks, contiguous = group.rows, group.blocks, group.contiguous
         G, nb = blocks.shape
         bs, Hkv, hd = kv.block_size, kv.n_kv_heads, kv.head_dim
         n = G * nb * bs
-        kb = A["attn.k_batch"][:n].reshape(G, nb, bs, Hkv, hd)
-        vb = A["attn.v_batch"][:n].reshape(G, nb, bs, Hkv, hd)
-        # mode="clip": ids were validated; the default "raise" mode buffers the whole output in a temporary
-        np.take(kv.k[layer], blocks, axis=0, out=kb, mode="clip")
-        np.take(kv.v[layer], blocks, axis=0, out=vb, mode="clip")
         shape = (G, nb * bs, Hkv, hd)
+        if group.start is not None:
+            kb, vb = kv.k_slots[layer][group.start:group.start + n], kv.v_slots[layer][group.start:group.start + n]
+        else:
+            kb = A["attn.k_batch"][:n].reshape(G, nb, bs, Hkv, hd)
+            vb = A["attn.v_batch"][:n].reshape(G, nb, bs, Hkv, hd)
+            # mode="clip": ids were validated; the default "raise" mode buffers the whole output in a temporary
+            np.take(kv.k[layer], blocks, axis=0, out=kb, mode="clip")
+            np.take(kv.v[layer], blocks, axis=0, out=vb, mode="clip")
         if contiguous:
             decode_attention(q_rot[rows], kb.reshape(shape), vb.reshape(shape), scale=self.scale,
                              out=attn[rows], scratch=A["attn.scores"], pad=group.pad)

@@ -236,7 +236,7 @@ def bench_batching(args) -> None:
 
     def decode_rate() -> tuple[float, float]:
         """(median, mean) tok/s over `steps` steps. The median step, as `pyengine bench` reports decode: one
-        descheduled step on a shared machine moves a mean over 32 steps by several percent."""
+        descheduled step on a shared machine moves a mean over a few dozen steps by several percent."""
         times, produced = [], []
         for _ in range(steps):
             t0 = time.perf_counter()

@@ -206,7 +206,8 @@ def decode_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, lens: np.ndarr
     scale = hd ** -0.5 if scale is None else scale
     pad = padding_mask(lens, L) if pad is None else pad
     if pad.shape != (B, 1, 1, L):
-        raise ValueError(f"decode_attention needs {B} context lengths for {B} queries, got {pad.shape[0]}")
+        raise ValueError(f"decode_attention needs {B} context lengths over {L} keys (a padding mask of shape "
+                         f"{(B, 1, 1, L)}), got a mask of shape {pad.shape}")
     if out is None:
         out = np.empty(q.shape, np.float32)
     n = B * H * L

@@ -61,8 +61,8 @@ def rope_cos_sin(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarra
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, out: np.ndarray | None = None,
                tmp: np.ndarray | None = None) -> np.ndarray:
     """Rotate x (T, n_heads, hd) half-split style with cos/sin (T, hd/2), or (T, n_heads, hd/2) already
-    repeated per head (NumPy multiplies those ~1.7x faster than a broadcast over the heads axis, so the fast
-    forward repeats them once per step for all layers). ``out`` must not alias x; ``tmp`` (T, n_heads, hd/2)
+    repeated per head (NumPy multiplies those faster than a broadcast over the heads axis, so the fast forward
+    repeats them once per step for all layers). ``out`` must not alias x; ``tmp`` (T, n_heads, hd/2)
     is scratch so that no array is allocated."""
     half = x.shape[-1] // 2
     if out is None:

@@ -152,6 +152,9 @@ def flash_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, offset: int | N
     tmp = buf[need:]                                                     # for the key reductions, if room
     qT = _regroup_q(q, Hkv, scale)                                       # (Hkv, hd, Tq*g)
     kt, vt = k.transpose(1, 0, 2), v.transpose(1, 0, 2)                 # (Hkv, Tk, hd) views
+    # a tile's causal bias depends only on its shape and where the diagonal crosses it: the tiles along the
+    # diagonal repeat, so each distinct one is built once per call
+    biases: dict[tuple[int, int, int], np.ndarray | None] = {}
     for q0 in range(0, Tq, q_tile):
         q1 = min(Tq, q0 + q_tile)
         cols = (q1 - q0) * g
@@ -164,9 +167,11 @@ def flash_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, offset: int | N
             k1 = min(k_end, k0 + tile)
             s = buf[:Hkv * (k1 - k0) * cols].reshape(Hkv, k1 - k0, cols)
             np.matmul(kt[:, k0:k1], qblk, out=s)
-            bias = _causal_bias(k0, k1, q0, q1, offset, g)
-            if bias is not None:
-                s += bias
+            where = (k1 - k0, q1 - q0, offset + q0 - k0)
+            if where not in biases:
+                biases[where] = _causal_bias(k0, k1, q0, q1, offset, g)
+            if biases[where] is not None:
+                s += biases[where]
             m_new = np.maximum(m, _reduce_keys(np.maximum, s, tmp))
             corr = np.exp(m - m_new)                # rescales what was accumulated under the old max
             s -= m_new

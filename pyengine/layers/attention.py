@@ -170,8 +170,9 @@ def flash_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, offset: int | N
             where = (k1 - k0, q1 - q0, offset + q0 - k0)
             if where not in biases:
                 biases[where] = _causal_bias(k0, k1, q0, q1, offset, g)
-            if biases[where] is not None:
-                s += biases[where]
+            bias = biases[where]
+            if bias is not None:
+                s += bias
             m_new = np.maximum(m, _reduce_keys(np.maximum, s, tmp))
             corr = np.exp(m - m_new)                # rescales what was accumulated under the old max
             s -= m_new

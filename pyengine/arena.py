@@ -41,22 +41,28 @@ def plan_nbytes(specs: Iterable[ArenaSpec]) -> int:
 class Arena:
     """A bump allocator over one np.uint8 buffer. Regions live as long as the arena (no free)."""
 
-    def __init__(self, nbytes: int):
+    def __init__(self, nbytes: int, buffer=None, zero: bool = True):
+        """``buffer``: memory to carve instead of a new allocation (tensor parallelism's shared memory, which
+        every process maps and carves alike); ``zero=False`` leaves its contents (a second mapping)."""
         if nbytes < 0:
             raise ValueError(f"arena size must be >= 0, got {nbytes}")
+        if buffer is None:
+            self.buffer = np.empty(int(nbytes), dtype=np.uint8)
+        else:
+            self.buffer = np.frombuffer(buffer, dtype=np.uint8, count=int(nbytes))
         # Zeroed by writing, not lazily (np.zeros maps untouched pages): every page is faulted in now, so no
         # step pays page faults when the KV cache reaches blocks never used before (32 sequences: ~3 ms a step).
-        self.buffer = np.empty(int(nbytes), dtype=np.uint8)
-        self.buffer.fill(0)
+        if zero:
+            self.buffer.fill(0)
         # 16-byte aligned at least; start the first region on a 64-byte boundary.
         self._offset = (-self.buffer.__array_interface__["data"][0]) % ALIGNMENT   # no ctypes (Pyodide)
         self.regions: dict[str, tuple[int, int, tuple[int, ...], np.dtype]] = {}
         self.views: dict[str, np.ndarray] = {}
 
     @classmethod
-    def from_specs(cls, specs: list[ArenaSpec]) -> "Arena":
+    def from_specs(cls, specs: list[ArenaSpec], buffer=None, zero: bool = True) -> "Arena":
         """An arena sized exactly for ``specs``, with every region carved (``arena[name]`` is its view)."""
-        arena = cls(plan_nbytes(specs))
+        arena = cls(plan_nbytes(specs), buffer, zero)
         for s in specs:
             arena.alloc(s.name, s.shape, s.dtype)
         return arena

@@ -30,6 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="worker processes sharing each linear layer (S17; pays for batches of ~9-40 tokens)")
     p.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
     p.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
@@ -45,7 +47,8 @@ def build_engine(args):
     engine = LLMEngine(path, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        enable_prefix_caching=not args.no_prefix_cache,
-                       enable_chunked_prefill=not args.no_chunked_prefill, max_waiting=args.max_waiting)
+                       enable_chunked_prefill=not args.no_chunked_prefill, max_waiting=args.max_waiting,
+                       tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
     return engine, path
 
 

@@ -22,12 +22,13 @@ class ModelRunner:
     kv_budget_bytes   cap on the KV cache when num_blocks is None (default: max_num_seqs full-length sequences)
     max_logits        logits rows planned in the arena per run (default max_num_seqs; more rows still work)
     flash_min_query   sequences with at least this many new tokens use tiled flash attention
+    tensor_parallel_size  > 1: worker processes share every linear layer and decode attention (S17; Linux x86-64)
     """
 
     def __init__(self, model, max_model_len: int = 2048, num_blocks: int | None = None, block_size: int = 16,
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 64, weights_mode: str = "resident",
                  kv_budget_bytes: int = DEFAULT_KV_BUDGET_BYTES, max_logits: int | None = None,
-                 flash_min_query: int = 128):
+                 flash_min_query: int = 128, tensor_parallel_size: int = 1):
         from pyengine.config import ModelConfig
         from pyengine.gguf.reader import GGUFFile
         from pyengine.models.llama import LlamaModel, LlamaWeights, check_arch
@@ -36,6 +37,8 @@ class ModelRunner:
                             ("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs)):
             if not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(tensor_parallel_size, (int, np.integer)) or tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")
         if num_blocks is not None and (not isinstance(num_blocks, (int, np.integer)) or num_blocks < 1):
             raise ValueError(f"num_blocks must be a positive integer or None, got {num_blocks!r}")
         self.gguf = model if isinstance(model, GGUFFile) else GGUFFile(model)
@@ -62,7 +65,17 @@ class ModelRunner:
         specs = (self.model.arena_specs(self.max_num_batched_tokens, self.max_model_len, self.max_logits,
                                         max_seqs=self.max_num_seqs, block_size=self.block_size)
                  + PagedKVCache.arena_specs(c.n_layers, self.num_blocks, block_size, c.n_kv_heads, c.head_dim))
-        self.arena = Arena.from_specs(specs)
+        self.tensor_parallel = None
+        if tensor_parallel_size > 1:
+            from pyengine.engine.tensor_parallel import TensorParallelGroup   # lazy: processes, CPython only
+            # the workers map the same arena (KV cache, activations): it lives in shared memory
+            self.tensor_parallel = TensorParallelGroup(self.weights, tensor_parallel_size, specs, self.num_blocks,
+                                                       block_size, self.max_num_batched_tokens, self.max_logits,
+                                                       self.max_model_len)
+            self.model.tensor_parallel = self.tensor_parallel
+            self.arena = self.tensor_parallel.arena
+        else:
+            self.arena = Arena.from_specs(specs)
         self.kv_cache = PagedKVCache(self.arena, c.n_layers, self.num_blocks, block_size, c.n_kv_heads,
                                      c.head_dim)
         self.model.prepare(self.arena)
@@ -84,6 +97,11 @@ class ModelRunner:
         if batch.context_lens and max(batch.context_lens) > self.max_model_len:
             raise ValueError(f"context length {max(batch.context_lens)} exceeds max_model_len {self.max_model_len}")
         return self.model.forward(batch, self.kv_cache, self.arena)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done when the runner is garbage-collected)."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.close()
 
     # --- helpers for tests and benchmarks (the real generation loop is the engine's) -------------------
     def contiguous_batch(self, token_ids, start: int, logits_all: bool = False) -> ForwardBatch:

@@ -52,6 +52,8 @@ DECODE_SLOTS = 2048
 
 def linear(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> np.ndarray:
     """out = x @ w for (rows, in) x and (in, out) w; few rows run as matvecs (sgemm's per-call cost)."""
+    if not isinstance(w, np.ndarray):      # S17: a ColumnParallelLinear (its slices on several processes)
+        return w.matmul(x, out)
     n = x.shape[0]
     if 1 < n <= LINEAR_ROW_LOOP_MAX:
         for r in range(n):
@@ -242,6 +244,33 @@ class LlamaWeights:
         return out
 
 
+def decode_group_attention(layer: int, kv, A: dict, q_rot: np.ndarray, attn: np.ndarray, group: DecodeGroup,
+                           scale: float) -> None:
+    """Attention of a group of decoding sequences in one batched call: their context blocks are gathered
+    (whole blocks, np.take into arena scratch) into a padded (G, n_blocks*block_size, Hkv, hd) buffer, or,
+    for a lone sequence with consecutive blocks, read in place. ``A``: the arena views (or a tensor-parallel
+    worker's own scratch) holding attn.k_batch, attn.v_batch and attn.scores."""
+    rows, blocks, contiguous = group.rows, group.blocks, group.contiguous
+    G, nb = blocks.shape
+    bs, Hkv, hd = kv.block_size, kv.n_kv_heads, kv.head_dim
+    n = G * nb * bs
+    shape = (G, nb * bs, Hkv, hd)
+    if group.start is not None:
+        kb, vb = kv.k_slots[layer][group.start:group.start + n], kv.v_slots[layer][group.start:group.start + n]
+    else:
+        kb = A["attn.k_batch"][:n].reshape(G, nb, bs, Hkv, hd)
+        vb = A["attn.v_batch"][:n].reshape(G, nb, bs, Hkv, hd)
+        # mode="clip": ids were validated; the default "raise" mode buffers the whole output in a temporary
+        np.take(kv.k[layer], blocks, axis=0, out=kb, mode="clip")
+        np.take(kv.v[layer], blocks, axis=0, out=vb, mode="clip")
+    if contiguous:
+        decode_attention(q_rot[rows], kb.reshape(shape), vb.reshape(shape), scale=scale,
+                         out=attn[rows], scratch=A["attn.scores"], pad=group.pad)
+    else:
+        attn[rows] = decode_attention(q_rot[rows], kb.reshape(shape), vb.reshape(shape), scale=scale,
+                                      scratch=A["attn.scores"], pad=group.pad)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Model
 # ---------------------------------------------------------------------------------------------------------
@@ -258,6 +287,8 @@ class LlamaModel:
         # Prefills of at least flash_min_query tokens use tiled flash attention (bounded scratch);
         # shorter ones (decode, small chunks) use one plain softmax over the whole context.
         self.flash_min_query, self.flash_tile, self.flash_q_tile = flash_min_query, flash_tile, flash_q_tile
+        # S17: a TensorParallelGroup (set by the runner) whose workers compute part of every linear layer
+        self.tensor_parallel = None
 
     # --- the reference ------------------------------------------------------------------------------
     def forward_reference(self, token_ids, positions=None) -> np.ndarray:
@@ -324,6 +355,16 @@ class LlamaModel:
         arena["rope.table_sin"][...] = sin
 
     def forward(self, batch, kv: PagedKVCache, arena: Arena) -> np.ndarray:
+        """`_forward`, with the tensor-parallel workers (if any) awake for it."""
+        tp = self.tensor_parallel
+        if tp is None or not tp.begin(len(batch.token_ids)):
+            return self._forward(batch, kv, arena)
+        try:
+            return self._forward(batch, kv, arena)
+        finally:
+            tp.end()
+
+    def _forward(self, batch, kv: PagedKVCache, arena: Arena) -> np.ndarray:
         """Logits (len(batch.logits_indices), V): a view of arena["logits.out"], valid until the next call
         (a new array if more rows are asked than the arena was planned for).
 
@@ -361,7 +402,15 @@ class LlamaModel:
                 seqs.append((start, start + qlen, ctx, ContextView(table, ctx, kv.block_size)))
             start += qlen
         slots = np.concatenate(slots) if slots else np.zeros(0, np.int64)
-        groups = self._decode_groups(decodes, kv.block_size, min(DECODE_SLOTS, A["attn.k_batch"].shape[0]))
+        max_slots = min(DECODE_SLOTS, A["attn.k_batch"].shape[0])
+        tp = self.tensor_parallel
+        shared = tp is not None and tp.active and len(decodes) > 1
+        if shared:          # S17: at least two groups, so that the workers can take some of them
+            longest = -(-max(d[1] for d in decodes) // kv.block_size) * kv.block_size
+            max_slots = min(max_slots, -(-len(decodes) * longest // 2))
+        groups = self._decode_groups(decodes, kv.block_size, max_slots)
+        if shared:
+            groups = tp.share_decode_groups(groups, T)         # sends the workers theirs, returns ours
 
         w.embed_rows(np.asarray(batch.token_ids, dtype=np.int64), out=x)
         for i in range(c.n_layers):
@@ -372,7 +421,11 @@ class LlamaModel:
             apply_rope(qkv[:, :nq + nk].reshape(T, H + Hkv, hd), cos, sin, out=qk_rot, tmp=rope_tmp)
             kv.k_slots[i][slots] = k_rot
             kv.v_slots[i][slots] = qkv[:, nq + nk:].reshape(T, Hkv, hd)
+            if shared:
+                tp.attention_begin(i)                          # the workers attend over their groups meanwhile
             for group in groups:
+                self._decode_attention(i, kv, A, q_rot, attn, group)
+            for group in (tp.attention_end() if shared else ()):   # theirs, if a worker was lost
                 self._decode_attention(i, kv, A, q_rot, attn, group)
             for a, b, ctx, view in seqs:
                 k, v = view.kv(kv, i, k_ctx, v_ctx)
@@ -437,34 +490,13 @@ class LlamaModel:
         return out
 
     def _decode_attention(self, layer, kv, A, q_rot, attn, group: DecodeGroup) -> None:
-        """Attention of a group of decoding sequences in one batched call: their context blocks are gathered
-        (whole blocks, np.take into arena scratch) into a padded (G, n_blocks*block_size, Hkv, hd) buffer, or,
-        for a lone sequence with consecutive blocks, read in place."""
-        rows, blocks, contiguous = group.rows, group.blocks, group.contiguous
-        G, nb = blocks.shape
-        bs, Hkv, hd = kv.block_size, kv.n_kv_heads, kv.head_dim
-        n = G * nb * bs
-        shape = (G, nb * bs, Hkv, hd)
-        if group.start is not None:
-            kb, vb = kv.k_slots[layer][group.start:group.start + n], kv.v_slots[layer][group.start:group.start + n]
-        else:
-            kb = A["attn.k_batch"][:n].reshape(G, nb, bs, Hkv, hd)
-            vb = A["attn.v_batch"][:n].reshape(G, nb, bs, Hkv, hd)
-            # mode="clip": ids were validated; the default "raise" mode buffers the whole output in a temporary
-            np.take(kv.k[layer], blocks, axis=0, out=kb, mode="clip")
-            np.take(kv.v[layer], blocks, axis=0, out=vb, mode="clip")
-        if contiguous:
-            decode_attention(q_rot[rows], kb.reshape(shape), vb.reshape(shape), scale=self.scale,
-                             out=attn[rows], scratch=A["attn.scores"], pad=group.pad)
-        else:
-            attn[rows] = decode_attention(q_rot[rows], kb.reshape(shape), vb.reshape(shape), scale=self.scale,
-                                          scratch=A["attn.scores"], pad=group.pad)
+        decode_group_attention(layer, kv, A, q_rot, attn, group, self.scale)
 
     def _lm_head(self, h: np.ndarray, out: np.ndarray, A: dict) -> None:
         head = self.weights.head
         if self.weights.mode == "resident":
             n = h.shape[0]
-            if 1 < n <= HEAD_ROW_LOOP_MAX:
+            if 1 < n <= HEAD_ROW_LOOP_MAX and isinstance(head, ColumnBlocks):
                 for i, cols in enumerate(head.blocks):              # ~9 MB: stays in cache across the rows
                     c0 = i * head.width
                     for r in range(n):

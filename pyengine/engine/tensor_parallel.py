@@ -1,0 +1,541 @@
+"""S17: tensor parallelism — the linear layers' output columns (and the decode attention groups) split between
+processes on one machine.
+
+Why processes: NumPy hands a matmul to OpenBLAS, whose threads pack (copy) each weight matrix before
+multiplying. At decode sizes (tens of rows) that packing is about half of a step. OpenBLAS also has an unpacked
+"small matrix" kernel that streams the weights (AVX-512 builds, products of up to 1e6 multiply-adds), but it
+runs on one thread. So rank 0 (this process) and ``tensor_parallel_size - 1`` worker processes each own a
+slice of every weight's output columns, stored as (columns, in) rows, and multiply it in row blocks small
+enough for that kernel, at the same time.
+
+Megatron-style layouts split attention heads and sum row-parallel partial outputs; SmolLM2's 9 query / 3 KV
+heads do not split in two, and on one machine outputs can simply meet in shared memory. So every weight here
+is column-parallel: the input x (all rows) is published once and each rank writes its own output columns.
+Between the linear layers, rank 0 runs norms, RoPE and SwiGLU; decode attention is shared out by sequence
+groups, since the arena (KV cache, activations) lives in shared memory that every rank maps.
+
+Passes of at most ``SPLIT_ROWS`` tokens split (decode steps); longer ones (prefills) run on rank 0 alone over
+the slices with OpenBLAS's own threads, the workers asleep. During a split pass rank 0's OpenBLAS runs one
+thread (set through its C API), so that its idle helper thread does not compete with the workers for cores.
+Each weight exists once: rank 0 holds its slice, the workers' slices live in shared memory that rank 0 also
+maps. A worker that dies is noticed at its next operation: rank 0 then computes everything itself (a
+warning, nothing lost).
+
+Protocol for a split pass: rank 0 writes one byte to each worker's stdin (wake), then per operation: its
+inputs into shared memory, op + argument, ``seq += 1``; each worker spins on ``seq``, does its share, then
+``done[r] = seq``. An END op sends the workers back to their blocking read. Plain stores stay in order on
+x86-64 (total store order), which is why only that architecture is accepted. CPython on Linux only: the
+browser build has no processes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import warnings
+
+import numpy as np
+
+# OpenBLAS (0.3.x, AVX-512 kernels) multiplies without packing when M*N*K <= 1e6 (its small-matrix kernel
+# permit): the row blocks are sized to stay under it.
+SMALL_GEMM_MNK = 1_000_000
+MIN_BLOCK_ROWS = 16
+# ctrl slots: the operation, its argument (rows, or the layer), where x and out lie in the arena (byte offset,
+# row stride in floats); ctrl[DONE + r] is worker r's last finished seq
+SEQ, OP, ARG, X_OFF, X_STRIDE, O_OFF, O_STRIDE = range(7)
+DONE = 8
+OP_END, OP_GROUPS, OP_ATTN = -1, -2, -3    # besides products (op = weight index >= 0)
+CTRL_SLOTS = 64
+SPIN_CHECK = 1 << 16                       # spin iterations between liveness checks
+# Passes of at most this many tokens split. Longer ones (prefills) spend much of their time in attention,
+# whose tile products want OpenBLAS's two threads on rank 0 (a 512-token prefill took 1.3x as long split),
+# and past ~40 rows the packed sgemm amortizes its copies anyway: they run on rank 0, workers asleep.
+SPLIT_ROWS = 40
+WAIT_TIMEOUT_S = 30.0                      # a product that takes this long means the worker is stuck
+
+
+def matmul_row_blocks(w: np.ndarray, xt: np.ndarray, out_t: np.ndarray) -> np.ndarray:
+    """out_t = w @ xt for (n, k) rows w, (k, rows) xt, (n, rows) out_t: in blocks of weight rows small enough for
+    the unpacked kernel, or as one sgemm when even MIN_BLOCK_ROWS rows would exceed it (many input rows)."""
+    n, k = w.shape
+    rows = xt.shape[1]
+    if rows * k * MIN_BLOCK_ROWS > SMALL_GEMM_MNK:
+        return np.matmul(w, xt, out=out_t)
+    bm = SMALL_GEMM_MNK // (rows * k) // MIN_BLOCK_ROWS * MIN_BLOCK_ROWS
+    for r in range(0, n, bm):
+        np.matmul(w[r:r + bm], xt, out=out_t[r:r + bm])
+    return out_t
+
+
+def column_bounds(n: int, ranks: int) -> list[int]:
+    """Split n output columns into ``ranks`` near-equal slices (multiples of 16 where possible)."""
+    step = -(-n // ranks)
+    step = -(-step // 16) * 16 if step > 16 else step
+    return [min(n, r * step) for r in range(ranks)] + [n]
+
+
+class ColumnParallelLinear:
+    """A weight used as ``x @ W`` ((in, out) shape) whose output columns are split over the group's ranks:
+    ``slices[r]`` holds rank r's (columns, in) rows (rank 0's in this process, the others in shared memory)."""
+
+    def __init__(self, group: "TensorParallelGroup", op: int, shape: tuple[int, int], bounds: list[int],
+                 slices: list[np.ndarray], max_rows: int):
+        self.group, self.op, self.shape = group, op, shape
+        self.max_rows = max_rows           # input rows the workers' buffers hold for this product
+        self.bounds = bounds               # output-column bounds of the ranks
+        self.slices = slices
+        self.nbytes = sum(sl.nbytes for sl in slices)
+
+    def matmul(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        out = np.empty((x.shape[0], self.shape[1]), np.float32) if out is None else out
+        g = self.group
+        if g.active and x.shape[0] <= self.max_rows and g.run(self, x, out):
+            return out
+        # every slice here: outside a split pass, without workers, or x / out outside the arena
+        for r in range(len(self.slices)):
+            a, b = self.bounds[r], self.bounds[r + 1]
+            np.matmul(x, self.slices[r].T, out=out[:, a:b])
+        return out
+
+    def __rmatmul__(self, x: np.ndarray) -> np.ndarray:      # x @ W in the reference forward
+        return self.matmul(np.ascontiguousarray(x, dtype=np.float32))
+
+    def columns(self, idx: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """out[t] = W[:, idx[t]] (the tied embedding's rows are the head's columns)."""
+        idx = np.asarray(idx, dtype=np.int64)
+        for r, sl in enumerate(self.slices):
+            a, b = self.bounds[r], self.bounds[r + 1]
+            sel = (idx >= a) & (idx < b)
+            if sel.any():
+                out[sel] = sl[idx[sel] - a]
+        return out
+
+
+class WorkerLost(RuntimeError):
+    pass
+
+
+class TensorParallelGroup:
+    """Rank 0's side: the shared memory (weights, arena, I/O), the worker processes, the split weights.
+
+    ``weights``: resident `LlamaWeights`; their layer matrices and head are replaced in place by
+    `ColumnParallelLinear`s. ``arena_specs``: the runner's arena, created here in shared memory (``.arena``).
+    ``max_rows``: the most input rows of one product (max_num_batched_tokens; ``max_logits`` for the head);
+    larger products run on rank 0 alone."""
+
+    def __init__(self, weights, size: int, arena_specs, num_blocks: int, block_size: int, max_rows: int,
+                 max_logits: int, max_model_len: int, split_rows: int = SPLIT_ROWS):
+        from pyengine.arena import Arena, plan_nbytes
+
+        if not isinstance(size, (int, np.integer)) or size < 2:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 2 here, got {size!r}")
+        if sys.platform != "linux" or platform.machine().lower() not in ("x86_64", "amd64"):
+            raise ValueError(f"tensor parallelism runs on Linux x86-64 (worker processes, x86-64 store "
+                             f"ordering); this is {sys.platform} {platform.machine()}")
+        if weights.mode != "resident":
+            raise ValueError("tensor parallelism needs weights_mode='resident' (lean weights are dequantized "
+                             "per layer on rank 0)")
+        self._blas = openblas_threads()
+        if self._blas is None:
+            raise ValueError("tensor parallelism needs NumPy's OpenBLAS (rank 0 sets its thread count per pass)")
+        c = weights.config
+        self.size = int(size)
+        self.k_max = max(c.d_model, c.n_heads * c.head_dim, c.ffn_dim)
+        self.max_rows = int(max_rows)
+        self.split_rows = min(int(split_rows), self.max_rows)
+        self.active = False
+        self.disabled_reason: str | None = None
+        self._fds, self.procs = [], []
+        self._saved_threads = None
+        self._theirs: list = []                               # decode groups given to the workers this pass
+        self._block_size = int(block_size)
+
+        # every weight, as (out, in) rows
+        mats = [(("layer", i, name), getattr(L, name).T) for i, L in enumerate(weights.layers)
+                for name in ("wqkv", "wo", "w_gate_up", "w_down")]
+        mats.append((("head",), np.concatenate(weights.head.blocks, axis=1).T))
+        bounds = [column_bounds(m.shape[0], self.size) for _, m in mats]
+        layouts = [[] for _ in range(self.size - 1)]          # per worker: [(byte offset, (rows, in))]
+        ends = [0] * (self.size - 1)
+        out_floats = local_floats = 0                         # largest output slice of a worker / of rank 0
+        capacity = []                                         # input rows each product may have
+        for (key, m), b in zip(mats, bounds):
+            rows_in = max(int(max_logits), 1) if key[0] == "head" else self.max_rows
+            capacity.append(rows_in)
+            local_floats = max(local_floats, (b[1] - b[0]) * rows_in)
+            for r in range(1, self.size):
+                n = b[r + 1] - b[r]
+                layouts[r - 1].append((ends[r - 1], (n, m.shape[1])))
+                ends[r - 1] += n * m.shape[1] * 4
+                out_floats = max(out_floats, n * rows_in)
+        # decode groups handed to the workers: per sequence its row, length and block table (+ a header)
+        self.meta_ints = 16 + self.split_rows * (4 + -(-int(max_model_len) // self._block_size))
+        try:
+            segs = [self._shared(e, f"weights{r + 1}") for r, e in enumerate(ends)]
+            io = self._shared(8 * (CTRL_SLOTS + self.meta_ints), "io")
+            self.ctrl, self.meta = _io_views(io[1], self.meta_ints)
+            # each rank transposes x and computes its columns in private buffers, then writes into the arena
+            self.local_xt = np.empty(self.k_max * self.max_rows, np.float32)
+            self.local_out = np.empty(local_floats, np.float32)
+            arena_mem = self._shared(plan_nbytes(arena_specs), "arena")
+            self.arena = Arena.from_specs(arena_specs, buffer=arena_mem[1])
+            self._arena_base = self.arena.buffer.__array_interface__["data"][0]
+
+            # split every weight: rank 0's rows stay here, the others' go to their segments
+            self.linears = []
+            for op, ((where, *key), m) in enumerate(mats):
+                b = bounds[op]
+                slices = [np.ascontiguousarray(m[b[0]:b[1]])]
+                for r in range(1, self.size):
+                    off, shape = layouts[r - 1][op]
+                    sl = np.ndarray(shape, np.float32, segs[r - 1][1], off)
+                    np.copyto(sl, m[b[r]:b[r + 1]])
+                    slices.append(sl)
+                lin = ColumnParallelLinear(self, op, (m.shape[1], m.shape[0]), b, slices, capacity[op])
+                self.linears.append(lin)
+                if where == "head":
+                    weights.head = lin
+                else:
+                    i, name = key
+                    weights.layers[i] = weights.layers[i]._replace(**{name: lin})
+            del mats
+
+            # the workers: fresh interpreters with one BLAS thread each (set before their NumPy loads)
+            env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+            for r in range(1, self.size):
+                spec = {"rank": r, "weights": segs[r - 1][0], "layout": layouts[r - 1], "io": io[0],
+                        "cols": [b[r] for b in bounds], "k_max": self.k_max, "max_rows": self.max_rows,
+                        "out_floats": out_floats, "meta_ints": self.meta_ints, "arena": arena_mem[0],
+                        "arena_specs": [(a.name, list(a.shape), a.dtype.str) for a in arena_specs],
+                        "kv": [c.n_layers, int(num_blocks), self._block_size, c.n_kv_heads, c.head_dim],
+                        "n_heads": c.n_heads, "scale": c.head_dim ** -0.5}
+                p = subprocess.Popen([sys.executable, "-m", "pyengine.engine.tensor_parallel"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                                     pass_fds=[fd for fd, _ in (segs[r - 1][0], io[0], arena_mem[0])])
+                self.procs.append(p)
+                p.stdin.write((json.dumps(spec) + "\n").encode())
+                p.stdin.flush()
+            for p in self.procs:                                  # each says "ready" once it has mapped
+                line = p.stdout.readline()
+                if line.strip() != b"ready":
+                    p.wait(timeout=10)
+                    raise RuntimeError(f"tensor-parallel worker failed to start: "
+                                       f"{p.stderr.read().decode(errors='replace')[-2000:]}")
+        except BaseException:
+            self.close()
+            raise
+
+    def _shared(self, nbytes: int, name: str):
+        """((fd, size), buffer): anonymous shared memory (memfd) the workers inherit by descriptor. It is freed
+        when the last mapping goes: no name to clean up after a crash."""
+        import mmap
+        size = max(int(nbytes), 1)
+        fd = os.memfd_create(f"pyengine-tp-{name}")
+        self._fds.append(fd)
+        os.ftruncate(fd, size)
+        return (fd, size), mmap.mmap(fd, size)
+
+    # --- per forward pass ------------------------------------------------------------------------
+    def begin(self, rows: int) -> bool:
+        """Wake the workers for a forward pass of ``rows`` tokens if it splits (see SPLIT_ROWS)."""
+        if self.disabled_reason is not None or rows > self.split_rows:
+            return False
+        try:
+            for p in self.procs:
+                p.stdin.write(b"w")
+                p.stdin.flush()
+        except OSError as e:
+            self.disable(f"worker pipe closed ({e})")
+            return False
+        get, set_ = self._blas
+        self._saved_threads = get()
+        set_(1)
+        self.active = True
+        return True
+
+    def end(self) -> None:
+        if not self.active:
+            return
+        self.active = False
+        self._blas[1](self._saved_threads)
+        try:
+            self._post(OP_END, 0)
+            self._wait()
+        except WorkerLost as e:
+            self.disable(str(e))
+
+    def run(self, lin: ColumnParallelLinear, x: np.ndarray, out: np.ndarray) -> bool:
+        """out = x @ W with every rank computing its columns, reading x from and writing out into the shared
+        arena. False (nothing done) if x or out is not an arena view; rank 0 then does it alone."""
+        xs, os_ = self._in_arena(x), self._in_arena(out)
+        if xs is None or os_ is None:
+            return False
+        rows, k = x.shape
+        self.ctrl[X_OFF:O_STRIDE + 1] = xs + os_
+        self._post(lin.op, rows)
+        xt = self.local_xt[:k * rows].reshape(k, rows)
+        np.copyto(xt, x.T)
+        a, b = lin.bounds[0], lin.bounds[1]
+        mine = self.local_out[:(b - a) * rows].reshape(b - a, rows)
+        matmul_row_blocks(lin.slices[0], xt, mine)
+        np.copyto(out[:, a:b], mine.T)
+        try:
+            self._wait()
+        except WorkerLost as e:            # redo alone; the group is off from now on
+            self.disable(str(e))
+            return False
+        return True
+
+    def _in_arena(self, a: np.ndarray) -> tuple[int, int] | None:
+        """(byte offset, row stride in floats) of a 2-D float32 arena view with contiguous rows."""
+        if a.ndim != 2 or a.dtype != np.float32 or a.strides[1] != 4 or a.strides[0] % 4:
+            return None
+        off = a.__array_interface__["data"][0] - self._arena_base
+        if off < 0 or off + a.strides[0] * (a.shape[0] - 1) + 4 * a.shape[1] > self.arena.buffer.nbytes:
+            return None
+        return off, a.strides[0] // 4
+
+    def share_decode_groups(self, groups: list, rows: int) -> list:
+        """Give the workers some of this pass's decode groups (balanced by padded context slots); returns rank
+        0's. ``rows``: the pass's token count (the workers' views of q and the attention output)."""
+        self._theirs = []
+        if not self.active or len(groups) < 2:
+            return groups
+        load = [0] * self.size
+        share = [[] for _ in range(self.size)]
+        for g in sorted(groups, key=lambda g: -g.blocks.size):
+            r = load.index(min(load))
+            share[r].append(g)
+            load[r] += g.blocks.size
+        pos = 1
+        self.meta[0] = self.size - 1
+        for r in range(1, self.size):
+            pos = _pack_groups(self.meta, pos, share[r])
+        try:
+            self._post(OP_GROUPS, rows)
+            self._wait()
+        except WorkerLost as e:
+            self.disable(str(e))
+            return groups
+        self._theirs = [g for r in range(1, self.size) for g in share[r]]
+        return share[0]
+
+    def attention_begin(self, layer: int) -> None:
+        """The workers start on their decode groups of ``layer`` (q and K/V of this layer are in place)."""
+        if self.active and self._theirs:
+            self._post(OP_ATTN, layer)
+
+    def attention_end(self) -> list:
+        """Wait for the workers' attention; returns the groups rank 0 must still do (all theirs if one died)."""
+        if not self._theirs:
+            return []
+        if self.active:
+            try:
+                self._wait()
+                return []
+            except WorkerLost as e:
+                self.disable(str(e))
+        theirs, self._theirs = self._theirs, []
+        return theirs
+
+    def _post(self, op: int, arg: int) -> None:
+        self.ctrl[OP] = op
+        self.ctrl[ARG] = arg
+        self.ctrl[SEQ] += 1                  # last: the workers act on seq (stores stay in order on x86-64)
+
+    def _wait(self) -> None:
+        seq = self.ctrl[SEQ]
+        done = self.ctrl[DONE:DONE + self.size - 1]
+        spins, t0 = 0, None
+        while (done != seq).any():
+            spins += 1
+            if spins % SPIN_CHECK == 0:
+                t0 = t0 or time.monotonic()
+                for p in self.procs:
+                    if p.poll() is not None:
+                        raise WorkerLost(f"tensor-parallel worker exited with code {p.returncode}: "
+                                         f"{p.stderr.read().decode(errors='replace')[-1000:]}")
+                if time.monotonic() - t0 > WAIT_TIMEOUT_S:
+                    raise WorkerLost(f"tensor-parallel worker did not answer in {WAIT_TIMEOUT_S:.0f} s")
+
+    def disable(self, reason: str) -> None:
+        """Stop the workers; rank 0 computes everything from now on (the shared memory stays mapped)."""
+        if self.disabled_reason is None:
+            warnings.warn(f"tensor parallelism disabled: {reason}", RuntimeWarning, stacklevel=3)
+            self.disabled_reason = reason
+        if self.active:
+            self.active = False
+            self._blas[1](self._saved_threads)
+        self._stop_workers()
+
+    # --- lifetime ----------------------------------------------------------------------------------
+    def _stop_workers(self) -> None:
+        for p in self.procs:
+            try:
+                p.stdin.close()              # EOF: the worker returns from its blocking read and exits
+            except OSError:
+                pass
+        for p in self.procs:
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            p.stdout.close()
+            p.stderr.close()
+        self.procs = []
+
+    def close(self) -> None:
+        """Stop the workers. The shared memory is freed with its last view (the runner's arena, the weights)."""
+        if self.disabled_reason is None:
+            self.disabled_reason = "closed"
+        self.active = False
+        self._stop_workers()
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _pack_groups(meta: np.ndarray, pos: int, groups: list) -> int:
+    """Write decode groups at meta[pos:]: count, then per group G, nb, start (-1: gathered), rows, lens, blocks.
+    Returns the next position."""
+    meta[pos] = len(groups)
+    pos += 1
+    for g in groups:
+        G, nb = g.blocks.shape
+        rows = np.arange(g.rows.start, g.rows.stop) if isinstance(g.rows, slice) else g.rows
+        meta[pos:pos + 3] = (G, nb, -1 if g.start is None else g.start)
+        pos += 3
+        for part in (rows, g.lens, g.blocks.reshape(-1)):
+            meta[pos:pos + part.size] = part
+            pos += part.size
+    return pos
+
+
+def _unpack_groups(meta: np.ndarray, pos: int, block_size: int) -> tuple[list, int]:
+    from pyengine.layers.attention import padding_mask
+    from pyengine.models.llama import DecodeGroup
+    groups = []
+    n = int(meta[pos])
+    pos += 1
+    for _ in range(n):
+        G, nb, start = (int(v) for v in meta[pos:pos + 3])
+        pos += 3
+        rows, lens = meta[pos:pos + G].copy(), meta[pos + G:pos + 2 * G].copy()
+        blocks = meta[pos + 2 * G:pos + 2 * G + G * nb].reshape(G, nb).copy()
+        pos += 2 * G + G * nb
+        contiguous = bool(np.all(np.diff(rows) == 1))
+        groups.append(DecodeGroup(slice(int(rows[0]), int(rows[-1]) + 1) if contiguous else rows, blocks, lens,
+                                  contiguous, padding_mask(lens, nb * block_size), None if start < 0 else start))
+    return groups, pos
+
+
+def openblas_threads():
+    """(get, set) of the thread count of the OpenBLAS that NumPy loaded (found in /proc/self/maps), or None."""
+    import ctypes
+    try:
+        with open("/proc/self/maps") as f:
+            paths = sorted({line.split()[-1] for line in f if "openblas" in line.lower() and "/" in line})
+    except OSError:
+        return None
+    for path in paths:
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for prefix in ("scipy_openblas", "openblas"):
+            for suffix in ("64_", ""):
+                try:
+                    get, set_ = (getattr(lib, f"{prefix}_get_num_threads{suffix}"),
+                                 getattr(lib, f"{prefix}_set_num_threads{suffix}"))
+                except AttributeError:
+                    continue
+                get.restype, set_.argtypes = ctypes.c_int, [ctypes.c_int]
+                return get, set_
+    return None
+
+
+def _io_views(buf, meta_ints: int):
+    """ctrl (int64 slots) and the decode-group metadata (int64)."""
+    return (np.ndarray((CTRL_SLOTS,), np.int64, buf, 0),
+            np.ndarray((meta_ints,), np.int64, buf, 8 * CTRL_SLOTS))
+
+
+def _attach(fd_size) -> "mmap.mmap":
+    """Map rank 0's memory; populated now, so that no step pays the page faults (the arena is ~650 MB)."""
+    import mmap
+    fd, size = fd_size
+    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+
+
+def worker_main() -> int:
+    """A worker rank: map the segments, then serve one forward pass per wake byte until stdin closes."""
+    from pyengine.arena import Arena, spec as arena_spec
+    from pyengine.engine.kv_cache import PagedKVCache
+    from pyengine.models.llama import decode_group_attention
+
+    stdin = sys.stdin.buffer
+    spec = json.loads(stdin.readline())
+    r = spec["rank"]
+    wmem, io, amem = _attach(spec["weights"]), _attach(spec["io"]), _attach(spec["arena"])
+    weights = [np.ndarray(tuple(shape), np.float32, wmem, off) for off, shape in spec["layout"]]
+    ctrl, meta = _io_views(io, spec["meta_ints"])
+    cols = spec["cols"]                                  # each product's first output column of this rank
+    xt_buf = np.empty(spec["k_max"] * spec["max_rows"], np.float32)
+    out_buf = np.empty(spec["out_floats"], np.float32)
+    specs = [arena_spec(name, shape, dtype) for name, shape, dtype in spec["arena_specs"]]
+    arena = Arena.from_specs(specs, buffer=amem, zero=False)          # rank 0's arena, same views
+    n_layers, num_blocks, block_size, n_kv, hd = spec["kv"]
+    kv = PagedKVCache(arena, n_layers, num_blocks, block_size, n_kv, hd)
+    # gather scratch of this rank's own (rank 0 uses the arena's at the same time)
+    scratch = {n: np.zeros_like(arena[n]) for n in ("attn.k_batch", "attn.v_batch", "attn.scores")}
+    H, scale = spec["n_heads"], spec["scale"]
+    groups, rows = [], 0
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
+    parent = os.getppid()
+    seen = int(ctrl[SEQ])
+    while stdin.read(1):                                 # b"" = rank 0 closed the pipe (or died)
+        while True:
+            spins = 0
+            while ctrl[SEQ] == seen:
+                spins += 1
+                if spins % SPIN_CHECK == 0 and os.getppid() != parent:
+                    return 0
+            seen = int(ctrl[SEQ])
+            op, arg = int(ctrl[OP]), int(ctrl[ARG])
+            if op == OP_END:
+                ctrl[DONE + r - 1] = seen
+                break
+            if op == OP_GROUPS:                          # this pass's groups: skip the ranks before this one
+                rows, pos = arg, 1
+                for _ in range(r):
+                    groups, pos = _unpack_groups(meta, pos, block_size)
+            elif op == OP_ATTN:
+                q_rot, attn = arena["act.qk_rot"][:rows, :H], arena["act.attn"][:rows]
+                for g in groups:
+                    decode_group_attention(arg, kv, scratch, q_rot, attn, g, scale)
+            else:
+                w = weights[op]
+                (n, k), rows = w.shape, arg
+                x_off, x_stride, o_off, o_stride = (int(v) for v in ctrl[X_OFF:O_STRIDE + 1])
+                xt, out_t = xt_buf[:k * rows].reshape(k, rows), out_buf[:n * rows].reshape(n, rows)
+                np.copyto(xt, np.ndarray((rows, k), np.float32, amem, x_off, (4 * x_stride, 4)).T)
+                matmul_row_blocks(w, xt, out_t)
+                out = np.ndarray((rows, n), np.float32, amem, o_off + 4 * cols[op], (4 * o_stride, 4))
+                np.copyto(out, out_t.T)
+            ctrl[DONE + r - 1] = seen
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main())

@@ -70,8 +70,7 @@ class ModelRunner:
             from pyengine.engine.tensor_parallel import TensorParallelGroup   # lazy: processes, CPython only
             # the workers map the same arena (KV cache, activations): it lives in shared memory
             self.tensor_parallel = TensorParallelGroup(self.weights, tensor_parallel_size, specs, self.num_blocks,
-                                                       block_size, self.max_num_batched_tokens, self.max_logits,
-                                                       self.max_model_len)
+                                                       block_size, self.max_model_len)
             self.model.tensor_parallel = self.tensor_parallel
             self.arena = self.tensor_parallel.arena
         else:

@@ -82,9 +82,8 @@ class ColumnParallelLinear:
     ``slices[r]`` holds rank r's (columns, in) rows (rank 0's in this process, the others in shared memory)."""
 
     def __init__(self, group: "TensorParallelGroup", op: int, shape: tuple[int, int], bounds: list[int],
-                 slices: list[np.ndarray], max_rows: int):
+                 slices: list[np.ndarray]):
         self.group, self.op, self.shape = group, op, shape
-        self.max_rows = max_rows           # input rows the workers' buffers hold for this product
         self.bounds = bounds               # output-column bounds of the ranks
         self.slices = slices
         self.nbytes = sum(sl.nbytes for sl in slices)
@@ -92,7 +91,7 @@ class ColumnParallelLinear:
     def matmul(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         out = np.empty((x.shape[0], self.shape[1]), np.float32) if out is None else out
         g = self.group
-        if g.active and x.shape[0] <= self.max_rows and g.run(self, x, out):
+        if g.active and x.shape[0] <= g.split_rows and g.run(self, x, out):
             return out
         # every slice here: outside a split pass, without workers, or x / out outside the arena
         for r in range(len(self.slices)):
@@ -115,7 +114,7 @@ class ColumnParallelLinear:
 
 
 class WorkerLost(RuntimeError):
-    pass
+    """A worker exited or stopped answering."""
 
 
 class TensorParallelGroup:
@@ -123,11 +122,10 @@ class TensorParallelGroup:
 
     ``weights``: resident `LlamaWeights`; their layer matrices and head are replaced in place by
     `ColumnParallelLinear`s. ``arena_specs``: the runner's arena, created here in shared memory (``.arena``).
-    ``max_rows``: the most input rows of one product (max_num_batched_tokens; ``max_logits`` for the head);
-    larger products run on rank 0 alone."""
+    ``split_rows``: passes of at most this many tokens split (the workers' buffers hold that many rows)."""
 
-    def __init__(self, weights, size: int, arena_specs, num_blocks: int, block_size: int, max_rows: int,
-                 max_logits: int, max_model_len: int, split_rows: int = SPLIT_ROWS):
+    def __init__(self, weights, size: int, arena_specs, num_blocks: int, block_size: int, max_model_len: int,
+                 split_rows: int = SPLIT_ROWS):
         from pyengine.arena import Arena, plan_nbytes
 
         if not isinstance(size, (int, np.integer)) or size < 2:
@@ -144,8 +142,7 @@ class TensorParallelGroup:
         c = weights.config
         self.size = int(size)
         self.k_max = max(c.d_model, c.n_heads * c.head_dim, c.ffn_dim)
-        self.max_rows = int(max_rows)
-        self.split_rows = min(int(split_rows), self.max_rows)
+        self.split_rows = int(split_rows)
         self.active = False
         self.disabled_reason: str | None = None
         self._fds, self.procs = [], []
@@ -160,17 +157,12 @@ class TensorParallelGroup:
         bounds = [column_bounds(m.shape[0], self.size) for _, m in mats]
         layouts = [[] for _ in range(self.size - 1)]          # per worker: [(byte offset, (rows, in))]
         ends = [0] * (self.size - 1)
-        out_floats = local_floats = 0                         # largest output slice of a worker / of rank 0
-        capacity = []                                         # input rows each product may have
-        for (key, m), b in zip(mats, bounds):
-            rows_in = max(int(max_logits), 1) if key[0] == "head" else self.max_rows
-            capacity.append(rows_in)
-            local_floats = max(local_floats, (b[1] - b[0]) * rows_in)
+        for (_, m), b in zip(mats, bounds):
             for r in range(1, self.size):
                 n = b[r + 1] - b[r]
                 layouts[r - 1].append((ends[r - 1], (n, m.shape[1])))
                 ends[r - 1] += n * m.shape[1] * 4
-                out_floats = max(out_floats, n * rows_in)
+        out_floats = max(b[r + 1] - b[r] for b in bounds for r in range(self.size)) * self.split_rows
         # decode groups handed to the workers: per sequence its row, length and block table (+ a header)
         self.meta_ints = 16 + self.split_rows * (4 + -(-int(max_model_len) // self._block_size))
         try:
@@ -178,8 +170,8 @@ class TensorParallelGroup:
             io = self._shared(8 * (CTRL_SLOTS + self.meta_ints), "io")
             self.ctrl, self.meta = _io_views(io[1], self.meta_ints)
             # each rank transposes x and computes its columns in private buffers, then writes into the arena
-            self.local_xt = np.empty(self.k_max * self.max_rows, np.float32)
-            self.local_out = np.empty(local_floats, np.float32)
+            self.local_xt = np.empty(self.k_max * self.split_rows, np.float32)
+            self.local_out = np.empty(out_floats, np.float32)
             arena_mem = self._shared(plan_nbytes(arena_specs), "arena")
             self.arena = Arena.from_specs(arena_specs, buffer=arena_mem[1])
             self._arena_base = self.arena.buffer.__array_interface__["data"][0]
@@ -194,7 +186,7 @@ class TensorParallelGroup:
                     sl = np.ndarray(shape, np.float32, segs[r - 1][1], off)
                     np.copyto(sl, m[b[r]:b[r + 1]])
                     slices.append(sl)
-                lin = ColumnParallelLinear(self, op, (m.shape[1], m.shape[0]), b, slices, capacity[op])
+                lin = ColumnParallelLinear(self, op, (m.shape[1], m.shape[0]), b, slices)
                 self.linears.append(lin)
                 if where == "head":
                     weights.head = lin
@@ -207,7 +199,7 @@ class TensorParallelGroup:
             env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
             for r in range(1, self.size):
                 spec = {"rank": r, "weights": segs[r - 1][0], "layout": layouts[r - 1], "io": io[0],
-                        "cols": [b[r] for b in bounds], "k_max": self.k_max, "max_rows": self.max_rows,
+                        "cols": [b[r] for b in bounds], "k_max": self.k_max, "split_rows": self.split_rows,
                         "out_floats": out_floats, "meta_ints": self.meta_ints, "arena": arena_mem[0],
                         "arena_specs": [(a.name, list(a.shape), a.dtype.str) for a in arena_specs],
                         "kv": [c.n_layers, int(num_blocks), self._block_size, c.n_kv_heads, c.head_dim],
@@ -490,7 +482,7 @@ def worker_main() -> int:
     weights = [np.ndarray(tuple(shape), np.float32, wmem, off) for off, shape in spec["layout"]]
     ctrl, meta = _io_views(io, spec["meta_ints"])
     cols = spec["cols"]                                  # each product's first output column of this rank
-    xt_buf = np.empty(spec["k_max"] * spec["max_rows"], np.float32)
+    xt_buf = np.empty(spec["k_max"] * spec["split_rows"], np.float32)
     out_buf = np.empty(spec["out_floats"], np.float32)
     specs = [arena_spec(name, shape, dtype) for name, shape, dtype in spec["arena_specs"]]
     arena = Arena.from_specs(specs, buffer=amem, zero=False)          # rank 0's arena, same views

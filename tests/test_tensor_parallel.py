@@ -49,9 +49,14 @@ def test_weights_are_split_once(runners):
     one, two = runners
     tp = two.tensor_parallel
     lin = two.weights.layers[0].w_gate_up
-    assert lin.bounds == [0, 1536, 3072] and [s.shape for s in lin.slices] == [(1536, 576), (1536, 576)]
+    # each rank holds the same range of gate and of up columns (it applies SwiGLU to its own part)
+    (_, b0), _ = lin.segments[0]
+    assert lin.segments == [[(0, b0), (1536, 1536 + b0)], [(b0, 1536), (1536 + b0, 3072)]] and 700 < b0 < 836
+    assert [s.shape for s in lin.slices] == [(2 * b0, 576), (2 * (1536 - b0), 576)]
     # rank 0's rows and the worker's (shared memory) are the single-process matrix, column for column
-    np.testing.assert_array_equal(np.concatenate(lin.slices).T, one.weights.layers[0].w_gate_up)
+    full = one.weights.layers[0].w_gate_up
+    for sl, segs in zip(lin.slices, lin.segments):
+        np.testing.assert_array_equal(sl, np.concatenate([full[:, a:b].T for a, b in segs]))
     np.testing.assert_array_equal(np.concatenate(two.weights.head.slices).T, np.asarray(one.weights.head))
     assert abs(two.weights.nbytes - one.weights.nbytes) < 1024            # each weight held once
     assert len(tp.procs) == 1 and tp.procs[0].poll() is None

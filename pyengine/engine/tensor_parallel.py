@@ -39,14 +39,16 @@ import warnings
 
 import numpy as np
 
+from pyengine.layers.activation import silu
+
 # OpenBLAS (0.3.x, AVX-512 kernels) multiplies without packing when M*N*K <= 1e6 (its small-matrix kernel
 # permit): the row blocks are sized to stay under it.
 SMALL_GEMM_MNK = 1_000_000
 MIN_BLOCK_ROWS = 16
 # ctrl slots: the operation, its argument (rows, or the layer), where x and out lie in the arena (byte offset,
 # row stride in floats); ctrl[DONE + r] is worker r's last finished seq
-SEQ, OP, ARG, X_OFF, X_STRIDE, O_OFF, O_STRIDE = range(7)
-DONE = 8
+SEQ, OP, ARG, X_OFF, X_STRIDE, O_OFF, O_STRIDE, GATED = range(8)
+DONE = 9
 OP_END, OP_GROUPS, OP_ATTN = -1, -2, -3    # besides products (op = weight index >= 0)
 CTRL_SLOTS = 64
 SPIN_CHECK = 1 << 16                       # spin iterations between liveness checks
@@ -54,6 +56,7 @@ SPIN_CHECK = 1 << 16                       # spin iterations between liveness ch
 # whose tile products want OpenBLAS's two threads on rank 0 (a 512-token prefill took 1.3x as long split),
 # and past ~40 rows the packed sgemm amortizes its copies anyway: they run on rank 0, workers asleep.
 SPLIT_ROWS = 40
+RANK0_EXTRA = 0.06          # rank 0 waited ~5 ms of an 80 ms step for its worker with equal slices
 WAIT_TIMEOUT_S = 30.0                      # a product that takes this long means the worker is stuck
 
 
@@ -71,20 +74,63 @@ def matmul_row_blocks(w: np.ndarray, xt: np.ndarray, out_t: np.ndarray) -> np.nd
 
 
 def column_bounds(n: int, ranks: int) -> list[int]:
-    """Split n output columns into ``ranks`` near-equal slices (multiples of 16 where possible)."""
-    step = -(-n // ranks)
-    step = -(-step // 16) * 16 if step > 16 else step
-    return [min(n, r * step) for r in range(ranks)] + [n]
+    """Split n output columns into ``ranks`` slices at multiples of 16, rank 0's larger by RANK0_EXTRA: the
+    workers start each product a little after rank 0 (they see it posted, then read its arguments), so equal
+    slices leave rank 0 waiting at every product."""
+    weights = np.array([1 + RANK0_EXTRA] + [1.0] * (ranks - 1))
+    cuts = np.cumsum(weights)[:-1] / weights.sum() * n
+    unit = 16 if n >= 16 * ranks else 1
+    return [0] + [int(round(c / unit)) * unit for c in cuts] + [n]
+
+
+def rank_segments(n: int, ranks: int, gated: bool) -> list[list[tuple[int, int]]]:
+    """Per rank, the output-column ranges its slice computes, in slice-row order. A gated weight ([gate | up],
+    2F columns) gives each rank the same range of both halves, so that it can apply SwiGLU to its own part."""
+    if not gated:
+        b = column_bounds(n, ranks)
+        return [[(b[r], b[r + 1])] for r in range(ranks)]
+    f = n // 2
+    b = column_bounds(f, ranks)
+    return [[(b[r], b[r + 1]), (f + b[r], f + b[r + 1])] for r in range(ranks)]
+
+
+def _copy_segments(out: np.ndarray, out_t: np.ndarray, segments) -> None:
+    """Write (rows_of_slice, T) results into out's (T, columns) segments."""
+    i = 0
+    for c0, c1 in segments:
+        np.copyto(out[:, c0:c1], out_t[i:i + c1 - c0].T)
+        i += c1 - c0
+
+
+def _rank_product(w: np.ndarray, segments, x: np.ndarray, out: np.ndarray, gated: bool, xt_buf: np.ndarray,
+                  out_buf: np.ndarray) -> None:
+    """One rank's share of out = x @ W: x^T (contiguous, for the unpacked kernel) times its rows, written into
+    its output columns; ``gated``: SwiGLU of its [gate | up] rows written into its range of the F outputs."""
+    (n, k), rows = w.shape, x.shape[0]
+    xt, out_t = xt_buf[:k * rows].reshape(k, rows), out_buf[:n * rows].reshape(n, rows)
+    np.copyto(xt, x.T)
+    matmul_row_blocks(w, xt, out_t)
+    if gated:                                            # rows: [gate | up] of this rank's range of F
+        c0, c1 = segments[0]
+        f = c1 - c0
+        # SwiGLU on contiguous rows (on the transposed views it is slower than the copies it saves), into the
+        # x^T buffer, free once the product is done
+        act = silu(out_t[:f], out=xt_buf[:f * rows].reshape(f, rows))
+        act *= out_t[f:]
+        np.copyto(out[:, c0:c1], act.T)
+    else:
+        _copy_segments(out, out_t, segments)
 
 
 class ColumnParallelLinear:
     """A weight used as ``x @ W`` ((in, out) shape) whose output columns are split over the group's ranks:
-    ``slices[r]`` holds rank r's (columns, in) rows (rank 0's in this process, the others in shared memory)."""
+    ``slices[r]`` holds rank r's (columns, in) rows (rank 0's in this process, the others in shared memory), for
+    the output columns ``segments[r]`` (see `rank_segments`)."""
 
-    def __init__(self, group: "TensorParallelGroup", op: int, shape: tuple[int, int], bounds: list[int],
+    def __init__(self, group: "TensorParallelGroup", op: int, shape: tuple[int, int], segments: list,
                  slices: list[np.ndarray]):
         self.group, self.op, self.shape = group, op, shape
-        self.bounds = bounds               # output-column bounds of the ranks
+        self.segments = segments
         self.slices = slices
         self.nbytes = sum(sl.nbytes for sl in slices)
 
@@ -94,10 +140,18 @@ class ColumnParallelLinear:
         if g.active and x.shape[0] <= g.split_rows and g.run(self, x, out):
             return out
         # every slice here: outside a split pass, without workers, or x / out outside the arena
-        for r in range(len(self.slices)):
-            a, b = self.bounds[r], self.bounds[r + 1]
-            np.matmul(x, self.slices[r].T, out=out[:, a:b])
+        for sl, segments in zip(self.slices, self.segments):
+            i = 0
+            for c0, c1 in segments:
+                np.matmul(x, sl[i:i + c1 - c0].T, out=out[:, c0:c1])
+                i += c1 - c0
         return out
+
+    def gated(self, x: np.ndarray, out: np.ndarray) -> bool:
+        """out = swiglu(x @ W) for a gated weight, each rank gating its own columns; False if this pass does
+        not split (the caller multiplies, then gates)."""
+        g = self.group
+        return g.active and x.shape[0] <= g.split_rows and g.run(self, x, out, gated=True)
 
     def __rmatmul__(self, x: np.ndarray) -> np.ndarray:      # x @ W in the reference forward
         return self.matmul(np.ascontiguousarray(x, dtype=np.float32))
@@ -105,8 +159,7 @@ class ColumnParallelLinear:
     def columns(self, idx: np.ndarray, out: np.ndarray) -> np.ndarray:
         """out[t] = W[:, idx[t]] (the tied embedding's rows are the head's columns)."""
         idx = np.asarray(idx, dtype=np.int64)
-        for r, sl in enumerate(self.slices):
-            a, b = self.bounds[r], self.bounds[r + 1]
+        for sl, ((a, b),) in zip(self.slices, self.segments):          # the head: one range per rank
             sel = (idx >= a) & (idx < b)
             if sel.any():
                 out[sel] = sl[idx[sel] - a]
@@ -154,19 +207,21 @@ class TensorParallelGroup:
         mats = [(("layer", i, name), getattr(L, name).T) for i, L in enumerate(weights.layers)
                 for name in ("wqkv", "wo", "w_gate_up", "w_down")]
         mats.append((("head",), np.concatenate(weights.head.blocks, axis=1).T))
-        bounds = [column_bounds(m.shape[0], self.size) for _, m in mats]
-        layouts = [[] for _ in range(self.size - 1)]          # per worker: [(byte offset, (rows, in))]
-        ends = [0] * (self.size - 1)
-        for (_, m), b in zip(mats, bounds):
-            for r in range(1, self.size):
-                n = b[r + 1] - b[r]
-                layouts[r - 1].append((ends[r - 1], (n, m.shape[1])))
-                ends[r - 1] += n * m.shape[1] * 4
-        out_floats = max(b[r + 1] - b[r] for b in bounds for r in range(self.size)) * self.split_rows
+        segments = [rank_segments(m.shape[0], self.size, key[-1] == "w_gate_up") for key, m in mats]
+        rows = [[sum(c1 - c0 for c0, c1 in seg) for seg in per_rank] for per_rank in segments]
+        # per rank: [(byte offset, (rows, in))] in one page-aligned buffer. Separate NumPy allocations start
+        # 16 bytes past a page, and the unpacked kernel's loads then straddle cache lines: 1.4x slower.
+        layouts = [[] for _ in range(self.size)]
+        ends = [0] * self.size
+        for (_, m), n in zip(mats, rows):
+            for r in range(self.size):
+                layouts[r].append((ends[r], (n[r], m.shape[1])))
+                ends[r] += -(-n[r] * m.shape[1] * 4 // 64) * 64
+        out_floats = max(max(n) for n in rows) * self.split_rows
         # decode groups handed to the workers: per sequence its row, length and block table (+ a header)
         self.meta_ints = 16 + self.split_rows * (4 + -(-int(max_model_len) // self._block_size))
         try:
-            segs = [self._shared(e, f"weights{r + 1}") for r, e in enumerate(ends)]
+            segs = [self._shared(e, f"weights{r}") for r, e in enumerate(ends)]     # rank 0's too
             io = self._shared(8 * (CTRL_SLOTS + self.meta_ints), "io")
             self.ctrl, self.meta = _io_views(io[1], self.meta_ints)
             # each rank transposes x and computes its columns in private buffers, then writes into the arena
@@ -179,14 +234,13 @@ class TensorParallelGroup:
             # split every weight: rank 0's rows stay here, the others' go to their segments
             self.linears = []
             for op, ((where, *key), m) in enumerate(mats):
-                b = bounds[op]
-                slices = [np.ascontiguousarray(m[b[0]:b[1]])]
-                for r in range(1, self.size):
-                    off, shape = layouts[r - 1][op]
-                    sl = np.ndarray(shape, np.float32, segs[r - 1][1], off)
-                    np.copyto(sl, m[b[r]:b[r + 1]])
+                slices = []
+                for r in range(self.size):
+                    off, shape = layouts[r][op]
+                    sl = np.ndarray(shape, np.float32, segs[r][1], off)
+                    np.concatenate([m[c0:c1] for c0, c1 in segments[op][r]], out=sl)
                     slices.append(sl)
-                lin = ColumnParallelLinear(self, op, (m.shape[1], m.shape[0]), b, slices)
+                lin = ColumnParallelLinear(self, op, (m.shape[1], m.shape[0]), segments[op], slices)
                 self.linears.append(lin)
                 if where == "head":
                     weights.head = lin
@@ -198,15 +252,15 @@ class TensorParallelGroup:
             # the workers: fresh interpreters with one BLAS thread each (set before their NumPy loads)
             env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
             for r in range(1, self.size):
-                spec = {"rank": r, "weights": segs[r - 1][0], "layout": layouts[r - 1], "io": io[0],
-                        "cols": [b[r] for b in bounds], "k_max": self.k_max, "split_rows": self.split_rows,
+                spec = {"rank": r, "weights": segs[r][0], "layout": layouts[r], "io": io[0],
+                        "segments": [seg[r] for seg in segments], "k_max": self.k_max, "split_rows": self.split_rows,
                         "out_floats": out_floats, "meta_ints": self.meta_ints, "arena": arena_mem[0],
                         "arena_specs": [(a.name, list(a.shape), a.dtype.str) for a in arena_specs],
                         "kv": [c.n_layers, int(num_blocks), self._block_size, c.n_kv_heads, c.head_dim],
                         "n_heads": c.n_heads, "scale": c.head_dim ** -0.5}
                 p = subprocess.Popen([sys.executable, "-m", "pyengine.engine.tensor_parallel"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                                     pass_fds=[fd for fd, _ in (segs[r - 1][0], io[0], arena_mem[0])])
+                                     pass_fds=[fd for fd, _ in (segs[r][0], io[0], arena_mem[0])])
                 self.procs.append(p)
                 p.stdin.write((json.dumps(spec) + "\n").encode())
                 p.stdin.flush()
@@ -259,21 +313,17 @@ class TensorParallelGroup:
         except WorkerLost as e:
             self.disable(str(e))
 
-    def run(self, lin: ColumnParallelLinear, x: np.ndarray, out: np.ndarray) -> bool:
-        """out = x @ W with every rank computing its columns, reading x from and writing out into the shared
-        arena. False (nothing done) if x or out is not an arena view; rank 0 then does it alone."""
+    def run(self, lin: ColumnParallelLinear, x: np.ndarray, out: np.ndarray, gated: bool = False) -> bool:
+        """out = x @ W (or, ``gated``, swiglu(x @ W)) with every rank computing its columns, reading x from and
+        writing out into the shared arena. False (nothing done) if x or out is not an arena view: rank 0
+        then does it alone."""
         xs, os_ = self._in_arena(x), self._in_arena(out)
         if xs is None or os_ is None:
             return False
         rows, k = x.shape
-        self.ctrl[X_OFF:O_STRIDE + 1] = xs + os_
+        self.ctrl[X_OFF:GATED + 1] = xs + os_ + (int(gated),)
         self._post(lin.op, rows)
-        xt = self.local_xt[:k * rows].reshape(k, rows)
-        np.copyto(xt, x.T)
-        a, b = lin.bounds[0], lin.bounds[1]
-        mine = self.local_out[:(b - a) * rows].reshape(b - a, rows)
-        matmul_row_blocks(lin.slices[0], xt, mine)
-        np.copyto(out[:, a:b], mine.T)
+        _rank_product(lin.slices[0], lin.segments[0], x, out, gated, self.local_xt, self.local_out)
         try:
             self._wait()
         except WorkerLost as e:            # redo alone; the group is off from now on
@@ -481,7 +531,7 @@ def worker_main() -> int:
     wmem, io, amem = _attach(spec["weights"]), _attach(spec["io"]), _attach(spec["arena"])
     weights = [np.ndarray(tuple(shape), np.float32, wmem, off) for off, shape in spec["layout"]]
     ctrl, meta = _io_views(io, spec["meta_ints"])
-    cols = spec["cols"]                                  # each product's first output column of this rank
+    segments = spec["segments"]                          # each product's output columns on this rank
     xt_buf = np.empty(spec["k_max"] * spec["split_rows"], np.float32)
     out_buf = np.empty(spec["out_floats"], np.float32)
     specs = [arena_spec(name, shape, dtype) for name, shape, dtype in spec["arena_specs"]]
@@ -517,14 +567,13 @@ def worker_main() -> int:
                 for g in groups:
                     decode_group_attention(arg, kv, scratch, q_rot, attn, g, scale)
             else:
-                w = weights[op]
-                (n, k), rows = w.shape, arg
-                x_off, x_stride, o_off, o_stride = (int(v) for v in ctrl[X_OFF:O_STRIDE + 1])
-                xt, out_t = xt_buf[:k * rows].reshape(k, rows), out_buf[:n * rows].reshape(n, rows)
-                np.copyto(xt, np.ndarray((rows, k), np.float32, amem, x_off, (4 * x_stride, 4)).T)
-                matmul_row_blocks(w, xt, out_t)
-                out = np.ndarray((rows, n), np.float32, amem, o_off + 4 * cols[op], (4 * o_stride, 4))
-                np.copyto(out, out_t.T)
+                w, rows = weights[op], arg
+                x_off, x_stride, o_off, o_stride, gated = (int(v) for v in ctrl[X_OFF:GATED + 1])
+                x = np.ndarray((rows, w.shape[1]), np.float32, amem, x_off, (4 * x_stride, 4))
+                # out spans up to the last column this rank writes (gated: its range of the F outputs)
+                width = segments[op][0][1] if gated else max(c1 for _, c1 in segments[op])
+                out = np.ndarray((rows, width), np.float32, amem, o_off, (4 * o_stride, 4))
+                _rank_product(w, segments[op], x, out, bool(gated), xt_buf, out_buf)
             ctrl[DONE + r - 1] = seen
     return 0
 

@@ -63,6 +63,14 @@ def linear(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> np.ndarray:
     return out
 
 
+def swiglu_linear(x: np.ndarray, w, gate_up: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """out = swiglu(x @ w) through the (rows, 2F) scratch ``gate_up``. A tensor-parallel w (S17) gates each
+    rank's columns where they are computed instead."""
+    if not isinstance(w, np.ndarray) and w.gated(x, out):
+        return out
+    return swiglu(linear(x, w, gate_up), out=out)
+
+
 def check_arch(config) -> None:
     if config.arch not in SUPPORTED_ARCHS:
         raise ValueError(f"architecture {config.arch!r} is not supported by the Llama forward pass "
@@ -438,8 +446,7 @@ class LlamaModel:
             linear(attn.reshape(T, nq), L.wo, proj)
             x += proj
             rms_norm(x, L.ffn_norm, c.rms_eps, out=xn)
-            linear(xn, L.w_gate_up, gate_up)
-            swiglu(gate_up, out=ffn)
+            swiglu_linear(xn, L.w_gate_up, gate_up, out=ffn)
             linear(ffn, L.w_down, proj)
             x += proj
 

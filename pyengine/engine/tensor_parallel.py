@@ -10,9 +10,10 @@ enough for that kernel, at the same time.
 
 Megatron-style layouts split attention heads and sum row-parallel partial outputs; SmolLM2's 9 query / 3 KV
 heads do not split in two, and on one machine outputs can simply meet in shared memory. So every weight here
-is column-parallel: the input x (all rows) is published once and each rank writes its own output columns.
-Between the linear layers, rank 0 runs norms, RoPE and SwiGLU; decode attention is shared out by sequence
-groups, since the arena (KV cache, activations) lives in shared memory that every rank maps.
+is column-parallel: each rank reads the input x (all rows) from the shared arena and writes its own output
+columns into it; for the gated MLP projection each rank holds the same range of gate and up columns and writes
+SwiGLU of them. Norms and RoPE run on rank 0; decode attention is shared out by sequence groups, since the
+arena (KV cache, activations) lives in shared memory that every rank maps.
 
 Passes of at most ``SPLIT_ROWS`` tokens split (decode steps); longer ones (prefills) run on rank 0 alone over
 the slices with OpenBLAS's own threads, the workers asleep. During a split pass rank 0's OpenBLAS runs one
@@ -21,8 +22,8 @@ Each weight exists once: rank 0 holds its slice, the workers' slices live in sha
 maps. A worker that dies is noticed at its next operation: rank 0 then computes everything itself (a
 warning, nothing lost).
 
-Protocol for a split pass: rank 0 writes one byte to each worker's stdin (wake), then per operation: its
-inputs into shared memory, op + argument, ``seq += 1``; each worker spins on ``seq``, does its share, then
+Protocol for a split pass: rank 0 writes one byte to each worker's stdin (wake), then per operation: op,
+argument and where x and out lie in the arena into shared control slots, ``seq += 1``; each worker spins on ``seq``, does its share, then
 ``done[r] = seq``. An END op sends the workers back to their blocking read. Plain stores stay in order on
 x86-64 (total store order), which is why only that architecture is accepted. CPython on Linux only: the
 browser build has no processes.

@@ -2,6 +2,8 @@
 over a worker process computes what one process computes, survives the loss of its worker, and refuses what it
 cannot do. The reference is the same model in one process; float32 products summed in another order may
 differ in the last bits, so logits are compared within 1e-4 and greedy tokens exactly."""
+import argparse
+
 import numpy as np
 import pytest
 
@@ -126,6 +128,23 @@ def test_close_stops_the_worker():
     proc = two.tensor_parallel.procs[0]
     two.close()
     assert proc.poll() is not None
+
+
+def test_llm_api_takes_tensor_parallel_size(runners):
+    """`LLM(tensor_parallel_size=2)` (and `pyengine serve --tensor-parallel-size 2`) reach the split runner."""
+    from pyengine import LLM
+    from pyengine.cli import serve
+    llm = LLM(model_path("smollm2"), tensor_parallel_size=2, max_model_len=256, max_num_seqs=4)
+    try:
+        assert llm.llm_engine.runner.tensor_parallel.procs
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:4], params)]
+        assert got == greedy(runners[0], PROMPTS[:4], max_tokens=4)
+    finally:
+        llm.llm_engine.runner.close()
+    p = argparse.ArgumentParser()
+    serve.add_arguments(p)
+    assert p.parse_args(["--tensor-parallel-size", "2"]).tensor_parallel_size == 2
 
 
 def test_bad_configurations_are_refused():

@@ -18,15 +18,15 @@ arena (KV cache, activations) lives in shared memory that every rank maps.
 Passes of at most ``SPLIT_ROWS`` tokens split (decode steps); longer ones (prefills) run on rank 0 alone over
 the slices with OpenBLAS's own threads, the workers asleep. During a split pass rank 0's OpenBLAS runs one
 thread (set through its C API), so that its idle helper thread does not compete with the workers for cores.
-Each weight exists once: rank 0 holds its slice, the workers' slices live in shared memory that rank 0 also
-maps. A worker that dies is noticed at its next operation: rank 0 then computes everything itself (a
-warning, nothing lost).
+Each weight exists once: the ranks' slices live in page-aligned shared memory that every process maps. A
+worker that dies is noticed at its next operation: rank 0 then computes everything itself (a warning,
+nothing lost).
 
-Protocol for a split pass: rank 0 writes one byte to each worker's stdin (wake), then per operation: op,
-argument and where x and out lie in the arena into shared control slots, ``seq += 1``; each worker spins on ``seq``, does its share, then
-``done[r] = seq``. An END op sends the workers back to their blocking read. Plain stores stay in order on
-x86-64 (total store order), which is why only that architecture is accepted. CPython on Linux only: the
-browser build has no processes.
+Protocol for a split pass: rank 0 writes one byte to each worker's stdin (wake), then per operation writes op,
+argument and where x and out lie in the arena into shared control slots, then ``seq += 1``; each worker spins on
+``seq``, does its share, then ``done[r] = seq``. An END op sends the workers back to their blocking read. Plain
+stores stay in order on x86-64 (total store order), which is why only that architecture is accepted. CPython on
+Linux only: the browser build has no processes.
 """
 from __future__ import annotations
 
@@ -125,8 +125,8 @@ def _rank_product(w: np.ndarray, segments, x: np.ndarray, out: np.ndarray, gated
 
 class ColumnParallelLinear:
     """A weight used as ``x @ W`` ((in, out) shape) whose output columns are split over the group's ranks:
-    ``slices[r]`` holds rank r's (columns, in) rows (rank 0's in this process, the others in shared memory), for
-    the output columns ``segments[r]`` (see `rank_segments`)."""
+    ``slices[r]`` holds rank r's (columns, in) rows, in shared memory, for the output columns ``segments[r]``
+    (see `rank_segments`)."""
 
     def __init__(self, group: "TensorParallelGroup", op: int, shape: tuple[int, int], segments: list,
                  slices: list[np.ndarray]):
@@ -222,7 +222,7 @@ class TensorParallelGroup:
         # decode groups handed to the workers: per sequence its row, length and block table (+ a header)
         self.meta_ints = 16 + self.split_rows * (4 + -(-int(max_model_len) // self._block_size))
         try:
-            segs = [self._shared(e, f"weights{r}") for r, e in enumerate(ends)]     # rank 0's too
+            weight_mem = [self._shared(e, f"weights{r}") for r, e in enumerate(ends)]     # rank 0's too
             io = self._shared(8 * (CTRL_SLOTS + self.meta_ints), "io")
             self.ctrl, self.meta = _io_views(io[1], self.meta_ints)
             # each rank transposes x and computes its columns in private buffers, then writes into the arena
@@ -232,13 +232,13 @@ class TensorParallelGroup:
             self.arena = Arena.from_specs(arena_specs, buffer=arena_mem[1])
             self._arena_base = self.arena.buffer.__array_interface__["data"][0]
 
-            # split every weight: rank 0's rows stay here, the others' go to their segments
+            # split every weight: each rank's rows into its memory
             self.linears = []
             for op, ((where, *key), m) in enumerate(mats):
                 slices = []
                 for r in range(self.size):
                     off, shape = layouts[r][op]
-                    sl = np.ndarray(shape, np.float32, segs[r][1], off)
+                    sl = np.ndarray(shape, np.float32, weight_mem[r][1], off)
                     np.concatenate([m[c0:c1] for c0, c1 in segments[op][r]], out=sl)
                     slices.append(sl)
                 lin = ColumnParallelLinear(self, op, (m.shape[1], m.shape[0]), segments[op], slices)
@@ -253,7 +253,7 @@ class TensorParallelGroup:
             # the workers: fresh interpreters with one BLAS thread each (set before their NumPy loads)
             env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
             for r in range(1, self.size):
-                spec = {"rank": r, "weights": segs[r][0], "layout": layouts[r], "io": io[0],
+                spec = {"rank": r, "weights": weight_mem[r][0], "layout": layouts[r], "io": io[0],
                         "segments": [seg[r] for seg in segments], "k_max": self.k_max, "split_rows": self.split_rows,
                         "out_floats": out_floats, "meta_ints": self.meta_ints, "arena": arena_mem[0],
                         "arena_specs": [(a.name, list(a.shape), a.dtype.str) for a in arena_specs],
@@ -261,7 +261,7 @@ class TensorParallelGroup:
                         "n_heads": c.n_heads, "scale": c.head_dim ** -0.5}
                 p = subprocess.Popen([sys.executable, "-m", "pyengine.engine.tensor_parallel"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                                     pass_fds=[fd for fd, _ in (segs[r][0], io[0], arena_mem[0])])
+                                     pass_fds=[fd for fd, _ in (weight_mem[r][0], io[0], arena_mem[0])])
                 self.procs.append(p)
                 p.stdin.write((json.dumps(spec) + "\n").encode())
                 p.stdin.flush()

@@ -295,7 +295,7 @@ class LlamaModel:
         # Prefills of at least flash_min_query tokens use tiled flash attention (bounded scratch);
         # shorter ones (decode, small chunks) use one plain softmax over the whole context.
         self.flash_min_query, self.flash_tile, self.flash_q_tile = flash_min_query, flash_tile, flash_q_tile
-        # S17: a TensorParallelGroup (set by the runner) whose workers compute part of every linear layer
+        # S17: a TensorParallelGroup (set by the runner) whose workers share every linear layer and decode attention
         self.tensor_parallel = None
 
     # --- the reference ------------------------------------------------------------------------------

@@ -542,7 +542,7 @@ def worker_main() -> int:
     # gather scratch of this rank's own (rank 0 uses the arena's at the same time)
     scratch = {n: np.zeros_like(arena[n]) for n in ("attn.k_batch", "attn.v_batch", "attn.scores")}
     H, scale = spec["n_heads"], spec["scale"]
-    groups, rows = [], 0
+    groups, tokens = [], 0
     sys.stdout.write("ready\n")
     sys.stdout.flush()
     parent = os.getppid()
@@ -560,11 +560,11 @@ def worker_main() -> int:
                 ctrl[DONE + r - 1] = seen
                 break
             if op == OP_GROUPS:                          # this pass's groups: skip the ranks before this one
-                rows, pos = arg, 1
+                tokens, pos = arg, 1
                 for _ in range(r):
                     groups, pos = _unpack_groups(meta, pos, block_size)
             elif op == OP_ATTN:
-                q_rot, attn = arena["act.qk_rot"][:rows, :H], arena["act.attn"][:rows]
+                q_rot, attn = arena["act.qk_rot"][:tokens, :H], arena["act.attn"][:tokens]
                 for g in groups:
                     decode_group_attention(arg, kv, scratch, q_rot, attn, g, scale)
             else:

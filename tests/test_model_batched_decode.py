@@ -9,7 +9,7 @@ from pyengine.engine.forward_batch import ForwardBatch
 from pyengine.engine.model_runner import ModelRunner
 from pyengine.layers.attention import grouped_attention
 from pyengine.model_files import default_model_path
-from pyengine.models.llama import HEAD_ROW_LOOP_MAX, LINEAR_ROW_LOOP_MAX, linear
+from pyengine.models.llama import HEAD_ROW_LOOP_MAX, LINEAR_ROW_LOOP_MAX, decode_group_attention, linear
 
 LENS = [37, 130, 5, 64, 101]
 
@@ -80,7 +80,7 @@ def test_batched_attention_equals_per_sequence_on_the_cache(state):
     for layer in (0, 17, 29):
         got = np.zeros((B, 9, 64), np.float32)
         for g in groups:
-            m._decode_attention(layer, kv, A, q_rot, got, g)
+            decode_group_attention(layer, kv, A, q_rot, got, g, m.scale)
         for s in range(B):
             slots = tables[s][np.arange(lens[s]) // kv.block_size] * kv.block_size + np.arange(lens[s]) % kv.block_size
             k, v = kv.k_slots[layer][slots], kv.v_slots[layer][slots]
@@ -106,8 +106,8 @@ def test_lone_decode_with_consecutive_blocks_reads_the_cache_in_place(state):
     q = np.random.default_rng(3).standard_normal((1, 9, 64)).astype(np.float32)
     for layer in (0, 29):
         a, b = np.zeros_like(q), np.zeros_like(q)
-        m._decode_attention(layer, kv, A, q, a, in_place)
-        m._decode_attention(layer, kv, A, q, b, gathered)
+        decode_group_attention(layer, kv, A, q, a, in_place, m.scale)
+        decode_group_attention(layer, kv, A, q, b, gathered, m.scale)
         assert np.abs(a - b).max() <= 1e-6
 
 

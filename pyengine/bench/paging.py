@@ -139,9 +139,10 @@ def _runner(args):
     return args._runner
 
 
-def _engine(args, **kw):
+def _engine(args, runner=None, **kw):
+    """An engine on ``runner`` (default: the run's shared one)."""
     from pyengine.engine.llm_engine import LLMEngine
-    runner = _runner(args)
+    runner = runner or _runner(args)
     kw.setdefault("max_model_len", 2048)
     kw.setdefault("max_num_seqs", runner.max_num_seqs)
     return LLMEngine(runner=runner, seed=args.seed, **kw)
@@ -229,12 +230,11 @@ def bench_batching(args) -> None:
         _line(name, f"{useful / t_cont[k]:.1f} vs {useful / t_static[k]:.1f} tok/s", ratio, ">= 2x", ratio >= 2.0)
     # aggregate decode rate with `conc` sequences all decoding (and with tensor-parallel ranks, if asked)
     steps = 6 if args.quick else args.decode_steps
-    from pyengine.engine.llm_engine import LLMEngine
     tp = args.tensor_parallel_size
     setups = [("", _runner(args))] + ([(f", tensor parallel {tp}", _tp_runner(args, conc))] if tp > 1 else [])
     engines = []
     for label, runner in setups:
-        eng = LLMEngine(runner=runner, seed=args.seed, max_num_seqs=conc, max_num_batched_tokens=max(2048, conc))
+        eng = _engine(args, runner, max_num_seqs=conc, max_num_batched_tokens=max(2048, conc))
         for i in range(conc):
             eng.add_request(f"d{i}", {"prompt_token_ids": prompts[i % len(prompts)]}, _greedy(2 * steps + 4))
         while eng.stats()["running"] < conc or any(s.is_prefill for s in eng.scheduler.running):

@@ -137,8 +137,7 @@ class ColumnParallelLinear:
 
     def matmul(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         out = np.empty((x.shape[0], self.shape[1]), np.float32) if out is None else out
-        g = self.group
-        if g.active and x.shape[0] <= g.split_rows and g.run(self, x, out):
+        if self.group.run(self, x, out):
             return out
         # every slice here: outside a split pass, without workers, or x / out outside the arena
         for sl, segments in zip(self.slices, self.segments):
@@ -151,8 +150,7 @@ class ColumnParallelLinear:
     def gated(self, x: np.ndarray, out: np.ndarray) -> bool:
         """out = swiglu(x @ W) for a gated weight, each rank gating its own columns; False if this pass does
         not split (the caller multiplies, then gates)."""
-        g = self.group
-        return g.active and x.shape[0] <= g.split_rows and g.run(self, x, out, gated=True)
+        return self.group.run(self, x, out, gated=True)
 
     def __rmatmul__(self, x: np.ndarray) -> np.ndarray:      # x @ W in the reference forward
         return self.matmul(np.ascontiguousarray(x, dtype=np.float32))
@@ -316,8 +314,10 @@ class TensorParallelGroup:
 
     def run(self, lin: ColumnParallelLinear, x: np.ndarray, out: np.ndarray, gated: bool = False) -> bool:
         """out = x @ W (or, ``gated``, swiglu(x @ W)) with every rank computing its columns, reading x from and
-        writing out into the shared arena. False (nothing done) if x or out is not an arena view: rank 0
-        then does it alone."""
+        writing out into the shared arena. False (nothing done) outside a split pass, for more rows than the
+        workers' buffers hold, or if x or out is not an arena view: rank 0 then does it alone."""
+        if not self.active or x.shape[0] > self.split_rows:
+            return False
         xs, os_ = self._in_arena(x), self._in_arena(out)
         if xs is None or os_ is None:
             return False

@@ -410,13 +410,11 @@ class LlamaModel:
                 seqs.append((start, start + qlen, ctx, ContextView(table, ctx, kv.block_size)))
             start += qlen
         slots = np.concatenate(slots) if slots else np.zeros(0, np.int64)
-        max_slots = min(DECODE_SLOTS, A["attn.k_batch"].shape[0])
         tp = self.tensor_parallel
         shared = tp is not None and tp.active and len(decodes) > 1
-        if shared:          # S17: at least two groups, so that the workers can take some of them
-            longest = -(-max(d[1] for d in decodes) // kv.block_size) * kv.block_size
-            max_slots = min(max_slots, -(-len(decodes) * longest // 2))
-        groups = self._decode_groups(decodes, kv.block_size, max_slots)
+        # S17: when shared, at least one group per rank, so that the workers can take some of them
+        groups = self._decode_groups(decodes, kv.block_size, min(DECODE_SLOTS, A["attn.k_batch"].shape[0]),
+                                     ways=tp.size if shared else 1)
         if shared:
             groups = tp.share_decode_groups(groups, T)         # sends the workers theirs, returns ours
 
@@ -432,9 +430,9 @@ class LlamaModel:
             if shared:
                 tp.attention_begin(i)                          # the workers attend over their groups meanwhile
             for group in groups:
-                self._decode_attention(i, kv, A, q_rot, attn, group)
+                decode_group_attention(i, kv, A, q_rot, attn, group, self.scale)
             for group in (tp.attention_end() if shared else ()):   # theirs, if a worker was lost
-                self._decode_attention(i, kv, A, q_rot, attn, group)
+                decode_group_attention(i, kv, A, q_rot, attn, group, self.scale)
             for a, b, ctx, view in seqs:
                 k, v = view.kv(kv, i, k_ctx, v_ctx)
                 if b - a >= self.flash_min_query:
@@ -463,12 +461,16 @@ class LlamaModel:
         return logits
 
     @staticmethod
-    def _decode_groups(decodes, block_size: int, max_slots: int):
+    def _decode_groups(decodes, block_size: int, max_slots: int, ways: int = 1):
         """Split the decoding sequences [(row, context_len, block_table)] into `DecodeGroup`s whose padded
-        contexts fit ``max_slots`` (a longer sequence forms a group of its own)."""
+        contexts fit ``max_slots`` (a longer sequence forms a group of its own). ``ways`` > 1: the slots of
+        all of them padded to the longest are shared over at least that many groups (tensor parallelism's
+        ranks each take some)."""
         if not decodes:
             return []
         longest = -(-max(d[1] for d in decodes) // block_size) * block_size
+        if ways > 1 and len(decodes) > 1:
+            max_slots = min(max_slots, -(-len(decodes) * longest // ways))
         if len(decodes) * longest > max_slots:                 # must split: similar lengths together pad less
             decodes = sorted(decodes, key=lambda d: d[1])
         groups, cur, cur_nb = [], [], 0
@@ -495,9 +497,6 @@ class LlamaModel:
             out.append(DecodeGroup(slice(int(rows[0]), int(rows[-1]) + 1) if contiguous else rows, blocks, lens,
                                    contiguous, padding_mask(lens, nb * block_size), start))
         return out
-
-    def _decode_attention(self, layer, kv, A, q_rot, attn, group: DecodeGroup) -> None:
-        decode_group_attention(layer, kv, A, q_rot, attn, group, self.scale)
 
     def _lm_head(self, h: np.ndarray, out: np.ndarray, A: dict) -> None:
         head = self.weights.head

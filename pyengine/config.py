@@ -1,7 +1,9 @@
 """S03: the model's hyper-parameters, read from GGUF metadata (keys as llama.cpp names them).
 
 GGUF stores hyper-parameters under the architecture's prefix: ``llama.block_count``, ``gemma3.embedding_length``
-... ``ModelConfig.from_gguf`` reads them once into a frozen dataclass, so model code never touches metadata.
+... ``ModelConfig.from_gguf`` reads the keys every architecture has once into a frozen dataclass, so model code
+never touches metadata; an architecture module (models/<arch>.py) extends it with its own keys, and the model
+registry (models/__init__.py) says which architectures run.
 """
 from __future__ import annotations
 
@@ -10,11 +12,6 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from pyengine.gguf import GGUFError
-
-# Architectures whose hyper-parameters we can read. The forward pass (models/llama.py) only runs "llama";
-# "gemma3" is read so that `pyengine info` can describe such a file.
-READABLE_ARCHS = ("llama", "gemma3")
-
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -32,6 +29,7 @@ class ModelConfig:
     rope_scaling_factor: float     # 1.0 when there is no scaling
     rope_orig_context: int         # context the model was trained at (= context_length without scaling)
     rms_eps: float
+    rope_dim: int                  # dimensions RoPE rotates (= head_dim: partial rotary is refused)
     tie_embeddings: bool           # no output.weight: the LM head reuses token_embd.weight
     bos_token_id: int | None
     eos_token_id: int | None
@@ -55,8 +53,6 @@ class ModelConfig:
         arch = md.get("general.architecture")
         if not isinstance(arch, str):
             raise GGUFError("metadata key 'general.architecture' is missing or not a string")
-        if arch not in READABLE_ARCHS:
-            raise GGUFError(f"architecture {arch!r} is not supported (supported: {', '.join(READABLE_ARCHS)})")
 
         def number(key: str, kind: type, default: Any = None, required: bool = False, positive: bool = True):
             full = f"{arch}.{key}"
@@ -93,7 +89,7 @@ class ModelConfig:
                                 "is missing")
             head_dim = d_model // n_heads
         rope_dim = number("rope.dimension_count", int, default=head_dim)
-        if arch == "llama" and rope_dim != head_dim:
+        if rope_dim != head_dim:
             raise GGUFError(f"{arch}.rope.dimension_count = {rope_dim} differs from the head dim {head_dim} "
                             "(partial rotary embeddings are not supported)")
 
@@ -121,7 +117,7 @@ class ModelConfig:
             arch=arch, n_layers=n_layers, d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads,
             head_dim=head_dim, ffn_dim=ffn_dim, vocab_size=vocab_size, context_length=context_length,
             rope_theta=rope_theta, rope_scaling_type=scaling_type, rope_scaling_factor=scaling_factor,
-            rope_orig_context=orig_context, rms_eps=rms_eps,
+            rope_orig_context=orig_context, rms_eps=rms_eps, rope_dim=rope_dim,
             tie_embeddings="output.weight" not in gguf.tensors,
             bos_token_id=bos, eos_token_id=eos,
             n_params=sum(t.n_elements for t in gguf.tensors.values()),

@@ -5,7 +5,8 @@ import pytest
 
 from pyengine.arena import Arena
 from pyengine.engine.kv_cache import ContextView, PagedKVCache, contiguous_start, slot_mapping
-from pyengine.layers.attention import KEY_TREE_MIN, _reduce_keys, attention, flash_attention, grouped_attention
+from pyengine.layers.attention import _reduce_keys, attention, flash_attention, grouped_attention
+from pyengine.tuning import KEY_TREE_MIN
 
 RNG = np.random.default_rng(0)
 
@@ -84,20 +85,17 @@ def test_flash_uses_caller_scratch_and_bounded_memory():
 @pytest.fixture(scope="module")
 def real_qkv():
     """q, k, v of layer 1 of SmolLM2 for a 96-token prompt (real activation statistics)."""
-    from pyengine.config import ModelConfig
     from pyengine.gguf.reader import GGUFFile
     from pyengine.layers.norm import rms_norm
     from pyengine.layers.rotary import apply_rope, rope_cos_sin
     from pyengine.model_files import default_model_path
-    from pyengine.models.llama import LlamaModel, LlamaWeights
-    g = GGUFFile(default_model_path())
-    c = ModelConfig.from_gguf(g)
-    model = LlamaModel(c, LlamaWeights.from_gguf(g, c, mode="lean"))
+    from pyengine.models import load_model
+    c, w, model = load_model(GGUFFile(default_model_path()), mode="lean")
     ids = np.random.default_rng(3).integers(0, c.vocab_size, 96)
-    x = model.weights.embed_rows(ids)
-    L = model.weights.layer(1)
+    x = w.embed(ids)
+    L = w.layers[1]
     qkv_ = rms_norm(x, L.attn_norm, c.rms_eps) @ L.wqkv
-    cos, sin = rope_cos_sin(np.arange(96), model.inv_freq)
+    cos, sin = rope_cos_sin(np.arange(96), model.kinds[0].inv_freq)
     q = apply_rope(qkv_[:, :576].reshape(96, 9, 64), cos, sin)
     k = apply_rope(qkv_[:, 576:768].reshape(96, 3, 64), cos, sin)
     return q, k, np.ascontiguousarray(qkv_[:, 768:].reshape(96, 3, 64))
@@ -137,9 +135,30 @@ def test_attention_through_shuffled_block_table_is_exact():
         view = ContextView(table, ctx, bs)
         assert (view.start is not None) == (table[1] == table[0] + 1)
         scratch_k, scratch_v = np.zeros((64, 3, 64), np.float32), np.zeros((64, 3, 64), np.float32)
-        kc, vc = view.kv(kv, 0, scratch_k, scratch_v)
+        kc, vc = kv.read(0, view, scratch_k, scratch_v)
         assert np.array_equal(kc, k) and np.array_equal(vc, v)
         assert np.shares_memory(kc, kv.k) == (view.start is not None)     # zero-copy slice when contiguous
         got = grouped_attention(q, kc, vc)
         assert np.abs(got - want).max() <= 1e-6
         assert np.abs(flash_attention(q, kc, vc, tile=8) - want).max() <= 1e-5
+
+
+def test_sliding_window_attention_all_forms_agree():
+    """A sliding window (Gemma's local layers): the reference masks keys at distance >= window; the plain and
+    tiled forms (with tiles that start inside the window, and key ranges that start past key 0) match it, and a
+    window as long as the context changes nothing."""
+    q, k, v = qkv(70, 90, 8, 2, rng=np.random.default_rng(4))
+    for window in (1, 7, 33, 90):
+        ref = attention(q, k, v, window=window)
+        # direct: query i at position 20 + i sees keys max(0, 20 + i - window + 1) .. 20 + i
+        i, pos = 50, 70
+        keep = np.arange(90)[(np.arange(90) <= pos) & (pos - np.arange(90) < window)]
+        one = attention(q[i:i + 1], k[keep], v[keep], offset=len(keep) - 1)
+        assert np.abs(ref[i] - one[0]).max() <= 1e-6
+        assert np.abs(grouped_attention(q, k, v, window=window) - ref).max() <= 1e-5
+        for tile, q_tile in ((16, 16), (8, 32), (64, 8)):
+            assert np.abs(flash_attention(q, k, v, tile=tile, q_tile=q_tile, window=window) - ref).max() <= 1e-5
+    assert np.abs(attention(q, k, v, window=200) - attention(q, k, v)).max() == 0
+    # a key range that starts at key 30 (the runner reads only the window's blocks): offsets shift, output equal
+    ref = attention(q, k, v, window=16)
+    assert np.abs(grouped_attention(q[-5:], k[30:], v[30:], offset=90 - 5 - 30, window=16) - ref[-5:]).max() <= 1e-5

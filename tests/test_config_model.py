@@ -11,6 +11,7 @@ from pyengine.config import ModelConfig
 from pyengine.gguf import GGUFError
 from pyengine.gguf.reader import GGUFFile
 from pyengine.model_files import default_model_path
+from pyengine.models import load_config
 
 gguf = pytest.importorskip("gguf")
 
@@ -46,6 +47,13 @@ def test_gemma3_is_readable_for_info():
     assert (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim) == (18, 640, 4, 1, 256)
     assert (cfg.vocab_size, cfg.ffn_dim, cfg.bos_token_id, cfg.eos_token_id) == (262144, 2048, 2, 1)
     assert cfg.rope_theta == 1e6 and cfg.tie_embeddings
+    full = load_config(GGUFFile(gemma_gguf()))                    # the architecture's own keys on top
+    assert full.to_dict() == {**cfg.to_dict(), **{k: full.to_dict()[k] for k in
+                                                  ("sliding_window", "sliding_pattern", "rope_local_theta",
+                                                   "attn_scale")}}
+    assert (full.sliding_window, full.sliding_pattern, full.rope_local_theta) == (512, 6, 10000.0)
+    assert full.attn_scale == 256 ** -0.5
+    assert [i for i in range(18) if not full.is_sliding(i)] == [5, 11, 17]
 
 
 LLAMA_KEYS = {
@@ -118,8 +126,8 @@ def test_inconsistent_files_are_refused(tmp_path):
     vt = gguf.GGUFValueType
     with pytest.raises(GGUFError, match="not a multiple of llama.attention.head_count_kv"):
         ModelConfig.from_gguf(_write(tmp_path, keys={**LLAMA_KEYS, "attention.head_count_kv": 3}))
-    with pytest.raises(GGUFError, match="'mamba' is not supported"):
-        ModelConfig.from_gguf(_write(tmp_path, arch="mamba"))
+    with pytest.raises(GGUFError, match=r"'mamba' is not supported \(supported: gemma3, llama\)"):
+        load_config(GGUFFile(_write(tmp_path, arch="mamba")))      # the registry decides what runs
     with pytest.raises(GGUFError, match="token_embd.weight' has 40 rows but the vocab has 32"):
         ModelConfig.from_gguf(_write(tmp_path, embd_rows=40))
     with pytest.raises(GGUFError, match="llama.block_count' must be an integer"):

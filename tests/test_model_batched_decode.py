@@ -1,5 +1,6 @@
-"""S09: batched decode (B sequences, one new token each) in one forward: attention batched over sequences
-through their block tables, few-row GEMMs as matvecs. Everything equals the per-sequence path."""
+"""S09: batched decode (B sequences, one new token each, or a few: speculative verification) in one forward:
+attention batched over sequences through the step plan's query groups, few-row GEMMs as matvecs. Everything
+equals the per-sequence path."""
 import tracemalloc
 
 import numpy as np
@@ -9,7 +10,9 @@ from pyengine.engine.forward_batch import ForwardBatch
 from pyengine.engine.model_runner import ModelRunner
 from pyengine.layers.attention import grouped_attention
 from pyengine.model_files import default_model_path
-from pyengine.models.llama import HEAD_ROW_LOOP_MAX, LINEAR_ROW_LOOP_MAX, decode_group_attention, linear
+from pyengine.engine.step_plan import query_groups
+from pyengine.layers.paged_attention import group_attention
+from pyengine.tuning import HEAD_ROW_LOOP_MAX, LINEAR_ROW_LOOP_MAX
 
 LENS = [37, 130, 5, 64, 101]
 
@@ -40,12 +43,12 @@ def decode_batch(tables, toks, idx, lens):
 def test_decode_groups_cover_every_sequence_within_budget(state):
     r, tables, _ = state
     bs, slots = r.block_size, r.arena["attn.k_batch"].shape[0]
-    decodes = [(i, n + 1, tables[i]) for i, n in enumerate(LENS)]
-    groups = r.model._decode_groups(decodes, bs, slots)
+    decodes = [(i, 1, n + 1, tables[i]) for i, n in enumerate(LENS)]
+    groups = query_groups(decodes, bs, slots)
     assert len(groups) > 1                                    # the budget forces a split here
     seen = []
-    for rows, blocks, lens, _, pad, _ in groups:
-        assert pad.shape == (len(lens), 1, 1, blocks.shape[1] * bs)
+    for rows, q_len, blocks, lens, pad, _ in groups:
+        assert q_len == 1 and pad.shape == (len(lens), 1, 1, blocks.shape[1] * bs)
         assert list(pad.sum(axis=-1).ravel()) == list(blocks.shape[1] * bs - lens)
         rows = np.arange(rows.start, rows.stop) if isinstance(rows, slice) else rows
         assert blocks.size * bs <= slots and len(rows) == len(lens) == blocks.shape[0]
@@ -56,13 +59,13 @@ def test_decode_groups_cover_every_sequence_within_budget(state):
     assert sorted(seen) == list(range(len(LENS)))
     # a budget below the longest context: that sequence gets a group of its own, nobody is dropped
     small = (max(LENS) + 1) // 2
-    groups = r.model._decode_groups(decodes, bs, small)
+    groups = query_groups(decodes, bs, small)
     rows = [i for g in groups for i in (range(g.rows.start, g.rows.stop) if isinstance(g.rows, slice) else g.rows)]
     assert sorted(rows) == list(range(len(LENS)))
     assert all(len(g.lens) == 1 for g in groups if g.blocks.size * bs > small)
     # when everything fits: one group in batch order (rows a slice), padded to the longest context
-    (rows, blocks, lens, contiguous, _, start), = r.model._decode_groups(decodes, bs, 10**6)
-    assert contiguous and rows == slice(0, len(LENS)) and list(lens) == [n + 1 for n in LENS] and start is None
+    (rows, _, blocks, lens, _, start), = query_groups(decodes, bs, 10**6)
+    assert rows == slice(0, len(LENS)) and list(lens) == [n + 1 for n in LENS] and start is None
     assert blocks.shape == (len(LENS), -(-(max(LENS) + 1) // bs))
 
 
@@ -70,17 +73,16 @@ def test_batched_attention_equals_per_sequence_on_the_cache(state):
     """Inside the model, on the real (scattered) KV cache of every layer: the batched decode attention of all
     sequences = grouped attention of each sequence over its own gathered context, within 1e-5."""
     r, tables, _ = state
-    m, kv, A = r.model, r.kv_cache, r.arena.views
+    m, kv, b = r.model, r.kv_cache, r.buffers
     B = len(LENS)
     rng = np.random.default_rng(1)
     q_rot = rng.standard_normal((B, 9, 64)).astype(np.float32)
     lens = [n - 2 for n in LENS]                               # attend over a cached prefix of each sequence
-    groups = m._decode_groups([(i, lens[i], tables[i]) for i in range(B)], kv.block_size,
-                              A["attn.k_batch"].shape[0])
+    groups = query_groups([(i, 1, lens[i], tables[i]) for i in range(B)], kv.block_size, b.k_batch.shape[0])
     for layer in (0, 17, 29):
         got = np.zeros((B, 9, 64), np.float32)
         for g in groups:
-            decode_group_attention(layer, kv, A, q_rot, got, g, m.scale)
+            group_attention(layer, q_rot, kv, g, got, b, m.scale)
         for s in range(B):
             slots = tables[s][np.arange(lens[s]) // kv.block_size] * kv.block_size + np.arange(lens[s]) % kv.block_size
             k, v = kv.k_slots[layer][slots], kv.v_slots[layer][slots]
@@ -92,7 +94,7 @@ def test_lone_decode_with_consecutive_blocks_reads_the_cache_in_place(state):
     """A decode alone in its group whose blocks are consecutive attends over a zero-copy slice of the cache
     (no gather), with the same result as through a scattered table holding the same K/V."""
     r, tables, _ = state
-    m, kv, A = r.model, r.kv_cache, r.arena.views
+    m, kv, b = r.model, r.kv_cache, r.buffers
     s, bs = 1, kv.block_size
     n = LENS[s]
     need = -(-n // bs)
@@ -100,15 +102,15 @@ def test_lone_decode_with_consecutive_blocks_reads_the_cache_in_place(state):
     for layer in range(kv.n_layers):
         kv.k[layer][run] = kv.k[layer][tables[s][:need]]
         kv.v[layer][run] = kv.v[layer][tables[s][:need]]
-    (in_place,) = m._decode_groups([(0, n, run)], bs, 10**6)
-    (gathered,) = m._decode_groups([(0, n, tables[s])], bs, 10**6)
+    (in_place,) = query_groups([(0, 1, n, run)], bs, 10**6)
+    (gathered,) = query_groups([(0, 1, n, tables[s])], bs, 10**6)
     assert in_place.start == 80 * bs and gathered.start is None
     q = np.random.default_rng(3).standard_normal((1, 9, 64)).astype(np.float32)
     for layer in (0, 29):
-        a, b = np.zeros_like(q), np.zeros_like(q)
-        decode_group_attention(layer, kv, A, q, a, in_place, m.scale)
-        decode_group_attention(layer, kv, A, q, b, gathered, m.scale)
-        assert np.abs(a - b).max() <= 1e-6
+        x, y = np.zeros_like(q), np.zeros_like(q)
+        group_attention(layer, q, kv, in_place, x, b, m.scale)
+        group_attention(layer, q, kv, gathered, y, b, m.scale)
+        assert np.abs(x - y).max() <= 1e-6
 
 
 def test_batched_decode_step_equals_each_alone(state):
@@ -150,11 +152,38 @@ def test_few_row_matvecs_equal_gemm(state):
     for n in range(1, LINEAR_ROW_LOOP_MAX + 3):
         x = rng.standard_normal((n, w.shape[0])).astype(np.float32)
         out = np.empty((n, w.shape[1]), np.float32)
-        assert linear(x, w, out) is out
-        assert np.abs(out - x.astype(np.float64) @ w).max() <= 1e-4
+        assert w.matmul(x, out) is out
+        assert np.abs(out - x.astype(np.float64) @ w.dense()).max() <= 1e-4
     head = r.weights.head
     for n in (1, 2, HEAD_ROW_LOOP_MAX, HEAD_ROW_LOOP_MAX + 1):
         h = rng.standard_normal((n, head.shape[0])).astype(np.float32)
         out = np.empty((n, head.shape[1]), np.float32)
-        r.model._lm_head(h, out, r.arena.views)
-        assert np.abs(out - h.astype(np.float64) @ np.asarray(head, dtype=np.float64)).max() <= 1e-4
+        assert head.matmul(h, out) is out
+        assert np.abs(out - h.astype(np.float64) @ head.dense().astype(np.float64)).max() <= 1e-4
+
+
+def test_short_multi_token_queries_are_batched_like_decodes(state):
+    """Sequences with a few new tokens each (2..16, as speculative verification sends) go into query groups,
+    not the prefill path, and their logits at every new position equal each sequence run alone (on copies of
+    the same cache blocks, so the two runs see the same context)."""
+    r, tables, toks = state
+    rng = np.random.default_rng(9)
+    q_lens = [3, 1, 5, 3, 2]                                  # mixed: groups per query length, and a decode
+    idx = [0, 2, 1, 4, 3]
+    ids = [rng.integers(0, r.config.vocab_size, q_lens[k]) for k in range(len(idx))]
+    starts = [LENS[s] for s in idx]
+    batch = ForwardBatch(np.concatenate(ids), np.concatenate([np.arange(a, a + q) for a, q in zip(starts, q_lens)]),
+                         q_lens, [a + q for a, q in zip(starts, q_lens)], [tables[s] for s in idx],
+                         np.arange(sum(q_lens)))
+    plan = r.plan(batch)
+    (kind,) = plan.kinds
+    assert not kind.attention.runs and sorted(g.q_len for g in kind.attention.groups) == [1, 2, 3, 5]
+    together = r.run(batch).copy()
+    row = 0
+    for k, s in enumerate(idx):
+        alone = r.run(ForwardBatch(ids[k], np.arange(starts[k], starts[k] + q_lens[k]), [q_lens[k]],
+                                   [starts[k] + q_lens[k]], [tables[s]], np.arange(q_lens[k])))
+        # float rounding only (5 rows alone run as one sgemm, as matvecs in the batch): a mask error is O(1)
+        assert np.abs(together[row:row + q_lens[k]] - alone).max() <= 3e-4, s
+        assert list(np.argmax(together[row:row + q_lens[k]], -1)) == list(np.argmax(alone, -1))
+        row += q_lens[k]

@@ -120,11 +120,11 @@ def test_flash_threshold_does_not_change_logits(runner, golden):
     ids = golden[3]["prompt_ids"]
     outs = []
     for threshold in (10**9, 2):
-        runner.model.flash_min_query = threshold
+        runner.flash_min_query = threshold
         try:
             outs.append(runner.run(runner.contiguous_batch(ids[:120], 0)).copy())
         finally:
-            runner.model.flash_min_query = 128
+            runner.flash_min_query = 128
     assert np.abs(outs[0] - outs[1]).max() <= 1e-4
 
 

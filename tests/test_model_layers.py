@@ -94,13 +94,13 @@ def test_rope_scaling():
         rope_inv_freq(64, 10000.0, "yarn", 4.0)
 
 
-def test_column_blocks_equal_the_dense_matrix():
+def test_blocked_linear_equals_the_dense_matrix():
     """The resident head's column blocks (last block narrower) multiply and gather like the dense matrix."""
-    from pyengine.models.llama import ColumnBlocks
+    from pyengine.layers.linear import BlockedLinear
     rng = np.random.default_rng(5)
     rows_out_in = rng.standard_normal((10, 3)).astype(np.float32)       # GGUF order: (cols, rows)
     dense = rows_out_in.T                                                # (3, 10)
-    m = ColumnBlocks(rows_out_in, 4)
+    m = BlockedLinear(rows_out_in, 4)
     assert m.shape == (3, 10) and [b.shape for b in m.blocks] == [(3, 4), (3, 4), (3, 2)]
     assert all(b.flags.c_contiguous for b in m.blocks) and m.nbytes == dense.nbytes
     x = rng.standard_normal((5, 3)).astype(np.float32)
@@ -111,4 +111,4 @@ def test_column_blocks_equal_the_dense_matrix():
     ids = np.array([9, 0, 4, 4, 7, 3])
     cols = m.columns(ids, np.empty((len(ids), 3), np.float32))
     assert np.array_equal(cols, dense[:, ids].T)
-    assert np.array_equal(np.asarray(m), dense)
+    assert np.array_equal(m.dense(), dense)

@@ -7,7 +7,6 @@ import pytest
 from pyengine.engine.forward_batch import ForwardBatch
 from pyengine.engine.model_runner import ModelRunner
 from pyengine.gguf.reader import GGUFFile
-from model_paths import gemma_gguf
 from pyengine.model_files import default_model_path
 
 PROMPT = [504, 3575, 282, 4649, 314, 253, 1345, 2767, 28, 351, 260, 1795, 282, 1038, 30]   # any ids < vocab
@@ -39,7 +38,7 @@ def test_decode_allocates_nothing_model_sized(runner):
             peaks.append(tracemalloc.get_traced_memory()[1] - base)
     finally:
         tracemalloc.stop()
-    smallest_weight = min(w.nbytes for w in runner.weights.layers[0] if w.ndim == 2)   # the (576, 576) Wo
+    smallest_weight = min(w.nbytes for _, w in runner.weights.linears())   # the (576, 576) Wo
     assert logits.base is not None and np.shares_memory(logits, runner.arena.buffer)
     assert max(peaks) < smallest_weight / 4, (peaks, smallest_weight)
     assert max(peaks) < runner.arena.nbytes / 500, (peaks, runner.arena.nbytes)
@@ -97,9 +96,18 @@ def test_accepts_bytes(gguf):
     assert r.config.n_layers == 30 and r.num_blocks >= 2
 
 
-def test_refuses_other_architectures():
-    with pytest.raises(ValueError, match="gemma3"):
-        ModelRunner(gemma_gguf(), max_model_len=32)
+def test_refuses_unknown_architectures(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    path = tmp_path / "mamba.gguf"
+    w = gguf.GGUFWriter(path, "mamba")
+    w.add_uint32("mamba.block_count", 1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=r"'mamba' is not supported \(supported: gemma3, llama\)"):
+        ModelRunner(str(path), max_model_len=32)
 
 
 def test_max_model_len_beyond_the_trained_context_is_refused(gguf):

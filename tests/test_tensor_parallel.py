@@ -59,10 +59,10 @@ def test_weights_are_split_once(runners):
     assert lin.segments == [[(0, b0), (1536, 1536 + b0)], [(b0, 1536), (1536 + b0, 3072)]] and 700 < b0 < 836
     assert [s.shape for s in lin.slices] == [(2 * b0, 576), (2 * (1536 - b0), 576)]
     # rank 0's rows and the worker's (shared memory) are the single-process matrix, column for column
-    full = one.weights.layers[0].w_gate_up
+    full = one.weights.layers[0].w_gate_up.dense()
     for sl, segs in zip(lin.slices, lin.segments):
         np.testing.assert_array_equal(sl, np.concatenate([full[:, a:b].T for a, b in segs]))
-    np.testing.assert_array_equal(np.concatenate(two.weights.head.slices).T, np.asarray(one.weights.head))
+    np.testing.assert_array_equal(np.concatenate(two.weights.head.slices).T, one.weights.head.dense())
     assert abs(two.weights.nbytes - one.weights.nbytes) < 1024            # each weight held once
     assert len(tp.procs) == 1 and tp.procs[0].poll() is None
 
@@ -76,7 +76,8 @@ def test_logits_match_one_process(runners, n):
     a = one.run(one.contiguous_batch(ids[3:], 3, logits_all=True)).copy()
     b = two.run(two.contiguous_batch(ids[3:], 3, logits_all=True))
     assert two.tensor_parallel.disabled_reason is None
-    np.testing.assert_allclose(b, a, rtol=0, atol=1e-4)
+    # rounding only (the split products sum in another order; seen up to 1.1e-4 on logits of magnitude ~15)
+    np.testing.assert_allclose(b, a, rtol=0, atol=2e-4)
 
 
 def test_products_outside_the_arena_run_on_rank_0(runners):
@@ -89,7 +90,7 @@ def test_products_outside_the_arena_run_on_rank_0(runners):
         got = two.weights.layers[3].w_gate_up.matmul(x)            # a fresh output array
     finally:
         tp.end()
-    np.testing.assert_allclose(got, x @ one.weights.layers[3].w_gate_up, rtol=0, atol=1e-4)
+    np.testing.assert_allclose(got, x @ one.weights.layers[3].w_gate_up.dense(), rtol=0, atol=1e-4)
     assert tp.disabled_reason is None
 
 

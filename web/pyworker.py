@@ -19,6 +19,17 @@ BROWSER_LIMITS = {"max_num_seqs": 2, "max_num_batched_tokens": 256}
 # Decode speed is what a user watches, and 890 MB fits a desktop tab's 4 GB wasm32 limit, so resident is the
 # default; the page asks for lean on devices reporting < 4 GB (navigator.deviceMemory) or with ?pymode=lean.
 DEFAULT_WEIGHTS_MODE = "resident"
+# ...for models whose float32 weights fit this budget; larger ones default to lean. Gemma 3 270M's 262144-token
+# head alone is 671 MB in float32 (1.07 GB of weights in all, beside the file's own 253 MB in the heap).
+RESIDENT_MAX_BYTES = 768 << 20
+
+
+def choose_mode(gguf, mode: str | None) -> str:
+    """The weights mode: the one asked for, else resident when the float32 weights fit RESIDENT_MAX_BYTES."""
+    if mode:
+        return mode
+    float32_bytes = 4 * sum(t.n_elements for t in gguf.tensors.values())
+    return DEFAULT_WEIGHTS_MODE if float32_bytes <= RESIDENT_MAX_BYTES else "lean"
 
 
 class WorkerSession:
@@ -35,10 +46,10 @@ class WorkerSession:
         from pyengine import GGUFFile, LLMEngine
         from pyengine.engine.model_runner import ModelRunner
 
-        mode = mode or DEFAULT_WEIGHTS_MODE
         t0 = time.perf_counter()
         gguf = GGUFFile(data)                 # zero-copy views into `data`; GGUFError if malformed
         t_parse = time.perf_counter() - t0
+        mode = choose_mode(gguf, mode)
         runner = ModelRunner(gguf, max_model_len=max_model_len, weights_mode=mode, **BROWSER_LIMITS)
         engine = LLMEngine(max_model_len=max_model_len, runner=runner, **BROWSER_LIMITS)
         cfg = engine.runner.config

@@ -66,13 +66,11 @@ def _load() -> str:
 
 def _layer_mats(runner):
     """The (in, out) matrices a forward multiplies, in order, plus the head (dequantized if lean)."""
-    from pyengine.models.llama import HEAD_COL_CHUNK, ColumnBlocks
-    w = runner.weights
-    mats = []
-    for i in range(runner.config.n_layers):
-        L = w.layer(i)          # lean: freshly dequantized (the roofline is always the float32 chain)
-        mats += [np.ascontiguousarray(m) for m in (L.wqkv, L.wo, L.w_gate_up, L.w_down)]
-    head = w.head if w.mode == "resident" else ColumnBlocks(w.head.dequantize(), HEAD_COL_CHUNK)
+    from pyengine.layers.linear import BlockedLinear
+    mats = [np.ascontiguousarray(lin.dense()) for where, lin in runner.weights.linears() if where[0] == "layer"]
+    head = runner.weights.head
+    # the roofline is always the float32 chain: a lean head is dequantized into column blocks
+    head = head if isinstance(head, BlockedLinear) else BlockedLinear(np.ascontiguousarray(head.dense().T))
     return mats, head
 
 

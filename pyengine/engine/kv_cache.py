@@ -45,6 +45,31 @@ class PagedKVCache:
         self.k_slots[layer][slots] = k
         self.v_slots[layer][slots] = v
 
+    def slots_view(self, layer: int, start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """(K, V) of n consecutive slots from ``start``: zero-copy views (n, Hkv, hd)."""
+        return self.k_slots[layer][start:start + n], self.v_slots[layer][start:start + n]
+
+    def gather_blocks(self, layer: int, blocks: np.ndarray, k_out: np.ndarray, v_out: np.ndarray):
+        """(K, V) of whole blocks (any shape of block ids, e.g. (G, n_blocks)) gathered into k_out / v_out (as
+        many slots as the blocks hold), returned shaped blocks.shape + (block_size, Hkv, hd)."""
+        shape = blocks.shape + self.k.shape[2:]
+        k, v = k_out.reshape(shape), v_out.reshape(shape)
+        # mode="clip": ids were validated; the default "raise" mode buffers the whole output in a temporary
+        np.take(self.k[layer], blocks, axis=0, out=k, mode="clip")
+        np.take(self.v[layer], blocks, axis=0, out=v, mode="clip")
+        return k, v
+
+    def read(self, layer: int, view: "ContextView", k_out: np.ndarray, v_out: np.ndarray):
+        """(K, V) of shape (n, Hkv, hd) for a ContextView's keys: views of the cache, or gathered into
+        k_out / v_out."""
+        n = view.n
+        if view.start is not None:
+            return self.slots_view(layer, view.start, n)
+        k, v = k_out[:n], v_out[:n]
+        np.take(self.k_slots[layer], view.slots, axis=0, mode="clip", out=k)
+        np.take(self.v_slots[layer], view.slots, axis=0, mode="clip", out=v)
+        return k, v
+
 
 def slot_mapping(positions: np.ndarray, block_table: np.ndarray, block_size: int) -> np.ndarray:
     """Cache slot of each position of one sequence."""
@@ -65,22 +90,15 @@ def contiguous_start(block_table: np.ndarray, context_len: int, block_size: int)
 
 
 class ContextView:
-    """How one sequence reads its context from the cache: a slice, or a gather through its slots."""
+    """Which keys one sequence reads from the cache: positions ``first`` .. context_len - 1 (first > 0 for a
+    sliding window), as a slice of consecutive slots or a gather through its slots."""
 
-    __slots__ = ("context_len", "start", "slots")
+    __slots__ = ("first", "n", "start", "slots")
 
-    def __init__(self, block_table: np.ndarray, context_len: int, block_size: int):
-        self.context_len = context_len
-        self.start = contiguous_start(block_table, context_len, block_size)
-        self.slots = None if self.start is not None else slot_mapping(np.arange(context_len), block_table,
+    def __init__(self, block_table: np.ndarray, context_len: int, block_size: int, first: int = 0):
+        self.first, self.n = first, context_len - first
+        b0 = first // block_size
+        start = contiguous_start(block_table[b0:], context_len - b0 * block_size, block_size)
+        self.start = None if start is None else start + first - b0 * block_size
+        self.slots = None if self.start is not None else slot_mapping(np.arange(first, context_len), block_table,
                                                                       block_size)
-
-    def kv(self, kv: PagedKVCache, layer: int, k_out: np.ndarray, v_out: np.ndarray):
-        """(K, V) of shape (context_len, Hkv, hd): views of the cache, or gathered into k_out/v_out."""
-        n = self.context_len
-        if self.start is not None:
-            return kv.k_slots[layer][self.start:self.start + n], kv.v_slots[layer][self.start:self.start + n]
-        k, v = k_out[:n], v_out[:n]
-        np.take(kv.k_slots[layer], self.slots, axis=0, mode="clip", out=k)
-        np.take(kv.v_slots[layer], self.slots, axis=0, mode="clip", out=v)
-        return k, v

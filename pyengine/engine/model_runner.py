@@ -1,24 +1,29 @@
 """S05: the model runner — owns the GGUF file, config, weights, arena and paged KV cache; ``run(batch)``.
 
 Everything that changes at runtime lives in one arena sized here, up front, from the config and the limits
-(max_model_len, max_num_batched_tokens, max_num_seqs, num_blocks). The runner never decides block tables:
-the engine's BlockManager does, and passes them in each ForwardBatch.
+(max_model_len, max_num_batched_tokens, max_num_seqs, num_blocks): the model's named buffers (models/base.py
+`Buffers`) and the KV cache. The runner never decides block tables (the engine's BlockManager does, and passes
+them in each ForwardBatch); it turns each batch into a step plan (engine/step_plan.py) — cache slots, RoPE
+rows, how each sequence reads its context — and hands it to the model: ``model.forward(plan, kv, buffers)``.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from pyengine import tuning
 from pyengine.arena import Arena
 from pyengine.engine.forward_batch import ForwardBatch
 from pyengine.engine.kv_cache import PagedKVCache
+from pyengine.engine.step_plan import plan_step
 
 # Cap of the default num_blocks: SmolLM2's server defaults (64 sequences x 2048 tokens) would need 6 GB of KV.
 DEFAULT_KV_BUDGET_BYTES = 512 << 20
 
 
 class ModelRunner:
-    """``model``: path, bytes-like or GGUFFile. Beyond the contract's limits:
-    weights_mode      "resident" (float32 weights, fastest) or "lean" (quantized, dequantized per layer)
+    """``model``: path, bytes-like or GGUFFile, of any architecture in the registry (pyengine.models). Beyond the
+    contract's limits:
+    weights_mode      "resident" (float32 weights, fastest) or "lean" (quantized, dequantized per matrix)
     kv_budget_bytes   cap on the KV cache when num_blocks is None (default: max_num_seqs full-length sequences)
     max_logits        logits rows planned in the arena per run (default max_num_seqs; more rows still work)
     flash_min_query   sequences with at least this many new tokens use tiled flash attention
@@ -28,10 +33,10 @@ class ModelRunner:
     def __init__(self, model, max_model_len: int = 2048, num_blocks: int | None = None, block_size: int = 16,
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 64, weights_mode: str = "resident",
                  kv_budget_bytes: int = DEFAULT_KV_BUDGET_BYTES, max_logits: int | None = None,
-                 flash_min_query: int = 128, tensor_parallel_size: int = 1):
-        from pyengine.config import ModelConfig
+                 flash_min_query: int | None = None, tensor_parallel_size: int = 1):
         from pyengine.gguf.reader import GGUFFile
-        from pyengine.models.llama import LlamaModel, LlamaWeights, check_arch
+        from pyengine.models import load_config, load_model
+        from pyengine.models.base import Buffers
 
         for name, value in (("max_model_len", max_model_len), ("block_size", block_size),
                             ("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs)):
@@ -41,10 +46,10 @@ class ModelRunner:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")
         if num_blocks is not None and (not isinstance(num_blocks, (int, np.integer)) or num_blocks < 1):
             raise ValueError(f"num_blocks must be a positive integer or None, got {num_blocks!r}")
+        if weights_mode not in ("resident", "lean"):
+            raise ValueError(f"weights mode must be 'resident' or 'lean', got {weights_mode!r}")
         self.gguf = model if isinstance(model, GGUFFile) else GGUFFile(model)
-        self.config = ModelConfig.from_gguf(self.gguf)
-        check_arch(self.config)
-        c = self.config
+        self.config = c = load_config(self.gguf)
         if c.context_length and max_model_len > c.context_length:
             # RoPE was trained up to context_length: longer sequences would silently degrade.
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's context length {c.context_length}")
@@ -52,6 +57,7 @@ class ModelRunner:
         self.block_size = int(block_size)
         self.max_num_batched_tokens = int(max_num_batched_tokens)
         self.max_num_seqs = int(max_num_seqs)
+        self.flash_min_query = tuning.FLASH_MIN_QUERY if flash_min_query is None else int(flash_min_query)
         per_block = PagedKVCache.bytes_per_block(c.n_layers, block_size, c.n_kv_heads, c.head_dim)
         if num_blocks is None:
             # enough for every sequence at full length, unless that exceeds the memory budget
@@ -59,25 +65,30 @@ class ModelRunner:
             num_blocks = max(-(-max_model_len // block_size), min(want, kv_budget_bytes // per_block))
         self.num_blocks = int(num_blocks)
 
-        self.weights = LlamaWeights.from_gguf(self.gguf, c, mode=weights_mode)
-        self.model = LlamaModel(c, self.weights, flash_min_query=flash_min_query)
+        _, self.weights, self.model = load_model(self.gguf, weights_mode)
         self.max_logits = int(max_logits or max(max_num_seqs, 1))
-        specs = (self.model.arena_specs(self.max_num_batched_tokens, self.max_model_len, self.max_logits,
-                                        max_seqs=self.max_num_seqs, block_size=self.block_size)
+        # batched short queries: padded K/V of several sequences; always room for one full-length context
+        full = -(-self.max_model_len // block_size) * block_size
+        decode_slots = max(full, min(max(1, min(self.max_num_seqs, self.max_num_batched_tokens)) * full,
+                                     tuning.DECODE_SLOTS))
+        n_kinds = len(self.model.kinds)
+        specs = (Buffers.specs(c, n_kinds, self.max_num_batched_tokens, self.max_model_len, self.max_logits,
+                               decode_slots, self.weights.lean_floats, self.flash_min_query)
                  + PagedKVCache.arena_specs(c.n_layers, self.num_blocks, block_size, c.n_kv_heads, c.head_dim))
         self.tensor_parallel = None
         if tensor_parallel_size > 1:
             from pyengine.engine.tensor_parallel import TensorParallelGroup   # lazy: processes, CPython only
             # the workers map the same arena (KV cache, activations): it lives in shared memory
             self.tensor_parallel = TensorParallelGroup(self.weights, tensor_parallel_size, specs, self.num_blocks,
-                                                       block_size, self.max_model_len)
-            self.model.tensor_parallel = self.tensor_parallel
+                                                       block_size, self.max_model_len, attn_scale=self.model.scale)
             self.arena = self.tensor_parallel.arena
         else:
             self.arena = Arena.from_specs(specs)
         self.kv_cache = PagedKVCache(self.arena, c.n_layers, self.num_blocks, block_size, c.n_kv_heads,
                                      c.head_dim)
-        self.model.prepare(self.arena)
+        self.buffers = Buffers.from_arena(self.arena, n_kinds)
+        self.weights.bind_scratch(self.buffers.lean)
+        self.model.prepare(self.buffers)
         self._tokenizer = None
 
     @property
@@ -95,7 +106,21 @@ class ModelRunner:
                              f"{self.max_num_batched_tokens}")
         if batch.context_lens and max(batch.context_lens) > self.max_model_len:
             raise ValueError(f"context length {max(batch.context_lens)} exceeds max_model_len {self.max_model_len}")
-        return self.model.forward(batch, self.kv_cache, self.arena)
+        tp = self.tensor_parallel
+        split = tp is not None and tp.begin(batch.num_tokens)     # S17: the workers awake for this pass
+        try:
+            plan = self.plan(batch)
+            return self.model.forward(plan, self.kv_cache, self.buffers.rows(plan.num_tokens))
+        finally:
+            if split:
+                tp.end()
+
+    def plan(self, batch: ForwardBatch):
+        """The step plan of a (validated) batch."""
+        b = self.buffers
+        return plan_step(batch, self.block_size, self.model.windows, b.rope_tables, b.rope_rows,
+                         min(tuning.DECODE_SLOTS, b.k_batch.shape[0]), self.flash_min_query,
+                         shared=self.tensor_parallel)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (also done when the runner is garbage-collected)."""

@@ -36,16 +36,15 @@ import platform
 import subprocess
 import sys
 import time
+import types
 import warnings
 
 import numpy as np
 
-from pyengine.layers.activation import silu
+from pyengine import tuning
+from pyengine.layers.activation import ACTIVATIONS, gated_activation
+from pyengine.layers.linear import Linear
 
-# OpenBLAS (0.3.x, AVX-512 kernels) multiplies without packing when M*N*K <= 1e6 (its small-matrix kernel
-# permit): the row blocks are sized to stay under it.
-SMALL_GEMM_MNK = 1_000_000
-MIN_BLOCK_ROWS = 16
 # ctrl slots: the operation, its argument (rows, or the layer), where x and out lie in the arena (byte offset,
 # row stride in floats); ctrl[DONE + r] is worker r's last finished seq
 SEQ, OP, ARG, X_OFF, X_STRIDE, O_OFF, O_STRIDE, GATED = range(8)
@@ -53,11 +52,7 @@ DONE = 9
 OP_END, OP_GROUPS, OP_ATTN = -1, -2, -3    # besides products (op = weight index >= 0)
 CTRL_SLOTS = 64
 SPIN_CHECK = 1 << 16                       # spin iterations between liveness checks
-# Passes of at most this many tokens split. Longer ones (prefills) spend much of their time in attention,
-# whose tile products want OpenBLAS's two threads on rank 0 (a 512-token prefill took 1.3x as long split),
-# and past ~40 rows the packed sgemm amortizes its copies anyway: they run on rank 0, workers asleep.
-SPLIT_ROWS = 40
-RANK0_EXTRA = 0.06          # rank 0 waited ~5 ms of an 80 ms step for its worker with equal slices
+ACT_CODES = (None, "silu", "gelu_tanh")    # the GATED ctrl slot: which activation a gated product applies
 WAIT_TIMEOUT_S = 30.0                      # a product that takes this long means the worker is stuck
 
 
@@ -66,9 +61,10 @@ def matmul_row_blocks(w: np.ndarray, xt: np.ndarray, out_t: np.ndarray) -> np.nd
     the unpacked kernel, or as one sgemm when even MIN_BLOCK_ROWS rows would exceed it (many input rows)."""
     n, k = w.shape
     rows = xt.shape[1]
-    if rows * k * MIN_BLOCK_ROWS > SMALL_GEMM_MNK:
+    mnk, min_rows = tuning.SMALL_GEMM_MNK, tuning.MIN_BLOCK_ROWS
+    if rows * k * min_rows > mnk:
         return np.matmul(w, xt, out=out_t)
-    bm = SMALL_GEMM_MNK // (rows * k) // MIN_BLOCK_ROWS * MIN_BLOCK_ROWS
+    bm = mnk // (rows * k) // min_rows * min_rows
     for r in range(0, n, bm):
         np.matmul(w[r:r + bm], xt, out=out_t[r:r + bm])
     return out_t
@@ -78,7 +74,7 @@ def column_bounds(n: int, ranks: int) -> list[int]:
     """Split n output columns into ``ranks`` slices at multiples of 16, rank 0's larger by RANK0_EXTRA: the
     workers start each product a little after rank 0 (they see it posted, then read its arguments), so equal
     slices leave rank 0 waiting at every product."""
-    weights = np.array([1 + RANK0_EXTRA] + [1.0] * (ranks - 1))
+    weights = np.array([1 + tuning.RANK0_EXTRA] + [1.0] * (ranks - 1))
     cuts = np.cumsum(weights)[:-1] / weights.sum() * n
     unit = 16 if n >= 16 * ranks else 1
     return [0] + [int(round(c / unit)) * unit for c in cuts] + [n]
@@ -103,10 +99,11 @@ def _copy_segments(out: np.ndarray, out_t: np.ndarray, segments) -> None:
         i += c1 - c0
 
 
-def _rank_product(w: np.ndarray, segments, x: np.ndarray, out: np.ndarray, gated: bool, xt_buf: np.ndarray,
+def _rank_product(w: np.ndarray, segments, x: np.ndarray, out: np.ndarray, gated: str | None, xt_buf: np.ndarray,
                   out_buf: np.ndarray) -> None:
     """One rank's share of out = x @ W: x^T (contiguous, for the unpacked kernel) times its rows, written into
-    its output columns; ``gated``: SwiGLU of its [gate | up] rows written into its range of the F outputs."""
+    its output columns; ``gated`` (an activation name): act(gate) * up of its [gate | up] rows written into its
+    range of the F outputs."""
     (n, k), rows = w.shape, x.shape[0]
     xt, out_t = xt_buf[:k * rows].reshape(k, rows), out_buf[:n * rows].reshape(n, rows)
     np.copyto(xt, x.T)
@@ -114,23 +111,22 @@ def _rank_product(w: np.ndarray, segments, x: np.ndarray, out: np.ndarray, gated
     if gated:                                            # rows: [gate | up] of this rank's range of F
         c0, c1 = segments[0]
         f = c1 - c0
-        # SwiGLU on contiguous rows (on the transposed views it is slower than the copies it saves), into the
-        # x^T buffer, free once the product is done
-        act = silu(out_t[:f], out=xt_buf[:f * rows].reshape(f, rows))
+        # the activation on contiguous rows (on the transposed views it is slower than the copies it saves), into
+        # the x^T buffer, free once the product is done
+        act = ACTIVATIONS[gated](out_t[:f], out=xt_buf[:f * rows].reshape(f, rows))
         act *= out_t[f:]
         np.copyto(out[:, c0:c1], act.T)
     else:
         _copy_segments(out, out_t, segments)
 
 
-class ColumnParallelLinear:
-    """A weight used as ``x @ W`` ((in, out) shape) whose output columns are split over the group's ranks:
-    ``slices[r]`` holds rank r's (columns, in) rows, in shared memory, for the output columns ``segments[r]``
-    (see `rank_segments`)."""
+class ColumnParallelLinear(Linear):
+    """A `Linear` ((in, out) shape) whose output columns are split over the group's ranks: ``slices[r]`` holds
+    rank r's (columns, in) rows, in shared memory, for the output columns ``segments[r]`` (see `rank_segments`)."""
 
     def __init__(self, group: "TensorParallelGroup", op: int, shape: tuple[int, int], segments: list,
-                 slices: list[np.ndarray]):
-        self.group, self.op, self.shape = group, op, shape
+                 slices: list[np.ndarray], act: str | None = None):
+        self.group, self.op, self.shape, self.act = group, op, shape, act
         self.segments = segments
         self.slices = slices
         self.nbytes = sum(sl.nbytes for sl in slices)
@@ -147,13 +143,20 @@ class ColumnParallelLinear:
                 i += c1 - c0
         return out
 
-    def gated(self, x: np.ndarray, out: np.ndarray) -> bool:
-        """out = swiglu(x @ W) for a gated weight, each rank gating its own columns; False if this pass does
-        not split (the caller multiplies, then gates)."""
-        return self.group.run(self, x, out, gated=True)
+    def gated(self, x: np.ndarray, out: np.ndarray, scratch: np.ndarray | None = None) -> np.ndarray:
+        """out = act(gate) * up, each rank gating its own columns in a split pass; else multiply, then gate."""
+        if self.group.run(self, x, out, gated=self.act):
+            return out
+        return gated_activation(self.matmul(x, scratch), self.act, out=out)
 
-    def __rmatmul__(self, x: np.ndarray) -> np.ndarray:      # x @ W in the reference forward
-        return self.matmul(np.ascontiguousarray(x, dtype=np.float32))
+    def dense(self) -> np.ndarray:
+        full = np.empty(self.shape, np.float32)
+        for sl, segments in zip(self.slices, self.segments):
+            i = 0
+            for c0, c1 in segments:
+                full[:, c0:c1] = sl[i:i + c1 - c0].T
+                i += c1 - c0
+        return full
 
     def columns(self, idx: np.ndarray, out: np.ndarray) -> np.ndarray:
         """out[t] = W[:, idx[t]] (the tied embedding's rows are the head's columns)."""
@@ -172,12 +175,12 @@ class WorkerLost(RuntimeError):
 class TensorParallelGroup:
     """Rank 0's side: the shared memory (weights, arena, I/O), the worker processes, the split weights.
 
-    ``weights``: resident `LlamaWeights`; their layer matrices and head are replaced in place by
-    `ColumnParallelLinear`s. ``arena_specs``: the runner's arena, created here in shared memory (``.arena``).
+    ``weights``: resident `models.base.Weights`; every matrix (`Weights.linears`) is replaced in place by a
+    `ColumnParallelLinear`. ``arena_specs``: the runner's arena, created here in shared memory (``.arena``).
     ``split_rows``: passes of at most this many tokens split (the workers' buffers hold that many rows)."""
 
     def __init__(self, weights, size: int, arena_specs, num_blocks: int, block_size: int, max_model_len: int,
-                 split_rows: int = SPLIT_ROWS):
+                 split_rows: int | None = None, attn_scale: float | None = None):
         from pyengine.arena import Arena, plan_nbytes
 
         if not isinstance(size, (int, np.integer)) or size < 2:
@@ -192,9 +195,10 @@ class TensorParallelGroup:
         if self._blas is None:
             raise ValueError("tensor parallelism needs NumPy's OpenBLAS (rank 0 sets its thread count per pass)")
         c = weights.config
+        attn_scale = c.head_dim ** -0.5 if attn_scale is None else attn_scale
         self.size = int(size)
-        self.k_max = max(c.d_model, c.n_heads * c.head_dim, c.ffn_dim)
-        self.split_rows = int(split_rows)
+        self.k_max = max(lin.shape[0] for _, lin in weights.linears())
+        self.split_rows = int(tuning.SPLIT_ROWS if split_rows is None else split_rows)
         self.active = False
         self.disabled_reason: str | None = None
         self._fds, self.procs = [], []
@@ -203,22 +207,20 @@ class TensorParallelGroup:
         self._block_size = int(block_size)
 
         # every weight, as (out, in) rows
-        mats = [(("layer", i, name), getattr(L, name).T) for i, L in enumerate(weights.layers)
-                for name in ("wqkv", "wo", "w_gate_up", "w_down")]
-        mats.append((("head",), np.concatenate(weights.head.blocks, axis=1).T))
-        segments = [rank_segments(m.shape[0], self.size, key[-1] == "w_gate_up") for key, m in mats]
+        mats = [(where, lin.dense().T, lin.act) for where, lin in weights.linears()]
+        segments = [rank_segments(m.shape[0], self.size, act is not None) for _, m, act in mats]
         rows = [[sum(c1 - c0 for c0, c1 in seg) for seg in per_rank] for per_rank in segments]
         # per rank: [(byte offset, (rows, in))] in one page-aligned buffer. Separate NumPy allocations start
         # 16 bytes past a page, and the unpacked kernel's loads then straddle cache lines: 1.4x slower.
         layouts = [[] for _ in range(self.size)]
         ends = [0] * self.size
-        for (_, m), n in zip(mats, rows):
+        for (_, m, _), n in zip(mats, rows):
             for r in range(self.size):
                 layouts[r].append((ends[r], (n[r], m.shape[1])))
                 ends[r] += -(-n[r] * m.shape[1] * 4 // 64) * 64
         out_floats = max(max(n) for n in rows) * self.split_rows
         # decode groups handed to the workers: per sequence its row, length and block table (+ a header)
-        self.meta_ints = 16 + self.split_rows * (4 + -(-int(max_model_len) // self._block_size))
+        self.meta_ints = 16 + self.split_rows * (6 + -(-int(max_model_len) // self._block_size))
         try:
             weight_mem = [self._shared(e, f"weights{r}") for r, e in enumerate(ends)]     # rank 0's too
             io = self._shared(8 * (CTRL_SLOTS + self.meta_ints), "io")
@@ -231,22 +233,19 @@ class TensorParallelGroup:
             self._arena_base = self.arena.buffer.__array_interface__["data"][0]
 
             # split every weight: each rank's rows into its memory
-            self.linears = []
-            for op, ((where, *key), m) in enumerate(mats):
+            self.linears, by_where = [], {}
+            for op, (where, m, act) in enumerate(mats):
                 slices = []
                 for r in range(self.size):
                     off, shape = layouts[r][op]
                     sl = np.ndarray(shape, np.float32, weight_mem[r][1], off)
                     np.concatenate([m[c0:c1] for c0, c1 in segments[op][r]], out=sl)
                     slices.append(sl)
-                lin = ColumnParallelLinear(self, op, (m.shape[1], m.shape[0]), segments[op], slices)
+                lin = ColumnParallelLinear(self, op, (m.shape[1], m.shape[0]), segments[op], slices, act)
                 self.linears.append(lin)
-                if where == "head":
-                    weights.head = lin
-                else:
-                    i, name = key
-                    weights.layers[i] = weights.layers[i]._replace(**{name: lin})
+                by_where[where] = lin
             del mats
+            weights.map_linears(lambda where, _: by_where[where])
 
             # the workers: fresh interpreters with one BLAS thread each (set before their NumPy loads)
             env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
@@ -256,7 +255,7 @@ class TensorParallelGroup:
                         "out_floats": out_floats, "meta_ints": self.meta_ints, "arena": arena_mem[0],
                         "arena_specs": [(a.name, list(a.shape), a.dtype.str) for a in arena_specs],
                         "kv": [c.n_layers, int(num_blocks), self._block_size, c.n_kv_heads, c.head_dim],
-                        "n_heads": c.n_heads, "scale": c.head_dim ** -0.5}
+                        "n_heads": c.n_heads, "scale": float(attn_scale)}
                 p = subprocess.Popen([sys.executable, "-m", "pyengine.engine.tensor_parallel"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                                      pass_fds=[fd for fd, _ in (weight_mem[r][0], io[0], arena_mem[0])])
@@ -312,8 +311,8 @@ class TensorParallelGroup:
         except WorkerLost as e:
             self.disable(str(e))
 
-    def run(self, lin: ColumnParallelLinear, x: np.ndarray, out: np.ndarray, gated: bool = False) -> bool:
-        """out = x @ W (or, ``gated``, swiglu(x @ W)) with every rank computing its columns, reading x from and
+    def run(self, lin: ColumnParallelLinear, x: np.ndarray, out: np.ndarray, gated: str | None = None) -> bool:
+        """out = x @ W (or, ``gated``, act(gate) * up) with every rank computing its columns, reading x from and
         writing out into the shared arena. False (nothing done) outside a split pass, for more rows than the
         workers' buffers hold, or if x or out is not an arena view: rank 0 then does it alone."""
         if not self.active or x.shape[0] > self.split_rows:
@@ -322,7 +321,7 @@ class TensorParallelGroup:
         if xs is None or os_ is None:
             return False
         rows, k = x.shape
-        self.ctrl[X_OFF:GATED + 1] = xs + os_ + (int(gated),)
+        self.ctrl[X_OFF:GATED + 1] = xs + os_ + (ACT_CODES.index(gated),)
         self._post(lin.op, rows)
         _rank_product(lin.slices[0], lin.segments[0], x, out, gated, self.local_xt, self.local_out)
         try:
@@ -449,15 +448,15 @@ class TensorParallelGroup:
 
 
 def _pack_groups(meta: np.ndarray, pos: int, groups: list) -> int:
-    """Write decode groups at meta[pos:]: count, then per group G, nb, start (-1: gathered), rows, lens, blocks.
-    Returns the next position."""
+    """Write query groups at meta[pos:]: count, then per group G, nb, start (-1: gathered), q_len, rows, context
+    lengths, blocks. Returns the next position. (Shared groups come from single-kind models: no window.)"""
     meta[pos] = len(groups)
     pos += 1
     for g in groups:
         G, nb = g.blocks.shape
         rows = np.arange(g.rows.start, g.rows.stop) if isinstance(g.rows, slice) else g.rows
-        meta[pos:pos + 3] = (G, nb, -1 if g.start is None else g.start)
-        pos += 3
+        meta[pos:pos + 4] = (G, nb, -1 if g.start is None else g.start, g.q_len)
+        pos += 4
         for part in (rows, g.lens, g.blocks.reshape(-1)):
             meta[pos:pos + part.size] = part
             pos += part.size
@@ -465,20 +464,21 @@ def _pack_groups(meta: np.ndarray, pos: int, groups: list) -> int:
 
 
 def _unpack_groups(meta: np.ndarray, pos: int, block_size: int) -> tuple[list, int]:
-    from pyengine.layers.attention import padding_mask
-    from pyengine.models.llama import DecodeGroup
+    from pyengine.layers.paged_attention import QueryGroup, group_mask
     groups = []
     n = int(meta[pos])
     pos += 1
     for _ in range(n):
-        G, nb, start = (int(v) for v in meta[pos:pos + 3])
-        pos += 3
-        rows, lens = meta[pos:pos + G].copy(), meta[pos + G:pos + 2 * G].copy()
-        blocks = meta[pos + 2 * G:pos + 2 * G + G * nb].reshape(G, nb).copy()
-        pos += 2 * G + G * nb
-        contiguous = bool(np.all(np.diff(rows) == 1))
-        groups.append(DecodeGroup(slice(int(rows[0]), int(rows[-1]) + 1) if contiguous else rows, blocks, lens,
-                                  contiguous, padding_mask(lens, nb * block_size), None if start < 0 else start))
+        G, nb, start, q_len = (int(v) for v in meta[pos:pos + 4])
+        pos += 4
+        rows, lens = meta[pos:pos + G * q_len].copy(), meta[pos + G * q_len:pos + G * q_len + G].copy()
+        pos += G * q_len + G
+        blocks = meta[pos:pos + G * nb].reshape(G, nb).copy()
+        pos += G * nb
+        consecutive = bool(np.all(np.diff(rows) == 1))
+        groups.append(QueryGroup(slice(int(rows[0]), int(rows[-1]) + 1) if consecutive else rows, q_len, blocks,
+                                 lens, group_mask(lens, np.zeros(G, np.int64), q_len, nb * block_size, None),
+                                 None if start < 0 else start))
     return groups, pos
 
 
@@ -524,7 +524,7 @@ def worker_main() -> int:
     """A worker rank: map the segments, then serve one forward pass per wake byte until stdin closes."""
     from pyengine.arena import Arena, spec as arena_spec
     from pyengine.engine.kv_cache import PagedKVCache
-    from pyengine.models.llama import decode_group_attention
+    from pyengine.layers.paged_attention import group_attention
 
     stdin = sys.stdin.buffer
     spec = json.loads(stdin.readline())
@@ -540,13 +540,14 @@ def worker_main() -> int:
     n_layers, num_blocks, block_size, n_kv, hd = spec["kv"]
     kv = PagedKVCache(arena, n_layers, num_blocks, block_size, n_kv, hd)
     # gather scratch of this rank's own (rank 0 uses the arena's at the same time)
-    scratch = {n: np.zeros_like(arena[n]) for n in ("attn.k_batch", "attn.v_batch", "attn.scores")}
+    scratch = types.SimpleNamespace(**{n: np.zeros_like(arena[f"attn.{n}"]) for n in ("k_batch", "v_batch", "scores")})
     H, scale = spec["n_heads"], spec["scale"]
     groups, tokens = [], 0
+    parent = os.getppid()
+    # read before saying ready: rank 0 may post the first operation as soon as it reads "ready"
+    seen = int(ctrl[SEQ])
     sys.stdout.write("ready\n")
     sys.stdout.flush()
-    parent = os.getppid()
-    seen = int(ctrl[SEQ])
     while stdin.read(1):                                 # b"" = rank 0 closed the pipe (or died)
         while True:
             spins = 0
@@ -566,7 +567,7 @@ def worker_main() -> int:
             elif op == OP_ATTN:
                 q_rot, attn = arena["act.qk_rot"][:tokens, :H], arena["act.attn"][:tokens]
                 for g in groups:
-                    decode_group_attention(arg, kv, scratch, q_rot, attn, g, scale)
+                    group_attention(arg, q_rot, kv, g, attn, scratch, scale)
             else:
                 w, rows = weights[op], arg
                 x_off, x_stride, o_off, o_stride, gated = (int(v) for v in ctrl[X_OFF:GATED + 1])
@@ -574,7 +575,7 @@ def worker_main() -> int:
                 # out spans up to the last column this rank writes (gated: its range of the F outputs)
                 width = segments[op][0][1] if gated else max(c1 for _, c1 in segments[op])
                 out = np.ndarray((rows, width), np.float32, amem, o_off, (4 * o_stride, 4))
-                _rank_product(w, segments[op], x, out, bool(gated), xt_buf, out_buf)
+                _rank_product(w, segments[op], x, out, ACT_CODES[gated], xt_buf, out_buf)
             ctrl[DONE + r - 1] = seen
     return 0
 

@@ -69,6 +69,8 @@ await micropip.install("emfs:/wheels/${wheelName}", deps=False)
   out.versions = JSON.parse(out.versions);
   await py.runPythonAsync(fs.readFileSync(args.snippet, "utf8"));
   lap("run");
+  // the wasm heap only grows: its size now is the run's peak
+  out.wasm_memory_mb = Math.round(py._module.HEAPU8.buffer.byteLength / 2 ** 20);
   out.ok = true;
 } catch (err) {
   out.error = String(err && err.message ? err.message : err);

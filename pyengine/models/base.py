@@ -1,0 +1,249 @@
+"""S03/S05: what every architecture shares — the run state (named arena buffers), the weights container, the
+GGUF tensor readers, and the fast outer loop (embed, layers, final norm, LM head).
+
+An architecture module (models/llama.py, models/gemma3.py) gives its config reader, its weight loader, its
+readable ``forward_reference`` and the fast math of one layer (``layer``); the runner (engine/) plans each step
+and calls ``model.forward(plan, kv, b)``. Nothing here knows a block table, a process or a timing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import NamedTuple
+
+import numpy as np
+
+from pyengine import tuning
+from pyengine.arena import ArenaSpec, spec
+from pyengine.gguf import quants
+from pyengine.layers.linear import Embedding, LeanLinear, Linear, QuantMatrix
+from pyengine.layers.norm import rms_norm
+from pyengine.layers.rotary import interleaved_to_half, rope_cos_sin
+
+
+class LayerKind(NamedTuple):
+    """Layers that attend alike: Llama has one kind; Gemma 3 a sliding-window kind and a global one."""
+    window: int | None         # sliding window (keys visible while i - j < window), or None: the whole context
+    inv_freq: np.ndarray       # (hd/2,) RoPE inverse frequencies of these layers
+
+
+@dataclass
+class Buffers:
+    """The run state: every activation of a forward pass, a named view of the one arena (llama2.c's RunState).
+    T = tokens of the step (at most max_num_batched_tokens), d = model width, H / Hkv = query / KV heads,
+    hd = head dim, F = FFN width, R = rows of logits planned, V = vocab. ``rows(T)`` cuts the per-token ones."""
+    x: np.ndarray              # (T, d) residual stream
+    xn: np.ndarray             # (T, d) normalized input of a sub-layer
+    qkv: np.ndarray            # (T, (H + 2 Hkv) hd) fused Q|K|V projection
+    qk: np.ndarray             # (T, H + Hkv, hd) Q and K heads before RoPE (after the q/k norms, if any)
+    qk_rot: np.ndarray         # (T, H + Hkv, hd) Q and K heads after RoPE
+    rope_tmp: np.ndarray       # (T, H + Hkv, hd/2) RoPE scratch
+    attn: np.ndarray           # (T, H, hd) attention output
+    proj: np.ndarray           # (T, d) output of Wo or Wdown
+    gate_up: np.ndarray        # (T, 2F) fused gate|up projection
+    ffn: np.ndarray            # (T, F) gated activation
+    rope_rows: list            # per layer kind: (cos, sin) (T, H + Hkv, hd/2) this step's rows, repeated per head
+    rope_tables: list          # per layer kind: (cos, sin) (max_model_len, hd/2), filled once
+    k_ctx: np.ndarray          # (max_model_len, Hkv, hd) a prompt's gathered keys (non-consecutive blocks)
+    v_ctx: np.ndarray          # (max_model_len, Hkv, hd)
+    k_batch: np.ndarray        # (slots, Hkv, hd) padded keys of a batched query group (DECODE_SLOTS or more)
+    v_batch: np.ndarray        # (slots, Hkv, hd)
+    scores: np.ndarray         # (n,) attention scores, sized for the largest of the attention paths
+    logits_x: np.ndarray       # (R, d) hidden rows whose logits are wanted
+    logits_xn: np.ndarray      # (R, d) the same, normalized
+    logits: np.ndarray         # (R, V)
+    lean: np.ndarray           # (n,) lean mode: one matrix's (or a head chunk's) float32 rows; else (0,)
+
+    PER_TOKEN = ("x", "xn", "qkv", "qk", "qk_rot", "rope_tmp", "attn", "proj", "gate_up", "ffn")
+
+    def rows(self, T: int) -> "Buffers":
+        return replace(self, **{n: getattr(self, n)[:T] for n in self.PER_TOKEN})
+
+    @classmethod
+    def specs(cls, c, n_kinds: int, max_tokens: int, max_model_len: int, max_logits: int, decode_slots: int,
+              lean_floats: int, flash_min_query: int) -> list[ArenaSpec]:
+        """Arena regions for config ``c`` and the runner's limits (names: "act.x", "rope.0.cos", ...)."""
+        H, Hkv, hd, d = c.n_heads, c.n_kv_heads, c.head_dim, c.d_model
+        g = H // Hkv
+        # scores, plus half as much again for the halving key reductions (attention._reduce_keys)
+        plain = Hkv * (flash_min_query - 1) * g * (max_model_len + max_model_len // 2 + 1)
+        flash = Hkv * (tuning.FLASH_TILE + tuning.FLASH_TILE // 2 + 1) * tuning.FLASH_Q_TILE * g
+        short = H * tuning.SHORT_QUERY_MAX * decode_slots
+        out = [spec("act.x", (max_tokens, d)), spec("act.xn", (max_tokens, d)),
+               spec("act.qkv", (max_tokens, (H + 2 * Hkv) * hd)), spec("act.qk", (max_tokens, H + Hkv, hd)),
+               spec("act.qk_rot", (max_tokens, H + Hkv, hd)), spec("act.rope_tmp", (max_tokens, H + Hkv, hd // 2)),
+               spec("act.attn", (max_tokens, H, hd)), spec("act.proj", (max_tokens, d)),
+               spec("act.gate_up", (max_tokens, 2 * c.ffn_dim)), spec("act.ffn", (max_tokens, c.ffn_dim))]
+        for k in range(n_kinds):
+            out += [spec(f"rope.{k}.table_cos", (max_model_len, hd // 2)),
+                    spec(f"rope.{k}.table_sin", (max_model_len, hd // 2)),
+                    spec(f"rope.{k}.cos", (max_tokens, H + Hkv, hd // 2)),
+                    spec(f"rope.{k}.sin", (max_tokens, H + Hkv, hd // 2))]
+        out += [spec("attn.k_ctx", (max_model_len, Hkv, hd)), spec("attn.v_ctx", (max_model_len, Hkv, hd)),
+                spec("attn.k_batch", (decode_slots, Hkv, hd)), spec("attn.v_batch", (decode_slots, Hkv, hd)),
+                spec("attn.scores", (max(plain, flash, short),)),
+                spec("logits.x", (max_logits, d)), spec("logits.xn", (max_logits, d)),
+                spec("logits.out", (max_logits, c.vocab_size)), spec("lean.scratch", (lean_floats,))]
+        return out
+
+    @classmethod
+    def from_arena(cls, arena, n_kinds: int) -> "Buffers":
+        A = arena.views
+        names = {"logits_x": "logits.x", "logits_xn": "logits.xn", "logits": "logits.out", "lean": "lean.scratch"}
+        kw = {f.name: A[names.get(f.name) or ("act." if f.name in cls.PER_TOKEN else "attn.") + f.name]
+              for f in fields(cls) if f.name not in ("rope_rows", "rope_tables")}
+        kw["rope_rows"] = [(A[f"rope.{k}.cos"], A[f"rope.{k}.sin"]) for k in range(n_kinds)]
+        kw["rope_tables"] = [(A[f"rope.{k}.table_cos"], A[f"rope.{k}.table_sin"]) for k in range(n_kinds)]
+        return cls(**kw)
+
+
+class Weights:
+    """An architecture's weights: ``layers`` (a NamedTuple per layer, its matrices `Linear`s and its norms float32
+    vectors), the embedding, the final norm and the LM head. ``mode``: "resident" (float32, dequantized once) or
+    "lean" (quantized rows, dequantized into scratch on use)."""
+
+    def __init__(self, config, mode: str, layers: list, embed: Embedding, output_norm: np.ndarray, head: Linear,
+                 tied: bool, **extra):
+        self.config, self.mode, self.layers = config, mode, layers
+        self.embed, self.output_norm, self.head, self.tied = embed, output_norm, head, tied
+        self.__dict__.update(extra)
+
+    def linears(self):
+        """(where, Linear) for every matrix: ("layer", i, field) and ("head",)."""
+        for i, L in enumerate(self.layers):
+            for name, value in zip(L._fields, L):
+                if isinstance(value, Linear):
+                    yield ("layer", i, name), value
+        yield ("head",), self.head
+
+    def map_linears(self, fn) -> None:
+        """Replace every matrix by fn(where, Linear) (S17 wraps them in parallel ones); the tied embedding
+        follows the head."""
+        for i, L in enumerate(self.layers):
+            self.layers[i] = L._replace(**{n: fn(("layer", i, n), v) for n, v in zip(L._fields, L)
+                                          if isinstance(v, Linear)})
+        self.head = fn(("head",), self.head)
+        if self.tied:
+            self.embed = Embedding(self.head, self.config.d_model)
+
+    @property
+    def nbytes(self) -> int:
+        seen, total = set(), self.output_norm.nbytes
+        for _, lin in self.linears():
+            if id(lin) not in seen:
+                seen.add(id(lin))
+                total += lin.nbytes
+        src = self.embed.source
+        if not self.tied and id(src) not in seen:
+            total += src.nbytes
+        for L in self.layers:
+            total += sum(v.nbytes for v in L if isinstance(v, np.ndarray))
+        return total
+
+    @property
+    def lean_floats(self) -> int:
+        """Floats of scratch the lean matrices need (0 in resident mode)."""
+        return max((lin.scratch_floats for _, lin in self.linears() if isinstance(lin, LeanLinear)), default=0)
+
+    def bind_scratch(self, lean: np.ndarray) -> None:
+        """Give every lean matrix the arena's shared dequantization scratch."""
+        for _, lin in self.linears():
+            if isinstance(lin, LeanLinear):
+                lin.scratch = lean
+
+
+class TensorReader:
+    """Reads one GGUF's tensors with shape checks: ``matrix`` (quantized rows), ``vector`` (float32)."""
+
+    def __init__(self, gguf):
+        self.gguf = gguf
+
+    def has(self, name: str) -> bool:
+        return name in self.gguf.tensors
+
+    def matrix(self, name: str, shape: tuple[int, int], unpermute_heads: int = 0) -> QuantMatrix:
+        """(out, in) quantized rows; ``unpermute_heads``: undo llama.cpp's interleaved-RoPE row order of Q/K
+        (the same row shuffle works on quantized rows, whose blocks never cross a row)."""
+        info = self.gguf.tensor(name)
+        if tuple(info.shape) != shape:
+            raise ValueError(f"tensor {name!r} has shape {tuple(info.shape)}, expected {shape}")
+        layout = quants.block_layout(info.ggml_type)
+        raw = info.data.reshape(shape[0], shape[1] // layout.block_size * layout.type_size)
+        if unpermute_heads:
+            raw = np.ascontiguousarray(interleaved_to_half(raw, unpermute_heads))
+        return QuantMatrix([(raw, info.ggml_type)], shape[1])
+
+    def vector(self, name: str, n: int) -> np.ndarray:
+        v = self.gguf.dequantize(name)
+        if v.shape != (n,):
+            raise ValueError(f"tensor {name!r} has shape {v.shape}, expected ({n},)")
+        return v
+
+
+def qkv_matrix(r: TensorReader, prefix: str, c, unpermute: bool) -> QuantMatrix:
+    """Q|K|V of one layer stacked into one matrix; ``unpermute``: undo llama.cpp's interleaved-RoPE row order of
+    Q and K (llama GGUFs; Gemma's are stored in the half-split order already)."""
+    hd, d = c.head_dim, c.d_model
+    return QuantMatrix.stack(r.matrix(prefix + "attn_q.weight", (c.n_heads * hd, d), c.n_heads * unpermute),
+                             r.matrix(prefix + "attn_k.weight", (c.n_kv_heads * hd, d), c.n_kv_heads * unpermute),
+                             r.matrix(prefix + "attn_v.weight", (c.n_kv_heads * hd, d)))
+
+
+def gate_up_matrix(r: TensorReader, prefix: str, c) -> QuantMatrix:
+    """gate|up of one layer's gated MLP stacked into one matrix."""
+    return QuantMatrix.stack(r.matrix(prefix + "ffn_gate.weight", (c.ffn_dim, c.d_model)),
+                             r.matrix(prefix + "ffn_up.weight", (c.ffn_dim, c.d_model)))
+
+
+def embedding_and_head(r: TensorReader, c, mode: str):
+    """(embedding, head, tied): the head is output.weight, or the embedding itself when the file has none."""
+    from pyengine.layers.linear import make_head
+    embd = r.matrix("token_embd.weight", (c.vocab_size, c.d_model))
+    tied = not r.has("output.weight")
+    head = make_head(embd if tied else r.matrix("output.weight", (c.vocab_size, c.d_model)), mode)
+    if tied:
+        return Embedding(head, c.d_model), head, True
+    # untied: resident keeps a float32 (d, V) array, lean the quantized rows
+    return Embedding(np.ascontiguousarray(embd.dequantize().T) if mode == "resident" else embd, c.d_model), head, False
+
+
+class TransformerModel:
+    """The shared fast path. Subclasses set ``kinds`` / ``kind_of`` and define ``layer`` (one layer's math) and
+    ``forward_reference``; ``embed_scale`` (Gemma: sqrt(d)) multiplies the embeddings."""
+    embed_scale: float | None = None
+
+    def __init__(self, config, weights: Weights, kinds: list[LayerKind], kind_of: list[int], scale: float):
+        self.config, self.weights = config, weights
+        self.kinds, self.kind_of, self.scale = kinds, kind_of, scale
+
+    @property
+    def windows(self) -> list:
+        return [k.window for k in self.kinds]
+
+    def prepare(self, b: Buffers) -> None:
+        """Fill the RoPE tables (once: positions 0 .. max_model_len-1)."""
+        for kind, (tcos, tsin) in zip(self.kinds, b.rope_tables):
+            cos, sin = rope_cos_sin(np.arange(tcos.shape[0]), kind.inv_freq)
+            tcos[...], tsin[...] = cos, sin
+
+    def forward(self, plan, kv, b: Buffers) -> np.ndarray:
+        """Logits (len(plan.logits_indices), V): a view of b.logits valid until the next call (a new array if more
+        rows are asked than were planned). ``b``: the buffers cut to this step's T rows."""
+        c, w = self.config, self.weights
+        w.embed(plan.token_ids, out=b.x)
+        if self.embed_scale is not None:
+            b.x *= np.float32(self.embed_scale)
+        for i, L in enumerate(w.layers):
+            self.layer(i, L, plan.kinds[self.kind_of[i]], plan.slots, kv, b)
+        idx = plan.logits_indices
+        n = len(idx)
+        if n <= b.logits.shape[0]:
+            hx, hxn, logits = b.logits_x[:n], b.logits_xn[:n], b.logits[:n]
+        else:   # more rows than planned (e.g. prompt logprobs): rare, so allocate rather than fail
+            hx, hxn = np.empty((n, c.d_model), np.float32), np.empty((n, c.d_model), np.float32)
+            logits = np.empty((n, c.vocab_size), np.float32)
+        np.take(b.x, idx, axis=0, out=hx)
+        rms_norm(hx, w.output_norm, c.rms_eps, out=hxn)
+        return w.head.matmul(hxn, logits)
+
+    def layer(self, i: int, L, p, slots: np.ndarray, kv, b: Buffers) -> None:
+        raise NotImplementedError

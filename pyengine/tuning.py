@@ -1,0 +1,31 @@
+"""Measured tuning constants, in one place (the evidence behind each is in docs/performance.md).
+
+Code reads them as ``tuning.NAME`` at call time, so ``pyengine bench tuning`` can sweep one value in a running
+process. None of them changes a result beyond float rounding: they only choose between equivalent code paths.
+"""
+from __future__ import annotations
+
+# --- linear layers (layers/linear.py) -------------------------------------------------------------------
+LINEAR_ROW_LOOP_MAX = 4     # 2..4 rows: separate matvecs beat one sgemm (its per-call packing of the weight)
+HEAD_ROW_LOOP_MAX = 8       # the head's 4096-column blocks stay in cache across up to 8 matvecs
+HEAD_COL_CHUNK = 4096       # columns per block of the resident head (long rows are 1.3-1.5x slower for 8-32 rows)
+LEAN_HEAD_ROWS = 4096       # lean mode: rows of the head dequantized at a time (bounded scratch)
+
+# --- attention (layers/attention.py, layers/paged_attention.py) ----------------------------------------
+DECODE_SLOTS = 2048         # padded context slots per batched decode group: its K and V stay in cache
+DECODE_KEY_CHUNK = 256      # keys per matmul for few queries (OpenBLAS's unpacked kernel stops at ~400 keys)
+KEY_TREE_MIN = 256          # key counts from which the halving reduction beats NumPy's axis reduction,
+KEY_TREE_MAX_ROW = 256      # for rows shorter than this (a flash tile's 384-float rows reduce well as they are)
+SHORT_QUERY_MAX = 16        # sequences with at most this many new tokens are batched like decodes
+FLASH_MIN_QUERY = 128       # queries from which prefill attention is tiled (bounded scratch)
+FLASH_TILE = 256            # keys per flash tile
+FLASH_Q_TILE = 128          # queries per flash tile
+
+# --- tensor parallelism on one machine (engine/tensor_parallel.py) -------------------------------------
+SMALL_GEMM_MNK = 1_000_000  # OpenBLAS multiplies without packing when M*N*K <= 1e6 (AVX-512 small-matrix kernel)
+MIN_BLOCK_ROWS = 16         # weight rows per block of a rank's product, at least
+SPLIT_ROWS = 40             # passes of at most this many tokens split; longer ones amortize sgemm's packing
+RANK0_EXTRA = 0.06          # rank 0's slice is this much larger: the workers start each product a little later
+
+SWEEPABLE = ("LINEAR_ROW_LOOP_MAX", "HEAD_ROW_LOOP_MAX", "DECODE_SLOTS", "DECODE_KEY_CHUNK", "KEY_TREE_MIN",
+             "SHORT_QUERY_MAX")

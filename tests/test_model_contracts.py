@@ -1,0 +1,154 @@
+"""S03/S06/S09/S17: the contracts every architecture in the registry keeps, on tiny random GGUFs of each
+(tests/tiny_models.py): the fast paged forward equals the readable ``forward_reference``; chunked prefill and
+decode steps equal it too; a ragged batch equals each sequence alone; shuffled block tables equal contiguous
+ones; lean weights equal resident ones; tensor parallelism equals one process. A new architecture gets all of
+these by adding its shape to tests/tiny_models.py."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pyengine.engine.forward_batch import ForwardBatch
+from pyengine.engine.model_runner import ModelRunner
+from pyengine.models import ARCHITECTURES
+from tiny_models import ARCHS, SLIDING_WINDOW, VOCAB, write_tiny
+
+BS = 8
+KW = dict(max_model_len=256, max_num_batched_tokens=160, max_num_seqs=8, num_blocks=120, block_size=BS,
+          flash_min_query=24)
+
+
+def test_every_registered_architecture_has_a_tiny_model():
+    assert sorted(ARCHS) == sorted(ARCHITECTURES)
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def tiny(request, tmp_path_factory):
+    path = write_tiny(tmp_path_factory.mktemp(request.param) / f"{request.param}.gguf", request.param, seed=3)
+    return request.param, str(path), ModelRunner(str(path), **KW)
+
+
+def close(a, b, tol=2e-4):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.abs(a - b).max() <= tol * max(1.0, np.abs(b).max())
+
+
+def ids(n, seed):
+    return np.random.default_rng(seed).integers(3, VOCAB, n)
+
+
+def table(n_tokens, rng=None, pool=None):
+    n = -(-n_tokens // BS)
+    if rng is None:
+        return np.arange(n, dtype=np.int32)
+    return pool[:n]
+
+
+def test_fast_forward_equals_the_reference(tiny):
+    """A 70-token prompt (tiled flash attention; past gemma3's sliding window) at every position."""
+    _, _, r = tiny
+    toks = ids(70, 1)
+    ref = r.model.forward_reference(toks)
+    fast = r.run(r.contiguous_batch(toks, 0, logits_all=True))
+    assert close(fast, ref)
+
+
+def test_chunks_and_decodes_equal_the_reference(tiny):
+    """The same prompt in chunks of 9 (short queries: batched like decodes) and of 30 (plain attention), then
+    decode steps: every row equals the reference's."""
+    _, _, r = tiny
+    toks = ids(80, 2)
+    ref = r.model.forward_reference(toks)
+    for chunk in (9, 30):
+        pos = 0
+        while pos < 70:
+            n = min(chunk, 70 - pos)
+            got = r.run(r.contiguous_batch(toks[pos:pos + n], pos, logits_all=True))
+            assert close(got, ref[pos:pos + n]), (chunk, pos)
+            pos += n
+        for p in range(70, 80):                                  # decodes
+            got = r.run(r.contiguous_batch(toks[p:p + 1], p))
+            assert close(got[0], ref[p]), p
+
+
+def test_ragged_batch_with_shuffled_tables_equals_each_alone(tiny):
+    """Three prompts (30, 5, 50 tokens) in one ragged batch through shuffled block tables = each alone through
+    contiguous ones; then one step with a decode, a 3-token and a 7-token query (speculative verification's
+    shape) = each alone."""
+    _, _, r = tiny
+    rng = np.random.default_rng(7)
+    lens = [30, 5, 50]
+    prompts = [ids(n + 12, 10 + s) for s, n in enumerate(lens)]
+    pool = rng.permutation(r.num_blocks - 20).astype(np.int32) + 20       # blocks 0..19: the "alone" runs
+    per = -(-70 // BS)
+    tables = [pool[s * per:(s + 1) * per] for s in range(3)]
+    together = r.run(ForwardBatch(np.concatenate([p[:n] for p, n in zip(prompts, lens)]),
+                                  np.concatenate([np.arange(n) for n in lens]), lens, lens, tables,
+                                  np.cumsum(lens) - 1)).copy()
+    for s, n in enumerate(lens):
+        alone = r.run(r.contiguous_batch(prompts[s][:n], 0))
+        assert close(together[s], alone[0]), s
+        assert close(alone[0], r.model.forward_reference(prompts[s][:n])[-1])
+    q = [1, 3, 7]
+    order = [2, 0, 1]
+    batch = ForwardBatch(np.concatenate([prompts[s][lens[s]:lens[s] + q[k]] for k, s in enumerate(order)]),
+                         np.concatenate([np.arange(lens[s], lens[s] + q[k]) for k, s in enumerate(order)]),
+                         q, [lens[s] + q[k] for k, s in enumerate(order)], [tables[s] for s in order],
+                         np.arange(sum(q)))
+    got = r.run(batch).copy()
+    row = 0
+    for k, s in enumerate(order):
+        ref = r.model.forward_reference(prompts[s][:lens[s] + q[k]])[lens[s]:]
+        assert close(got[row:row + q[k]], ref), s
+        row += q[k]
+
+
+def test_lean_weights_equal_resident(tiny):
+    _, path, r = tiny
+    lean = ModelRunner(path, weights_mode="lean", **KW)
+    assert lean.weights.nbytes < r.weights.nbytes / 2
+    toks = ids(40, 4)
+    a = r.run(r.contiguous_batch(toks, 0, logits_all=True)).copy()
+    b = lean.run(lean.contiguous_batch(toks, 0, logits_all=True))
+    assert close(a, b, 1e-5)
+    assert close(lean.model.forward_reference(toks), a)
+
+
+def test_tensor_parallel_equals_one_process(tiny):
+    """Two processes (every matrix split by output columns): a prompt and batched decodes."""
+    _, path, r = tiny
+    two = ModelRunner(path, tensor_parallel_size=2, **KW)
+    try:
+        for runner in (r, two):
+            runner.run(runner.contiguous_batch(ids(33, 5), 0))
+        a = r.run(r.contiguous_batch(ids(20, 6), 33, logits_all=True)).copy()
+        b = two.run(two.contiguous_batch(ids(20, 6), 33, logits_all=True)).copy()
+        assert close(a, b)
+        assert two.tensor_parallel.disabled_reason is None
+    finally:
+        two.close()
+
+
+def test_unsupported_weights_mode_and_architecture_are_refused(tiny, tmp_path):
+    _, path, _ = tiny
+    with pytest.raises(ValueError, match="weights mode"):
+        ModelRunner(path, weights_mode="fast", **KW)
+
+
+def test_gemma3_sliding_layers_read_only_their_window(tmp_path):
+    """A decode at position 150: the global layers gather all 19 blocks, the sliding-window layers only the
+    blocks holding the last SLIDING_WINDOW positions (their cost stops growing with the context); a prompt's
+    run starts its keys at the window too."""
+    r = ModelRunner(str(write_tiny(tmp_path / "g.gguf", "gemma3", seed=1)), **KW)
+    assert r.model.windows == [SLIDING_WINDOW, None] and r.model.kind_of == [0, 0, 1]
+    t = np.arange(20, dtype=np.int32)[::-1].copy()                       # scattered: gathered, not in place
+    plan = r.plan(ForwardBatch(np.array([5]), np.array([150]), [1], [151], [t], np.array([0])))
+    local, full = (k.attention for k in plan.kinds)
+    (g_local,), (g_full,) = local.groups, full.groups
+    assert g_full.blocks.shape == (1, 19) and list(g_full.blocks[0]) == list(t[:19])
+    first = 150 - SLIDING_WINDOW + 1
+    assert g_local.blocks.shape[1] == 19 - first // BS and list(g_local.blocks[0]) == list(t[first // BS:19])
+    plan = r.plan(ForwardBatch(ids(60, 8), np.arange(100, 160), [60], [160], [t], np.array([59])))
+    (run_local,), (run_full,) = plan.kinds[0].attention.runs, plan.kinds[1].attention.runs
+    assert (run_local.keys.first, run_local.offset) == (100 - SLIDING_WINDOW + 1, SLIDING_WINDOW - 1)
+    assert (run_full.keys.first, run_full.offset) == (0, 100)

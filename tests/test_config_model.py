@@ -13,7 +13,7 @@ from pyengine.gguf.reader import GGUFFile
 from pyengine.model_files import default_model_path
 from pyengine.models import load_config
 
-gguf = pytest.importorskip("gguf")
+import gguf
 
 from model_paths import gemma_gguf
 

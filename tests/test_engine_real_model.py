@@ -13,6 +13,8 @@ import os
 import numpy as np
 import pytest
 
+from pyengine.engine.model_runner import ModelRunner
+from pyengine.model_files import default_model_path
 from pyengine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -29,13 +31,7 @@ OTHER_PROMPTS = [
 
 @pytest.fixture(scope="module")
 def runner():
-    mr = pytest.importorskip("pyengine.engine.model_runner")
-    from pyengine.model_files import default_model_path
-    try:
-        path = default_model_path()
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
-    return mr.ModelRunner(path, max_model_len=1024, num_blocks=512, block_size=16,
+    return ModelRunner(default_model_path(), max_model_len=1024, num_blocks=512, block_size=16,
                           max_num_batched_tokens=1024, max_num_seqs=16, max_logits=64)
 
 

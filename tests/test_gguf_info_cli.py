@@ -9,7 +9,7 @@ import pytest
 from pyengine.cli import main
 from pyengine.model_files import default_model_path
 
-gguf = pytest.importorskip("gguf")
+import gguf
 
 from model_paths import gemma_gguf
 

@@ -12,7 +12,7 @@ from pyengine.gguf import GGUFError
 from pyengine.gguf import quants
 from pyengine.gguf.quants import GGML_BLOCK, GGMLType, dequantize, quantize_q4_0, quantize_q8_0
 
-gguf = pytest.importorskip("gguf")
+import gguf
 
 FORMATS = list(quants.SUPPORTED_TYPES)
 N_BLOCKS = 776   # a multiple of 8, so 32-weight blocks fill rows of 256

@@ -12,66 +12,9 @@ import pytest
 
 from pyengine.layers.sampler import Sampler, sample_row
 from pyengine.sampling_params import SamplingParams
+from sampling_reference import chi2_pvalue, chi2_sf
 
 N_DRAWS = 20000
-
-
-# --- chi-square p-value via the regularized upper incomplete gamma function Q(a, x) --------------
-def gamma_q(a: float, x: float) -> float:
-    """Q(a, x) = Gamma(a, x) / Gamma(a): power series for P when x < a + 1, else Lentz continued fraction."""
-    if x <= 0:
-        return 1.0
-    log_prefix = a * math.log(x) - x - math.lgamma(a)
-    if x < a + 1:
-        term = total = 1.0 / a
-        n = a
-        while abs(term) > abs(total) * 1e-16:
-            n += 1
-            term *= x / n
-            total += term
-        return max(0.0, 1.0 - total * math.exp(log_prefix))
-    tiny = 1e-300
-    b = x + 1 - a
-    c = 1 / tiny
-    d = 1 / b
-    h = d
-    for i in range(1, 10000):
-        an = -i * (i - a)
-        b += 2
-        d = an * d + b
-        d = tiny if abs(d) < tiny else d
-        c = b + an / c
-        c = tiny if abs(c) < tiny else c
-        d = 1 / d
-        delta = d * c
-        h *= delta
-        if abs(delta - 1) < 1e-16:
-            break
-    return math.exp(log_prefix) * h
-
-
-def chi2_sf(stat: float, dof: int) -> float:
-    return gamma_q(dof / 2, stat / 2)
-
-
-def chi2_pvalue(counts, probs) -> float:
-    """Goodness of fit of observed `counts` to `probs`; cells with expected count < 5 are pooled.
-    A draw in a zero-probability cell is an outright rejection (p = 0)."""
-    counts = np.asarray(counts, dtype=np.float64)
-    probs = np.asarray(probs, dtype=np.float64)
-    n = counts.sum()
-    if counts[probs == 0].sum() > 0:
-        return 0.0
-    exp = probs * n
-    big = exp >= 5
-    obs_cells = list(counts[big])
-    exp_cells = list(exp[big])
-    small = (~big) & (probs > 0)
-    if small.any():
-        obs_cells.append(counts[small].sum())
-        exp_cells.append(exp[small].sum())
-    stat = sum((o - e) ** 2 / e for o, e in zip(obs_cells, exp_cells))
-    return chi2_sf(stat, len(obs_cells) - 1)
 
 
 def test_chi2_sf_against_closed_forms():

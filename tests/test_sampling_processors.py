@@ -8,39 +8,7 @@ from pyengine.layers.sampler import (
     Sampler, apply_logit_bias, apply_min_p, apply_presence_frequency_penalties, apply_repetition_penalty,
     apply_temperature, apply_top_k, apply_top_p, log_softmax, make_rng, sample_row, softmax, token_logprobs)
 from pyengine.sampling_params import SamplingParams
-
-
-# --- pure-Python references (loops over lists; no NumPy sorting or masking) -------------------
-def py_probs(xs):
-    m = max(xs)
-    e = [math.exp(x - m) if x != -math.inf else 0.0 for x in xs]
-    s = sum(e)
-    return [v / s for v in e]
-
-
-def py_kept_top_k(xs, k):
-    if k <= 0 or k >= len(xs):
-        return set(range(len(xs)))
-    kth = sorted(xs, reverse=True)[k - 1]
-    return {i for i, x in enumerate(xs) if x >= kth}
-
-
-def py_kept_top_p(xs, p):
-    probs = py_probs(xs)
-    kept, total, last = set(), 0.0, None
-    for i in sorted(range(len(xs)), key=lambda i: -probs[i]):
-        if total >= p:
-            break
-        kept.add(i)
-        total += probs[i]
-        last = probs[i]
-    return kept | {i for i, q in enumerate(probs) if q == last}   # ties with the last kept token
-
-
-def py_kept_min_p(xs, min_p):
-    probs = py_probs(xs)
-    top = max(probs)
-    return {i for i, q in enumerate(probs) if q >= min_p * top}
+from sampling_reference import py_kept_min_p, py_kept_top_k, py_kept_top_p
 
 
 def kept(arr):

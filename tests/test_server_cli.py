@@ -10,6 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pyengine import web_server
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 from e2e_support import free_port, stop_process, wait_http  # noqa: E402
 
@@ -19,25 +21,20 @@ def served():
     port = free_port()
     args = [sys.executable, "-m", "pyengine", "serve", "--port", str(port), "--api-key", "k3y",
             "--max-model-len", "512", "--max-waiting", "8", "--log-level", "warning"]
-    try:
-        import pyengine.web_server as ws
-        with_demo = (ws.WEB_ROOT / "index.html").is_file()
-    except ImportError:
-        with_demo = False
-    if with_demo:
-        args.append("--with-demo")
+    assert (web_server.WEB_ROOT / "index.html").is_file(), "web/index.html is part of the checkout"
+    args.append("--with-demo")
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http(url + "/health", proc, timeout=120)
-        yield url, with_demo
+        yield url
     finally:
         stop_process(proc, timeout=20)
 
 
 def test_serve_requires_key_and_serves(served):
-    url, _ = served
+    url = served
     body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0}
     assert httpx.post(url + "/v1/chat/completions", json=body, timeout=60).status_code == 401
     r = httpx.post(url + "/v1/chat/completions", json=body, headers={"Authorization": "Bearer k3y"}, timeout=60)
@@ -48,16 +45,14 @@ def test_serve_requires_key_and_serves(served):
 
 
 def test_demo_in_same_process(served):
-    url, with_demo = served
-    if not with_demo:
-        pytest.skip("web demo (pyengine.web_server + web/index.html) not present")
+    url = served
     page = httpx.get(url + "/")
     assert page.status_code == 200 and "<html" in page.text.lower()
     assert httpx.get(url + "/config.js").status_code == 200
 
 
 def test_bench_serve_against_url(served):
-    url, _ = served
+    url = served
     out = subprocess.run([sys.executable, "-m", "pyengine", "bench", "serve", "--url", url, "--api-key", "k3y",
                           "--rate", "4", "--num-requests", "4", "--prompt-len", "24", "--output-len", "4",
                           "--shared-prefix", "16"], capture_output=True, text=True, timeout=300)

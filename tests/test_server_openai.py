@@ -21,6 +21,7 @@ import httpx
 import openai
 import pytest
 
+from pyengine import web_server
 from pyengine.model_files import default_model_path
 from pyengine.server.app import create_app, served_names
 from pyengine.server.runner import ServerThread
@@ -194,8 +195,7 @@ def test_greedy_matches_transformers_async_concurrent(server):
 def test_curl_n_streams_chat_tokens_as_they_come(server):
     """`curl -N` (no buffering) sees the chat deltas line by line, spread in time, before [DONE]."""
     curl = shutil.which("curl")
-    if curl is None:
-        pytest.skip("curl not installed")
+    assert curl, "curl is missing: scripts/test.sh installs it"
     body = json.dumps({"model": server.model_id, "messages": [{"role": "user", "content": "Tell me a story."}],
                        "max_tokens": 6, "temperature": 0, "ignore_eos": True, "stream": True})
     proc = subprocess.Popen([curl, "-sN", server.url + "/v1/chat/completions", "-H",
@@ -318,7 +318,6 @@ def test_metrics_counters_equal_usage(server, client):
 
 def test_demo_and_api_in_one_process(server):
     """The web demo's app mounted under the API app: one process, one port, both answer."""
-    web_server = pytest.importorskip("pyengine.web_server", reason="the web demo's create_app is not there yet")
     demo = web_server.create_app(model=default_model_path())
     app = create_app(server.engine, model_id=server.model_id, demo_app=demo)
     with ServerThread(app) as srv:

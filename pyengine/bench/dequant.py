@@ -31,6 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="cpu (default): process CPU time, robust on a shared machine (the kernels are "
                         "single-threaded); wall: elapsed time")
     p.add_argument("--no-reference", action="store_true", help="skip the gguf package comparison")
+    p.add_argument("--quick", action="store_true", help="4096 weights per format, one run (a smoke test)")
 
 
 def _best_times(fns, repeat: int, clock=time.process_time) -> list[float]:
@@ -91,6 +92,8 @@ def run(args) -> int:
     from pyengine.gguf.reader import GGUFFile
     from pyengine.model_files import default_model_path
 
+    if args.quick:
+        args.weights, args.repeat = 4096, 1
     if args.weights < 256 or args.repeat < 1:
         raise ValueError("--weights must be >= 256 and --repeat >= 1")
     paths = args.model

@@ -23,6 +23,9 @@ import tracemalloc
 import numpy as np
 
 HELP = "decode/prefill tok/s vs the NumPy roofline, KV-cache scaling, flash attention memory"
+# --quick: every section at toy sizes (a smoke run of well under a minute; its ratios are not the README's)
+QUICK = dict(decode_tokens=8, prefill_tokens=64, contexts="32,64", flash_tokens=256, repeat=1, batch_sizes="1,4",
+             batch_context=32, batch_steps=3)
 
 
 def add_arguments(p) -> None:
@@ -39,6 +42,7 @@ def add_arguments(p) -> None:
     p.add_argument("--batch-context", type=int, default=128, help="context tokens of each batched sequence")
     p.add_argument("--batch-steps", type=int, default=8, help="timed batched decode steps per batch size")
     p.add_argument("--skip", default="", help="comma list of sections to skip: decode,prefill,batch,kv,flash")
+    p.add_argument("--quick", action="store_true", help="toy sizes for every section (overrides the size options)")
 
 
 def _median_time(fn, repeat: int) -> float:
@@ -133,6 +137,8 @@ def run(args) -> int:
     from pyengine.layers.attention import flash_attention, grouped_attention
     from pyengine.model_files import resolve_model
 
+    if args.quick:
+        vars(args).update(QUICK)
     skip = set(filter(None, args.skip.split(",")))
     contexts = [int(c) for c in args.contexts.split(",") if c]
     path = resolve_model(args.model)

@@ -49,6 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    p.add_argument("--quick", action="store_true", help="6 short requests at 8 req/s on a small engine (a smoke test; "
+                   "overrides the size options)")
 
 
 # --- workload ------------------------------------------------------------------------------------
@@ -283,7 +285,13 @@ def print_ratios(rows: list[dict], configs: list[str]) -> None:
               f"{ra['out_tok_per_s'] / max(rb['out_tok_per_s'], 1e-9):.2f}x")
 
 
+QUICK = dict(num_requests=6, rate=[8.0], prompt_len=32, output_len=4, max_model_len=256, max_num_seqs=8,
+             max_num_batched_tokens=256)
+
+
 def run(args) -> int:
+    if args.quick:
+        vars(args).update(QUICK)
     if args.num_requests < 1 or any(r <= 0 for r in args.rate):
         raise ValueError("--num-requests must be >= 1 and every --rate > 0")
     if args.shared_prefix >= args.prompt_len * (1 - (args.range_ratio if args.dist == "uniform" else 0)):

@@ -48,6 +48,7 @@ def add_arguments(p) -> None:
     p.add_argument("--model", action="append", default=None,
                    help="GGUF file (repeatable); default: SmolLM2 and, if present, the Gemma 3 file")
     p.add_argument("--mb", type=float, default=1.0, help="megabytes of text (default 1)")
+    p.add_argument("--quick", action="store_true", help="50 kB of text (a smoke test)")
 
 
 def _default_models() -> list[str]:
@@ -66,7 +67,7 @@ def run(args) -> int:
     from ..tokenizer import Tokenizer
     from ..tokenizer.pretokenize import get_pretokenizer
 
-    text = english_text(int(args.mb * 1_000_000))
+    text = english_text(int((0.05 if args.quick else args.mb) * 1_000_000))
     mb = len(text.encode("utf-8")) / 1e6
     print(f"text: {mb:.2f} MB of standard-library docstrings, {len(text):,} characters")
     split = get_pretokenizer("gpt2")

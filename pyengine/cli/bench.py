@@ -22,10 +22,12 @@ BENCHMARKS = {
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("what", nargs="?", default="engine", choices=sorted(BENCHMARKS))
     p.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (see pyengine bench WHAT -h)")
+    p.add_argument("--quick", action="store_true", help="toy sizes: a smoke run of the benchmark (every one has it)")
 
 
 def run(args) -> int:
     module = importlib.import_module(BENCHMARKS[args.what])
     p = argparse.ArgumentParser(prog=f"pyengine bench {args.what}", description=module.HELP)
     module.add_arguments(p)
-    return int(module.run(p.parse_args(args.rest)) or 0)
+    rest = args.rest + (["--quick"] if args.quick and "--quick" not in args.rest else [])
+    return int(module.run(p.parse_args(rest)) or 0)

@@ -1,0 +1,96 @@
+"""Smoke tests of every `pyengine bench` subcommand in its `--quick` form, run as a user runs them (a
+subprocess of the CLI): each exits 0, prints its table, and every ratio it prints is a finite positive
+number. Speed is not asserted (benchmarks print ratios; tests check behaviour); each run stays well under a
+minute of one core's CPU time."""
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from pyengine.cli.bench import BENCHMARKS
+
+pytestmark = pytest.mark.slow
+NUMBER = r"-?(?:\d+(?:\.\d*)?(?:e[-+]?\d+)?|nan|inf)"
+
+
+def bench(*argv: str) -> str:
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "pyengine", "bench", *argv], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    return proc.stdout
+
+
+def finite_positive(values, what: str, at_least: int) -> list[float]:
+    nums = [float(v) for v in values]
+    assert len(nums) >= at_least, f"{what}: expected >= {at_least} ratios, found {nums}"
+    assert all(math.isfinite(v) and v > 0 for v in nums), f"{what}: {nums}"
+    return nums
+
+
+def ratios_after_word(out: str) -> list[str]:
+    return re.findall(rf"ratio\s+({NUMBER})", out)
+
+
+def ratios_with_x(out: str) -> list[str]:
+    return re.findall(rf"(?<![\w.])({NUMBER})x\b", out)
+
+
+def test_every_subcommand_has_a_quick_smoke_test():
+    tested = {"engine", "dequant", "tokenizer", "paging", "serve"}
+    assert set(BENCHMARKS) == tested
+
+
+def test_bench_engine_quick():
+    out = bench("--quick")                      # `pyengine bench` = engine, the README's first figures
+    for section in ("prefill 64 tokens:", "decode 8 tokens:", "batched decode", "KV cache:", "attention for one"):
+        assert section in out, out
+    finite_positive(ratios_after_word(out), "engine prefill/decode ratios", 4)
+    rows = re.findall(rf"^\s+(\d+)\s+({NUMBER})\s+({NUMBER})\s+({NUMBER})\s+({NUMBER})\s+({NUMBER})\s+({NUMBER})$",
+                      out, re.M)
+    assert [r[0] for r in rows] == ["1", "4"], out
+    finite_positive([v for r in rows for v in r[1:]], "batched decode table", 12)
+    kv = re.findall(rf"^\s+(32|64)\s+({NUMBER})\s+({NUMBER})\s+({NUMBER})$", out, re.M)
+    assert [r[0] for r in kv] == ["32", "64"], out
+    finite_positive([r[3] for r in kv], "KV-cache speedups", 2)
+    finite_positive(re.findall(rf"memory ratio ({NUMBER})x", out), "flash memory ratio", 1)
+    assert re.search(r"growth exponent per step: with cache -?[\d.]+, without -?[\d.]+", out)
+
+
+def test_bench_dequant_quick():
+    out = bench("dequant", "--quick")
+    rows = re.findall(rf"^(\w+)\s+\S+\s+\d+\s+({NUMBER})\s+({NUMBER})\s+({NUMBER})\s+({NUMBER})x\s+(yes|NO)$",
+                      out, re.M)
+    assert len(rows) >= 12 and all(r[5] == "yes" for r in rows), out
+    finite_positive([v for r in rows for v in r[1:5]], "dequant MB/s and ratios", 48)
+    finite_positive(re.findall(rf"geometric mean speed ratio .*: ({NUMBER})x", out), "geometric mean", 1)
+
+
+def test_bench_tokenizer_quick():
+    out = bench("tokenizer", "--quick")
+    assert out.count("round-trip ok") == 2, out          # SmolLM2 (BPE) and Gemma 3 (SentencePiece)
+    assert "ROUND-TRIP MISMATCH" not in out
+    finite_positive(re.findall(rf"({NUMBER}) MB/s", out), "tokenizer MB/s", 6)
+    finite_positive(re.findall(rf"re-only split = ({NUMBER})x", out), "encode / split ratio", 2)
+
+
+@pytest.mark.parametrize("what, n_ratios", [("prefix", 2), ("batching", 3), ("chunked", 4)])
+def test_bench_paging_quick(what, n_ratios):
+    # (waste is tests/test_engine_bench_paging.py's, in-process); one sub-benchmark a run keeps each short
+    out = bench("paging", "--quick", "--only", what)
+    assert f"[{what}:" in out, out
+    finite_positive(ratios_after_word(out), f"paging {what}", n_ratios)
+
+
+def test_bench_serve_quick():
+    out = bench("serve", "--quick", "--compare", "prefix-cache", "--shared-prefix", "16")
+    header = out.splitlines()[0].split()
+    assert header[:3] == ["config", "rate", "ok/fail"] and "TTFT" in header, out
+    rows = [ln for ln in out.splitlines() if ln.strip().startswith("prefix-cache")]
+    assert len(rows) == 2 and all(" 6/0 " in r for r in rows), out
+    finite_positive(ratios_with_x(out), "serve on/off ratios", 4)

@@ -42,7 +42,7 @@ def ratios_with_x(out: str) -> list[str]:
 
 
 def test_every_subcommand_has_a_quick_smoke_test():
-    tested = {"engine", "dequant", "tokenizer", "paging", "serve"}
+    tested = {"engine", "dequant", "tokenizer", "paging", "serve", "tuning"}
     assert set(BENCHMARKS) == tested
 
 
@@ -94,3 +94,12 @@ def test_bench_serve_quick():
     rows = [ln for ln in out.splitlines() if ln.strip().startswith("prefix-cache")]
     assert len(rows) == 2 and all(" 6/0 " in r for r in rows), out
     finite_positive(ratios_with_x(out), "serve on/off ratios", 4)
+
+
+def test_bench_tuning_quick():
+    out = bench("tuning", "--param", "DECODE_KEY_CHUNK", "--values", "256,128", "--quick")
+    rows = re.findall(rf"^\s+(\d+)\s+({NUMBER})\s+({NUMBER})\s+({NUMBER})\s+({NUMBER})\s+({NUMBER})\s+({NUMBER})$",
+                      out, re.M)
+    assert [r[0] for r in rows] == ["256", "128"], out
+    finite_positive([v for r in rows for v in r[1:]], "tuning sweep times and ratios", 12)
+    assert [float(v) for v in rows[0][2::2]] == [1.0, 1.0, 1.0]          # the first value is the baseline

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from .merge import bpe_merge
 from .pretokenize import PreTokenizer
+from .word_cache import WORD_CACHE_BYTES, WORD_CACHE_MAX_CHARS, BoundedCache
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -63,28 +64,31 @@ class ByteLevelBPE:
         # HF's BPE has no unknown token here and silently drops such bytes; so do we.
         self._char_id = {c: self.vocab[c] for c in BYTE_TO_CHAR.values() if c in self.vocab}
         self.missing_bytes = bytes(b for b, c in BYTE_TO_CHAR.items() if c not in self.vocab)
-        self._cache: dict[str, list[int]] = {}
+        self._cache = BoundedCache(WORD_CACHE_BYTES, WORD_CACHE_MAX_CHARS)
 
     def pair_info(self, a: int, b: int):
         return self.ranks.get((a, b))
 
     def encode_word(self, piece: str) -> list[int]:
         """One pre-tokenized piece -> ids (memoized: natural text repeats words a lot)."""
-        ids = self._cache.get(piece)
+        ids = self._cache.data.get(piece)
         if ids is None:
             spelled = piece.encode("utf-8").decode("latin-1").translate(_SPELL)
             char_id = self._char_id
             if self.missing_bytes:
                 spelled = "".join(c for c in spelled if c in char_id)
             ids = bpe_merge([char_id[c] for c in spelled], self.pair_info)
-            if len(self._cache) < 200_000:
-                self._cache[piece] = ids
+            self._cache.put(piece, ids)
         return ids
 
-    def encode_segment(self, text: str) -> list[int]:
+    def encode_segment(self, text: str, limit: int | None = None) -> list[int]:
+        """Ids of text free of special tokens; with `limit`, stop after the piece that passes `limit` ids
+        (the caller only needs to know the text is too long)."""
         out: list[int] = []
-        cache, encode_word = self._cache, self.encode_word
+        cache, encode_word = self._cache.data, self.encode_word
         for piece in self.pretokenizer(text):
             ids = cache.get(piece)
             out += ids if ids is not None else encode_word(piece)
+            if limit is not None and len(out) > limit:
+                break
         return out

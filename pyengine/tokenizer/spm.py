@@ -14,6 +14,11 @@ from __future__ import annotations
 import re
 
 from .merge import bpe_merge
+from .word_cache import WORD_CACHE_BYTES, WORD_CACHE_MAX_CHARS, BoundedCache
+
+# Merge ranks of the symbol pairs seen: an entry is ~250 B, and adversarial text of rare characters can
+# show millions of distinct pairs.
+PAIR_CACHE_BYTES = 32 << 20
 
 SPACE = "\u2581"  # ▁
 _RUN = re.compile(f"{SPACE}*[^{SPACE}]+|{SPACE}+")
@@ -46,7 +51,7 @@ class SentencePieceBPE:
         self.prefix_space = prefix_space
         self.unk_id = unk_id
         self._byte_ids = [self.vocab.get(f"<0x{b:02X}>") for b in range(256)]
-        self._pairs: dict[tuple[int, int], tuple | None] = {}
+        self._pairs = BoundedCache(PAIR_CACHE_BYTES, cost=lambda key, info: 250)
         self._explicit = None
         if merges is not None:
             self._explicit = {}
@@ -58,13 +63,13 @@ class SentencePieceBPE:
                     raise ValueError(f"tokenizer.ggml.merges[{rank}] = {line!r} does not join two tokens into one")
                 self._explicit[(a, b)] = (rank, ab)
         self._safe_cut = self._find_safe_cuts()
-        self._cache: dict[str, list[int]] = {}
+        self._cache = BoundedCache(WORD_CACHE_BYTES, WORD_CACHE_MAX_CHARS)
 
     # -- merge ranks -----------------------------------------------------------------------------------
     def pair_info(self, a: int, b: int):
         """(rank, merged id) of adjacent symbols a, b, or None."""
         key = (a, b)
-        info = self._pairs.get(key, False)
+        info = self._pairs.data.get(key, False)
         if info is False:
             if self._explicit is not None:
                 info = self._explicit.get(key)
@@ -75,7 +80,7 @@ class SentencePieceBPE:
                 # then file order of the merged token and of the parts.
                 info = None if ab is None else (
                     (-self.scores[ab], -len(left), -len(right), ab, a, b), ab)
-            self._pairs[key] = info
+            self._pairs.put(key, info)
         return info
 
     # -- splitting long words into independent chunks ------------------------------------------------
@@ -135,19 +140,21 @@ class SentencePieceBPE:
         return ids
 
     def encode_word(self, word: str) -> list[int]:
-        ids = self._cache.get(word)
+        ids = self._cache.data.get(word)
         if ids is None:
             ids = bpe_merge(self.initial_symbols(word), self.pair_info)
-            if len(self._cache) < 200_000 and len(word) < 256:
-                self._cache[word] = ids
+            self._cache.put(word, ids)
         return ids
 
-    def encode_segment(self, text: str, at_start: bool = False) -> list[int]:
-        """Text between special tokens; `at_start` when it begins the input (for the prefix space)."""
+    def encode_segment(self, text: str, at_start: bool = False, limit: int | None = None) -> list[int]:
+        """Text between special tokens; `at_start` when it begins the input (for the prefix space). With
+        `limit`, stop after the chunk that passes `limit` ids."""
         text = text.replace(" ", SPACE)
         if self.prefix_space and at_start and not text.startswith(SPACE):
             text = SPACE + text
         out: list[int] = []
         for chunk in self._chunks(text):
             out.extend(self.encode_word(chunk))
+            if limit is not None and len(out) > limit:
+                break
         return out

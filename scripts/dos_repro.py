@@ -55,16 +55,22 @@ class Streamer(threading.Thread):
         with httpx.Client(timeout=600) as c:
             while not self.stop:
                 last = None
-                with c.stream("POST", self.url + "/v1/completions", json=body) as r:
-                    for line in r.iter_lines():
-                        if not line.startswith("data: {") or self.stop:
-                            continue
-                        now = time.perf_counter()
-                        if last is not None:
-                            phase = self.phase
-                            self.worst[phase] = max(self.worst[phase], now - last)
-                            self.tokens[phase] += 1
-                        last = now
+                try:
+                    with c.stream("POST", self.url + "/v1/completions", json=body) as r:
+                        for line in r.iter_lines():
+                            if self.stop:
+                                return
+                            if not line.startswith("data: {"):
+                                continue
+                            now = time.perf_counter()
+                            if last is not None:
+                                phase = self.phase
+                                self.worst[phase] = max(self.worst[phase], now - last)
+                                self.tokens[phase] += 1
+                            last = now
+                except httpx.HTTPError:
+                    if not self.stop:
+                        raise
 
 
 def main() -> int:
@@ -109,6 +115,7 @@ def main() -> int:
         time.sleep(1.0)
         rss_after = rss_mib(proc.pid)
         streamer.stop = True
+        streamer.join(30)
         print(json.dumps({
             "prompts": args.count, "prompt_bytes": args.size, "statuses": statuses,
             "attack_seconds": round(attack_s, 1),

@@ -216,6 +216,8 @@ def create_app(engine, *, model_id: str | None = None, aliases=(), api_key: str 
     async def log_stats(interval: float) -> None:
         """vLLM's periodic line: throughput since the last line, queue sizes, KV usage, prefix hits."""
         last, then = {}, time.perf_counter()
+        with contextlib.suppress(Exception):
+            last = dict(engine.stats() or {})
         while True:
             await asyncio.sleep(interval)
             try:

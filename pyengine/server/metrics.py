@@ -70,7 +70,7 @@ class ServerMetrics:
 def stats_line(stats: dict, last: dict, seconds: float) -> str:
     """The periodic log line vLLM prints, from two `engine.stats()` snapshots `seconds` apart."""
     def rate(key: str) -> float:
-        return (stats.get(key, 0) - last.get(key, 0)) / max(seconds, 1e-9) if last else 0.0
+        return (stats.get(key, 0) - last.get(key, 0)) / max(seconds, 1e-9)
 
     usage = stats.get("kv_cache_usage")
     hit = _hit_rate(stats)

@@ -24,7 +24,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
         sock.close()
         why = ("the port is already in use (another server? pick another with --port)"
                if exc.errno == errno.EADDRINUSE else exc.strerror)
-        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {why}") from None
+        raise OSError(f"cannot listen on {host}:{port}: {why}") from None
     sock.set_inheritable(True)
     return sock
 

@@ -83,7 +83,7 @@ def main() -> int:
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "PYTHONPATH": args.source, "OPENBLAS_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([args.source, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep), "OPENBLAS_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "pyengine", "serve", "--port", str(port), "--log-level",
                              "warning"], env=env, cwd=args.source, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)

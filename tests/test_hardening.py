@@ -125,14 +125,26 @@ def test_whitespace_megabyte_is_refused_without_tokenizing(smol_tokenizer):
     assert all(n < 10_000 for n in engine.encoded_chars)
 
 
-def test_tokenizing_stops_past_the_limit_and_caches_are_bounded(smol_tokenizer):
+def test_tokenizing_stops_past_the_limit_and_caches_are_bounded(smol_tokenizer, monkeypatch):
+    from pyengine.tokenizer import bpe
+    from pyengine.tokenizer.length_bound import TooManyTokens
+    merged = []
+    real_merge = bpe.bpe_merge
+    monkeypatch.setattr(bpe, "bpe_merge", lambda ids, info: merged.append(len(ids)) or real_merge(ids, info))
     text = "word " * 50_000
-    full = smol_tokenizer.encode(text)
-    cut = smol_tokenizer.encode(text, limit=100)
-    assert 100 < len(cut) < 200 and cut == full[:len(cut)]
-    assert smol_tokenizer.min_tokens(text) <= len(full)
-    for text in ("a" * 100_000, " " * 50_000, "héllo wörld " * 1000):   # the bound holds for each
-        assert smol_tokenizer.min_tokens(text) <= len(smol_tokenizer.encode(text))
+    with pytest.raises(TooManyTokens) as caught:
+        smol_tokenizer.encode(text + "<|im_start|>", limit=100)
+    assert caught.value.at_least == 101 and sum(merged) < 1000          # stopped after ~100 words
+    merged.clear()
+    word = "".join(random.Random(1).choices("abcdefghij", k=60_000))  # one piece: bounded, never merged
+    with pytest.raises(TooManyTokens):
+        smol_tokenizer.encode(word, limit=2048)
+    assert merged == []
+    assert len(smol_tokenizer.encode(word, limit=40_000)) > 2400 and merged == [60_000]   # within its bound: merged
+    for text in ("a" * 100_000, " " * 50_000, "héllo wörld " * 1000, word):   # the bounds are lower bounds
+        n = len(smol_tokenizer.encode(text))
+        assert smol_tokenizer.min_tokens(text) <= n
+        assert smol_tokenizer.model.bound.min_tokens(text.encode()) <= n
     from pyengine.tokenizer.word_cache import BoundedCache
     cache = BoundedCache(10_000, max_key_chars=8)
     for i in range(1000):

@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass
 
 from pyengine.sampling_params import SamplingParams
+from pyengine.tokenizer.length_bound import TooManyTokens
 
 MAX_N = 32                  # choices per request: each one is a sequence in the batch
 MAX_STOP = 16
@@ -320,10 +321,10 @@ def encode_prompt(tokenizer, text: str, max_model_len: int, param: str, **encode
     if at_least >= max_model_len:
         raise _too_long(max_model_len, f"is {len(text.encode())} bytes, which is at least {at_least} tokens",
                         param)
-    ids = tokenizer.encode(text, limit=max_model_len, **encode_kw)
-    if len(ids) > max_model_len:      # cut short: the exact count was not worth computing
-        raise _too_long(max_model_len, f"has more than {max_model_len} tokens", param)
-    return ids
+    try:
+        return tokenizer.encode(text, limit=max_model_len, **encode_kw)
+    except TooManyTokens as exc:      # stopped early: the exact count was not worth computing
+        raise _too_long(max_model_len, f"has at least {exc.at_least} tokens", param) from None
 
 
 def _fit_context(params: SamplingParams, prompt_lens: list[int], limits: RequestPolicy, default_max: int | None,
@@ -379,12 +380,12 @@ def encode_messages(tokenizer, messages: list[dict], limits: RequestPolicy, add_
     if not hasattr(tokenizer, "encode_chat"):   # a stand-in tokenizer: render, then encode
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
         return text, tokenizer.encode(text, add_special_tokens=False, parse_special=True)
-    text, ids = tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt,
-                                      special_tokens_in_content=limits.special_tokens_in_content,
-                                      limit=limits.max_model_len)
-    if len(ids) > limits.max_model_len:
-        raise _too_long(limits.max_model_len, f"has more than {limits.max_model_len} tokens", param)
-    return text, ids
+    try:
+        return tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt,
+                                     special_tokens_in_content=limits.special_tokens_in_content,
+                                     limit=limits.max_model_len)
+    except TooManyTokens as exc:
+        raise _too_long(limits.max_model_len, f"has at least {exc.at_least} tokens", param) from None
 
 
 def parse_chat(body: dict, tokenizer, limits: RequestPolicy | int) -> ParsedRequest:

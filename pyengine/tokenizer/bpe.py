@@ -6,6 +6,9 @@ Text -> UTF-8 bytes -> each byte spelled as one printable character (GPT-2's byt
 """
 from __future__ import annotations
 
+import functools
+
+from .length_bound import LONG_PIECE, PieceBound, TooManyTokens
 from .merge import bpe_merge
 from .pretokenize import PreTokenizer
 from .word_cache import WORD_CACHE_BYTES, WORD_CACHE_MAX_CHARS, BoundedCache
@@ -69,6 +72,10 @@ class ByteLevelBPE:
     def pair_info(self, a: int, b: int):
         return self.ranks.get((a, b))
 
+    @functools.cached_property
+    def bound(self) -> PieceBound:
+        return PieceBound(bytes(CHAR_TO_BYTE[c] for c in key) for key in self.vocab)
+
     def encode_word(self, piece: str) -> list[int]:
         """One pre-tokenized piece -> ids (memoized: natural text repeats words a lot)."""
         ids = self._cache.data.get(piece)
@@ -82,13 +89,17 @@ class ByteLevelBPE:
         return ids
 
     def encode_segment(self, text: str, limit: int | None = None) -> list[int]:
-        """Ids of text free of special tokens; with `limit`, stop after the piece that passes `limit` ids
-        (the caller only needs to know the text is too long)."""
+        """Ids of text free of special tokens. With `limit`: TooManyTokens as soon as more than `limit`
+        ids are certain (a long piece is bounded before it is merged)."""
         out: list[int] = []
         cache, encode_word = self._cache.data, self.encode_word
         for piece in self.pretokenizer(text):
             ids = cache.get(piece)
-            out += ids if ids is not None else encode_word(piece)
+            if ids is None:
+                if limit is not None and len(piece) > LONG_PIECE:
+                    self.bound.check(piece.encode("utf-8").translate(None, self.missing_bytes), len(out), limit)
+                ids = encode_word(piece)
+            out += ids
             if limit is not None and len(out) > limit:
-                break
+                raise TooManyTokens(len(out), limit)
         return out

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import re
 
+import functools
+
+from .length_bound import LONG_PIECE, PieceBound, TooManyTokens
 from .merge import bpe_merge
 from .word_cache import WORD_CACHE_BYTES, WORD_CACHE_MAX_CHARS, BoundedCache
 
@@ -83,6 +86,13 @@ class SentencePieceBPE:
             self._pairs.put(key, info)
         return info
 
+    @functools.cached_property
+    def bound(self) -> PieceBound | None:
+        """None when a run of characters without tokens fuses into one <unk> (no bound exists)."""
+        if None in self._byte_ids and self.unk_id is not None:
+            return None
+        return PieceBound(t.replace(SPACE, " ").encode("utf-8") for t in self.tokens)
+
     # -- splitting long words into independent chunks ------------------------------------------------
     def _find_safe_cuts(self):
         """Characters c after which a cut before "▁" is safe: no token contains c + "▁", so no merge can
@@ -148,13 +158,16 @@ class SentencePieceBPE:
 
     def encode_segment(self, text: str, at_start: bool = False, limit: int | None = None) -> list[int]:
         """Text between special tokens; `at_start` when it begins the input (for the prefix space). With
-        `limit`, stop after the chunk that passes `limit` ids."""
+        `limit`: TooManyTokens as soon as more than `limit` ids are certain."""
         text = text.replace(" ", SPACE)
         if self.prefix_space and at_start and not text.startswith(SPACE):
             text = SPACE + text
         out: list[int] = []
+        bound = self.bound if limit is not None else None
         for chunk in self._chunks(text):
+            if bound is not None and len(chunk) > LONG_PIECE and chunk not in self._cache:
+                bound.check(chunk.replace(SPACE, " ").encode("utf-8"), len(out), limit)
             out.extend(self.encode_word(chunk))
             if limit is not None and len(out) > limit:
-                break
+                raise TooManyTokens(len(out), limit)
         return out

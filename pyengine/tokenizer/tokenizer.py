@@ -15,9 +15,11 @@ Everything is built from the GGUF metadata dict, so it works from bytes (Pyodide
 from __future__ import annotations
 
 import functools
+import re
 
 from .bpe import BYTE_TO_CHAR, ByteLevelBPE, byte_level_spelling
 from .detokenize import ByteLevelDecoder, SentencePieceDecoder
+from .length_bound import TooManyTokens
 from .pretokenize import get_pretokenizer
 from .spm import SPACE, SentencePieceBPE, byte_token_value
 
@@ -39,23 +41,25 @@ class SpecialTokenMatcher:
         for text in added:
             by_first.setdefault(text[0], set()).add(len(text))
         self.lengths = {c: sorted(ls, reverse=True) for c, ls in by_first.items()}
+        # Candidate starts are found by `re` (C speed), so text without them costs no Python loop.
+        self._starts = re.compile("[" + "".join(re.escape(c) for c in sorted(by_first)) + "]") if by_first else None
 
     def find(self, text: str):
         """Yield (start, end, token_text) of non-overlapping matches, left to right."""
-        lengths, added = self.lengths, self.added
-        i, n = 0, len(text)
-        while i < n:
-            ls = lengths.get(text[i])
-            if ls is not None:
-                for length in ls:
-                    if text[i:i + length] in added:
-                        yield i, i + length, text[i:i + length]
-                        i += length
-                        break
-                else:
-                    i += 1
+        if self._starts is None:
+            return
+        lengths, added, search = self.lengths, self.added, self._starts.search
+        m = search(text)
+        while m is not None:
+            i = m.start()
+            for length in lengths[text[i]]:
+                if text[i:i + length] in added:
+                    yield i, i + length, text[i:i + length]
+                    i += length
+                    break
             else:
                 i += 1
+            m = search(text, i)
 
 
 class Tokenizer:
@@ -196,8 +200,8 @@ class Tokenizer:
                limit: int | None = None) -> list[int]:
         """Text -> ids. `parse_special=False` reads control tokens in the text as plain characters (HF's
         split_special_tokens=True); user-defined tokens are still matched, as in HF and llama.cpp.
-        `limit`: stop soon after more than `limit` ids exist (the result is then cut short, but longer
-        than `limit`: enough to know the text does not fit)."""
+        `limit`: raise `TooManyTokens` (a ValueError) as soon as more than `limit` ids are certain, long
+        before the whole text is merged (length_bound.py)."""
         if not isinstance(text, str):
             raise ValueError(f"text must be a str, got {type(text).__name__}")
         try:
@@ -222,23 +226,28 @@ class Tokenizer:
             if not parse_special and tid in self.special_ids:
                 continue  # stays part of the surrounding text
             if start > pos:
-                ids.extend(self._encode_segment(text[pos:start], pos == 0, limit, mark))
+                ids.extend(self._encode_segment(text[pos:start], pos == 0, limit, mark, len(ids)))
             ids.append(tid)
             pos = end
             if limit is not None and len(ids) > limit:
-                return ids
+                raise TooManyTokens(len(ids), limit)
         if pos < len(text):
-            ids.extend(self._encode_segment(text[pos:], pos == 0, limit, mark))
+            ids.extend(self._encode_segment(text[pos:], pos == 0, limit, mark, len(ids)))
         return ids
 
-    def _encode_segment(self, text: str, at_start: bool, limit: int | None = None, mark: str | None = None) -> list[int]:
+    def _encode_segment(self, text: str, at_start: bool, limit: int | None = None, mark: str | None = None,
+                        have: int = 0) -> list[int]:
         if mark is not None:
             text = text.replace(mark, "")
             if not text:
                 return []
-        if self.kind == "spm":
-            return self.model.encode_segment(text, at_start, limit)
-        return self.model.encode_segment(text, limit)
+        room = None if limit is None else limit - have
+        try:
+            if self.kind == "spm":
+                return self.model.encode_segment(text, at_start, room)
+            return self.model.encode_segment(text, room)
+        except TooManyTokens as exc:     # counted within the segment: add what came before it
+            raise TooManyTokens(exc.at_least + have, limit) from None
 
     # -- cheap length bounds -------------------------------------------------------------------------------
     @functools.cached_property
@@ -292,8 +301,8 @@ class Tokenizer:
 
     def encode_chat(self, messages, add_generation_prompt: bool = True, special_tokens_in_content: bool = False,
                     limit: int | None = None, **kwargs) -> tuple[str, list[int]]:
-        """(rendered text, ids) of a conversation. The messages' text is plain text: "<|im_end|>" typed
-        in a message is encoded as its characters, never as the control token, so no message can open a
+        """(rendered text, ids) of a conversation (`limit` as in `encode`). The messages' text is plain
+        text: "<|im_end|>" typed in a message is encoded as its characters, never as the control token, so no message can open a
         forged turn; the template's own markers stay control tokens. `special_tokens_in_content=True`
         restores rendering then encoding the whole text (HF's apply_chat_template(tokenize=True)).
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import copy
 import json
 import logging
 import random
@@ -44,19 +45,22 @@ def smol_tokenizer():
     return Tokenizer.from_gguf(model_path("smollm2"))
 
 
+class CountingTokenizer(Tokenizer):
+    """Records the length of every text it encodes (in the process it lives in)."""
+
+    def encode(self, text, *args, **kw):
+        self.encoded_chars.append(len(text))
+        return super().encode(text, *args, **kw)
+
+
 class RealTokenizerEngine(FakeEngine):
-    """The stand-in engine, speaking SmolLM2's tokenizer; counts the tokenizer's encode calls."""
+    """The stand-in engine, speaking SmolLM2's tokenizer (a counting copy of it)."""
 
     def __init__(self, tok, **kw):
         super().__init__(**kw)
-        self.tok = tok
-        self.encoded_chars = []
-        real = tok.encode
-
-        def counting(text, *a, **k):
-            self.encoded_chars.append(len(text))
-            return real(text, *a, **k)
-        tok.encode = counting
+        self.tok = copy.copy(tok)
+        self.tok.__class__ = CountingTokenizer
+        self.tok.encoded_chars = self.encoded_chars = []
 
 
 def rss_mib() -> float:
@@ -570,3 +574,48 @@ def test_chat_commands_set_and_multiline(monkeypatch, capsys, llm):
     assert len(seen) == 2 and "/frobnicate" not in seen[0][0]            # commands never reach the model
     assert seen[0][1].temperature == 0.2 and "line one\nline two<|im_end|>" in seen[0][0]
     assert "a \nb<|im_end|>" in seen[1][0]
+
+
+def test_prompts_parsed_in_a_worker_process(smol_tokenizer):
+    """Prompts that might fit must be tokenized; in `pyengine serve` that happens in a worker process, so
+    one that turns out too long (150 KB of letters: ~85k tokens for an 8192 context) costs the server's
+    own interpreter nothing: its tokenizer is never called and a running stream keeps flowing."""
+    engine = RealTokenizerEngine(smol_tokenizer, max_model_len=8192, max_num_seqs=4)
+    app = create_app(engine, model_id="m", limits=ServerLimits(tokenizer_process=True))
+    with ServerThread(app) as srv:
+        tok = httpx.post(srv.url + "/tokenize", json={"messages": FORGED}, timeout=60).json()
+        assert tok["tokens"] == smol_tokenizer.encode_chat(FORGED)[1]      # the worker's copy encodes alike
+        r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": FORGED, "max_tokens": 3}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == tok["count"]
+        check_error(httpx.post(srv.url + "/v1/chat/completions", json={**CHAT, "n": 0}), 400, "n")  # errors cross
+        worst, stop, tokens = [0.0], threading.Event(), [0]
+
+        def streamer():
+            with httpx.Client(base_url=srv.url, timeout=60) as c:
+                while not stop.is_set():
+                    last = None
+                    with c.stream("POST", "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 3000,
+                                                                   "stream": True}) as resp:
+                        for line in resp.iter_lines():
+                            if line.startswith("data: {"):
+                                now = time.perf_counter()
+                                if last is not None:
+                                    worst[0] = max(worst[0], now - last)
+                                    tokens[0] += 1
+                                last = now
+                            if stop.is_set():
+                                break
+
+        t = threading.Thread(target=streamer, daemon=True)
+        t.start()
+        while tokens[0] < 20:
+            time.sleep(0.01)
+        rng = random.Random(5)
+        for _ in range(4):
+            word = "".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=150_000))
+            err = check_error(httpx.post(srv.url + "/v1/completions", json={"prompt": word}, timeout=120), 400, "prompt")
+            assert err["code"] == "context_length_exceeded"
+        stop.set()
+        t.join(30)
+    assert all(n < 10_000 for n in engine.encoded_chars)     # the server's own tokenizer never saw them
+    assert worst[0] < 1.0, worst[0]

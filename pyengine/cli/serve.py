@@ -87,6 +87,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--special-tokens-in-content", action="store_true",
                    help="read control-token strings inside chat messages as control tokens (lets any client "
                         "forge turns; off by default)")
+    p.add_argument("--no-tokenizer-process", action="store_true",
+                   help="tokenize prompts in the server's process (default: a worker process, so a long prompt "
+                        "cannot slow the engine)")
     p.add_argument("--stats-interval", type=float, default=d.stats_interval,
                    help=f"seconds between stats log lines; 0 = none (default {d.stats_interval:g})")
     p.add_argument("--with-demo", action="store_true", help="also serve the web demo at / (same process)")
@@ -123,6 +126,7 @@ def server_limits(args):
                         max_waiting=args.max_waiting, max_waiting_tokens=args.max_waiting_tokens,
                         max_tokens_per_request=args.max_tokens_per_request or None,
                         special_tokens_in_content=args.special_tokens_in_content,
+                        tokenizer_process=not args.no_tokenizer_process,
                         allowed_hosts=list(args.allowed_hosts), allowed_origins=list(args.allowed_origins),
                         bind_host=args.host, stats_interval=args.stats_interval)
 

@@ -70,6 +70,17 @@ class ServerState:
         self.admission = S.Admission(limits.max_waiting, limits.max_waiting_tokens or 16 * max_model_len)
         self.loop = EngineLoop(engine, metrics)
         self.created = P.now()
+        self.parser = None
+        if limits.tokenizer_process:
+            from pyengine.server.tokenizer_process import TokenizerProcess
+            self.parser = TokenizerProcess(self.tokenizer)
+
+    async def parse(self, fn, body: dict):
+        """fn(body, tokenizer, policy) off the event loop: in the tokenizer process when there is one (its
+        GIL is not the engine's), else in a thread (its work is still bounded by the context)."""
+        if self.parser is not None:
+            return await self.parser.run(fn, body, self.request_limits)
+        return await asyncio.to_thread(fn, body, self.tokenizer, self.request_limits)
 
     # --- checks in the order a client meets them (auth and Host: guard.py): type, size, JSON, model -----
     async def read_json(self, request: Request) -> dict:
@@ -147,9 +158,8 @@ def create_app(engine, *, model_id: str | None = None, aliases=(), api_key: str 
         body = await state.read_json(request)
         state.check_model(body)
         parse = P.parse_chat if kind == "chat" else P.parse_completion
-        # Tokenizing runs off the event loop (its work is bounded by the context: protocol.encode_prompt).
         try:
-            parsed = await asyncio.to_thread(parse, body, state.tokenizer, state.request_limits)
+            parsed = await state.parse(parse, body)
         except ValueError as exc:   # e.g. the chat template refusing a message sequence
             raise P.APIError(400, str(exc), param="messages" if kind == "chat" else "prompt") from None
         gen = S.Generation(state.loop, state.metrics, parsed, P.new_id(kind), arrival, state.admission)
@@ -178,7 +188,7 @@ def create_app(engine, *, model_id: str | None = None, aliases=(), api_key: str 
         async def handle(r):
             body = await state.read_json(r)
             state.check_model(body)
-            return JSONResponse(await asyncio.to_thread(P.tokenize, body, state.tokenizer, state.request_limits))
+            return JSONResponse(await state.parse(P.tokenize, body))
         return await api(request, handle)
 
     async def detokenize(request: Request) -> Response:
@@ -231,6 +241,8 @@ def create_app(engine, *, model_id: str | None = None, aliases=(), api_key: str 
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        if state.parser is not None:
+            await state.parser.start()
         state.loop.ensure_started()
         stats_task = (asyncio.get_running_loop().create_task(log_stats(limits.stats_interval))
                       if limits.stats_interval > 0 and hasattr(engine, "stats") else None)
@@ -240,6 +252,8 @@ def create_app(engine, *, model_id: str | None = None, aliases=(), api_key: str 
             if stats_task is not None:
                 stats_task.cancel()
             await state.loop.stop()
+            if state.parser is not None:
+                state.parser.close()
 
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),

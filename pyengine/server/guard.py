@@ -45,6 +45,7 @@ class ServerLimits:
     max_waiting_tokens: int | None = None   # prompt tokens waiting (None: 16 x max_model_len)
     max_tokens_per_request: int | None = 8192   # n x max_tokens of one request (None: unlimited)
     special_tokens_in_content: bool = False     # chat messages may contain control tokens (unsafe)
+    tokenizer_process: bool = False     # parse prompts in a worker process (pyengine serve: on)
     allowed_hosts: list[str] = field(default_factory=list)
     allowed_origins: list[str] = field(default_factory=list)
     bind_host: str = "127.0.0.1"

@@ -34,6 +34,9 @@ class APIError(Exception):
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
 
+    def __reduce__(self):   # it crosses from the tokenizer process (tokenizer_process.py)
+        return APIError, (self.status, self.message, self.type, self.param, self.code, self.headers)
+
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:

@@ -23,6 +23,10 @@ from .word_cache import WORD_CACHE_BYTES, WORD_CACHE_MAX_CHARS, BoundedCache
 # show millions of distinct pairs.
 PAIR_CACHE_BYTES = 32 << 20
 
+
+def _pair_cost(key, info) -> int:
+    return 250
+
 SPACE = "\u2581"  # ▁
 _RUN = re.compile(f"{SPACE}*[^{SPACE}]+|{SPACE}+")
 
@@ -54,7 +58,7 @@ class SentencePieceBPE:
         self.prefix_space = prefix_space
         self.unk_id = unk_id
         self._byte_ids = [self.vocab.get(f"<0x{b:02X}>") for b in range(256)]
-        self._pairs = BoundedCache(PAIR_CACHE_BYTES, cost=lambda key, info: 250)
+        self._pairs = BoundedCache(PAIR_CACHE_BYTES, cost=_pair_cost)
         self._explicit = None
         if merges is not None:
             self._explicit = {}
@@ -97,7 +101,8 @@ class SentencePieceBPE:
     def _find_safe_cuts(self):
         """Characters c after which a cut before "▁" is safe: no token contains c + "▁", so no merge can
         ever join the symbol ending in c with the "▁..." symbol after it. Cutting a paragraph (which
-        SentencePiece treats as one word) into "▁word" chunks makes the per-chunk cache effective."""
+        SentencePiece treats as one word) into "▁word" chunks makes the per-chunk cache effective.
+        Returns the blocked characters and whether byte fallback may follow a cut (None: never cut)."""
         if SPACE not in self.vocab:
             return None
         blocked = set()
@@ -108,9 +113,11 @@ class SentencePieceBPE:
                     blocked.add(t[i - 1])
                 i = t.find(SPACE, i + 1)
         # A character without a token becomes byte tokens "<0xNN>" (or "<unk>"), which end in ">".
-        fallback_ok = ">" not in blocked
-        vocab = self.vocab
-        return lambda c: c not in blocked and (c in vocab or fallback_ok)
+        return blocked, ">" not in blocked
+
+    def _cut_ok(self, c: str) -> bool:
+        blocked, fallback_ok = self._safe_cut
+        return c not in blocked and (c in self.vocab or fallback_ok)
 
     def _chunks(self, text: str) -> list[str]:
         if self._safe_cut is None:
@@ -118,7 +125,7 @@ class SentencePieceBPE:
         chunks: list[str] = []
         for m in _RUN.finditer(text):
             piece = m.group()
-            if chunks and not (piece[0] == SPACE and self._safe_cut(chunks[-1][-1])):
+            if chunks and not (piece[0] == SPACE and self._cut_ok(chunks[-1][-1])):
                 chunks[-1] += piece
             else:
                 chunks.append(piece)

@@ -41,6 +41,13 @@ class LLM:
     def max_model_len(self) -> int:
         return self.llm_engine.max_model_len
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a call without sampling_params uses: the model's GGUF recommendations
+        (`general.sampling.*`) over vLLM's defaults, with max_tokens 16 as in vLLM."""
+        from pyengine.sampling_params import model_sampling_defaults
+        gguf = getattr(getattr(self.llm_engine, "runner", None), "gguf", None)
+        return SamplingParams(**model_sampling_defaults(getattr(gguf, "metadata", None)))
+
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = False) -> list:
         """Complete each prompt; returns the final `RequestOutput`s in input order.
 
@@ -69,7 +76,7 @@ class LLM:
     def stream(self, prompt, sampling_params=None) -> "TextStream":
         """Start one request and return a `TextStream`: iterate it for text deltas as they are
         decided; afterwards ``.output`` is the final `RequestOutput`. ``close()`` aborts it early."""
-        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         if params.n != 1:
@@ -119,10 +126,9 @@ class LLM:
             raise ValueError(f"stream() takes one prompt, got {len(items)}")
         return items
 
-    @staticmethod
-    def _params_list(sampling_params, n: int) -> list[SamplingParams]:
+    def _params_list(self, sampling_params, n: int) -> list[SamplingParams]:
         if sampling_params is None:
-            return [SamplingParams()] * n
+            return [self.get_default_sampling_params()] * n
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * n
         if isinstance(sampling_params, (list, tuple)):

@@ -14,6 +14,25 @@ from dataclasses import dataclass, fields
 GREEDY_EPS = 1e-5
 # OpenAI's bounds for logit_bias values; +-100 already bans or forces a token.
 MAX_LOGIT_BIAS = 100.0
+# llama.cpp's GGUF keys for the sampler settings a model's author recommends -> SamplingParams fields.
+GGUF_SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
+                      "general.sampling.top_k": "top_k", "general.sampling.min_p": "min_p",
+                      "general.sampling.penalty_repeat": "repetition_penalty"}
+
+
+def model_sampling_defaults(metadata: dict | None) -> dict:
+    """The sampler settings a GGUF carries (`general.sampling.*`), as SamplingParams fields. Every entry
+    point (Python API, CLI, server) starts from these and, for what the file does not say, from vLLM's
+    defaults (temperature 1, top_p 1, top_k off, min_p 0): the dataclass defaults below."""
+    out = {}
+    for key, name in GGUF_SAMPLING_KEYS.items():
+        value = (metadata or {}).get(key)
+        if isinstance(value, numbers.Real) and not isinstance(value, bool):
+            out[name] = int(value) if name == "top_k" else float(value)
+    if out.get("top_k") == 0:
+        out["top_k"] = -1          # llama.cpp's "off"
+    SamplingParams(**out)          # a file with out-of-range values fails here, naming the field
+    return out
 
 
 def _number(name: str, value, *, integer: bool = False):

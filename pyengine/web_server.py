@@ -11,7 +11,7 @@ Routes:
 
 MIME types are set explicitly (application/wasm for .wasm, text/javascript for .js/.mjs): browsers refuse
 to stream-compile wasm or run module scripts served with the wrong type, and the system `mimetypes`
-table is not reliable across machines. Everything is sent with `Cache-Control: no-cache` so a rebuilt
+table is not reliable across machines. No mount follows a symlink out of its directory. Everything is sent with `Cache-Control: no-cache` so a rebuilt
 wheel or worker is picked up on reload.
 """
 from __future__ import annotations
@@ -83,7 +83,7 @@ def create_app(model: str | os.PathLike | None = None, web_root: str | os.PathLi
     ]
     vendor = web / "vendor"
     if vendor.is_dir():
-        routes.append(Mount("/vendor", app=TypedStaticFiles(directory=vendor, follow_symlink=True)))
+        routes.append(Mount("/vendor", app=TypedStaticFiles(directory=vendor, follow_symlink=False)))
     if ts.is_dir():
         routes.append(Mount("/ts-mini", app=TypedStaticFiles(directory=ts)))
     routes.append(Mount("/", app=TypedStaticFiles(directory=web, html=True)))

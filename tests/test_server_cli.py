@@ -41,14 +41,16 @@ def test_serve_requires_key_and_serves(served):
     assert r.status_code == 200, r.text
     model = httpx.get(url + "/v1/models", headers={"Authorization": "Bearer k3y"}).json()["data"][0]["id"]
     assert model == "SmolLM2-135M-Instruct.Q4_1" and r.json()["model"] == model
-    assert "pyengine_generation_tokens_total" in httpx.get(url + "/metrics").text
+    assert httpx.get(url + "/metrics").status_code == 401            # --api-key covers /metrics too
+    assert "pyengine_generation_tokens_total" in httpx.get(url + "/metrics", headers={"Authorization": "Bearer k3y"}).text
 
 
 def test_demo_in_same_process(served):
     url = served
-    page = httpx.get(url + "/")
+    assert httpx.get(url + "/").status_code == 401                   # the demo is behind the key as well
+    page = httpx.get(url + "/", auth=("any", "k3y"))                 # as a browser resends it after asking
     assert page.status_code == 200 and "<html" in page.text.lower()
-    assert httpx.get(url + "/config.js").status_code == 200
+    assert httpx.get(url + "/config.js", auth=("any", "k3y")).status_code == 200
 
 
 def test_bench_serve_against_url(served):

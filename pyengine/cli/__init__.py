@@ -1,7 +1,8 @@
 """`pyengine` command line. Each subcommand lives in its own module and is imported only when used,
 so `pyengine info` never pays for the server's imports.
 
-A subcommand module defines ``HELP`` (one line), ``add_arguments(parser)`` and ``run(args) -> int``.
+A subcommand module defines ``add_arguments(parser)`` and ``run(args) -> int``; its one-line help is
+here, so `pyengine --help` describes every subcommand without importing any.
 """
 from __future__ import annotations
 
@@ -10,29 +11,37 @@ import importlib
 import sys
 
 SUBCOMMANDS = {
-    "info": "pyengine.cli.info",
-    "generate": "pyengine.cli.generate",
-    "chat": "pyengine.cli.chat",
-    "bench": "pyengine.cli.bench",
-    "serve": "pyengine.cli.serve",
-    "web": "pyengine.cli.web",
+    "info": ("pyengine.cli.info", "describe a GGUF model: architecture, sizes, tokenizer, quantization types"),
+    "generate": ("pyengine.cli.generate", "generate a completion for PROMPT, streamed to stdout"),
+    "chat": ("pyengine.cli.chat", "chat with the model in the terminal (/help lists the commands)"),
+    "bench": ("pyengine.cli.bench", "run a benchmark (default: decode/prefill against the NumPy roofline)"),
+    "serve": ("pyengine.cli.serve", "serve the OpenAI-compatible API (chat/completions, streaming, /metrics)"),
+    "web": ("pyengine.cli.web", "serve the browser demo (Pyodide + TypeScript engines side by side)"),
 }
+
+
+def version() -> str:
+    from importlib import metadata
+    try:
+        return metadata.version("pyengine")
+    except metadata.PackageNotFoundError:   # run from a checkout that was never installed
+        return "unknown (not installed)"
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="pyengine", description="pure-NumPy LLM inference engine")
+    parser = argparse.ArgumentParser(prog="pyengine", description="pure-NumPy LLM inference engine",
+                                     epilog="`pyengine COMMAND --help` shows a command's options.")
+    parser.add_argument("--version", action="version", version=f"pyengine {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    # Only the chosen subcommand's module is imported; the others are listed by name.
+    # Only the chosen subcommand's module is imported; the others are listed with their help line.
     chosen = next((a for a in argv if not a.startswith("-")), None)
-    for name, module_name in SUBCOMMANDS.items():
+    for name, (module_name, help_line) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_line, description=help_line)
         if name == chosen:
             module = importlib.import_module(module_name)
-            p = sub.add_parser(name, help=module.HELP, description=module.HELP)
             module.add_arguments(p)
             p.set_defaults(_run=module.run)
-        else:
-            sub.add_parser(name, help=f"({name})")
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):
         parser.print_help()
@@ -47,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         import os
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except (FileNotFoundError, ValueError) as exc:
+    except (OSError, ValueError) as exc:
         # GGUFError subclasses ValueError: user errors print one readable line, not a traceback.
         print(f"pyengine {args.command}: error: {exc}", file=sys.stderr)
         return 1

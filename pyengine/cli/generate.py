@@ -1,7 +1,9 @@
 """`pyengine generate PROMPT`: stream a completion to stdout; timings go to stderr.
 
-Sampling defaults are llama.cpp's (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05);
-``--temperature 0`` is greedy. ``--chat`` wraps the prompt as a user message in the chat template.
+Sampling options left out take the model's recommendations (its GGUF's ``general.sampling.*``), else
+vLLM's defaults (temperature 1, top-p 1, top-k off, min-p 0): the same defaults as the Python API and the
+server. ``--temperature 0`` is greedy. ``--chat`` wraps the prompt as a user message in the chat template.
+``--max-model-len`` defaults to the model's trained context when one sequence's KV cache fits the memory.
 """
 from __future__ import annotations
 
@@ -9,22 +11,31 @@ import argparse
 import sys
 import time
 
-HELP = "generate a completion for PROMPT, streamed to stdout"
+
+
+MODEL_DEFAULT = "default: the model's, else "
+SAMPLING_OPTIONS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """--model and --max-model-len (generate, chat, serve)."""
+    p.add_argument("--model", metavar="PATH", default=None, help="GGUF file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                   help="context length (default: the model's, when one sequence's KV cache fits the memory)")
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
     """Options shared by `generate` and `chat`."""
-    p.add_argument("--model", metavar="PATH", default=None, help="GGUF file (default: SmolLM2-135M-Instruct)")
+    add_model_arguments(p)
     p.add_argument("--max-tokens", type=int, default=max_tokens, metavar="N", help=f"default {max_tokens}")
-    p.add_argument("--temperature", type=float, default=0.8, metavar="T", help="0 = greedy (default 0.8)")
-    p.add_argument("--top-p", type=float, default=0.95, metavar="P", help="nucleus sampling (default 0.95)")
-    p.add_argument("--top-k", type=int, default=40, metavar="K", help="-1 = off (default 40)")
-    p.add_argument("--min-p", type=float, default=0.05, metavar="P", help="0 = off (default 0.05)")
-    p.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R", help="default 1.0 (off)")
+    p.add_argument("--temperature", type=float, default=None, metavar="T", help=f"0 = greedy ({MODEL_DEFAULT}1.0)")
+    p.add_argument("--top-p", type=float, default=None, metavar="P", help=f"nucleus sampling ({MODEL_DEFAULT}1.0)")
+    p.add_argument("--top-k", type=int, default=None, metavar="K", help=f"-1 = off ({MODEL_DEFAULT}-1)")
+    p.add_argument("--min-p", type=float, default=None, metavar="P", help=f"0 = off ({MODEL_DEFAULT}0)")
+    p.add_argument("--repetition-penalty", type=float, default=None, metavar="R", help=f"1 = off ({MODEL_DEFAULT}1)")
     p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="stop string (repeat for several)")
-    p.add_argument("--max-model-len", type=int, default=2048, metavar="N", help="context size (default 2048)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,11 +46,53 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
 
 
-def sampling_params(args, **extra):
+def sampling_params(args, llm=None, **extra):
+    """SamplingParams from the options given, the rest from `llm`'s defaults (the model's, else vLLM's).
+    Without `llm` it only checks the options (bad values fail before the model loads)."""
     from pyengine.sampling_params import SamplingParams
-    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                          max_tokens=args.max_tokens, seed=args.seed, stop=args.stop,
-                          repetition_penalty=args.repetition_penalty, **extra)
+    given = {k: getattr(args, k) for k in SAMPLING_OPTIONS if getattr(args, k) is not None}
+    base = {}
+    if llm is not None:
+        d = llm.get_default_sampling_params()
+        base = {k: getattr(d, k) for k in SAMPLING_OPTIONS}
+    return SamplingParams(**{**base, **given}, max_tokens=args.max_tokens, seed=args.seed, stop=args.stop, **extra)
+
+
+def default_max_model_len(gguf, block_size: int = 16, floor: int = 2048) -> int:
+    """The model's trained context, when one full-length sequence's KV cache fits the runner's default KV
+    budget and a quarter of the memory available now; else the longest halving of it that does (at
+    least `floor`, or the context if shorter)."""
+    from pyengine.config import ModelConfig
+    from pyengine.engine.kv_cache import PagedKVCache
+    from pyengine.engine.model_runner import DEFAULT_KV_BUDGET_BYTES
+
+    c = ModelConfig.from_gguf(gguf)
+    context = int(c.context_length or floor)
+    per_token = PagedKVCache.bytes_per_block(c.n_layers, block_size, c.n_kv_heads, c.head_dim) / block_size
+    budget = DEFAULT_KV_BUDGET_BYTES
+    available = _available_memory()
+    if available is not None:
+        budget = min(budget, available // 4)
+    length = context
+    while length > floor and length * per_token > budget:
+        length //= 2
+    return max(min(length, context), min(floor, context))
+
+
+def _available_memory() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def context_hint(max_model_len: int, context: int | None) -> str:
+    more = f", up to the model's {context}" if context and context > max_model_len else ""
+    return f"the context is --max-model-len {max_model_len}{more}"
 
 
 def load_llm(args):
@@ -63,9 +116,11 @@ def load_llm(args):
     t0 = t = time.perf_counter()
     gguf = GGUFFile(path)
     context = ModelConfig.from_gguf(gguf).context_length
-    if args.max_model_len > context:
+    if args.max_model_len is None:
+        args.max_model_len = default_max_model_len(gguf)
+    elif args.max_model_len > context:
         raise ValueError(f"--max-model-len {args.max_model_len} exceeds the model's context length {context}")
-    t = stage(f"read {len(gguf.tensors)} tensors' headers", t)
+    t = stage(f"read {len(gguf.tensors)} tensors' headers; context {args.max_model_len} of {context}", t)
     # one conversation at a time: size the KV cache and batch for a single sequence
     runner = ModelRunner(gguf, max_model_len=args.max_model_len, max_num_seqs=1)
     c = runner.config
@@ -73,6 +128,7 @@ def load_llm(args):
     tok = runner.tokenizer
     stage(f"tokenizer: {tok.vocab_size} tokens", t)
     llm = LLM(runner=runner, max_model_len=args.max_model_len, max_num_seqs=1)
+    llm.model_context = context
     print(f"loaded in {time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)
     return llm
 
@@ -111,13 +167,26 @@ def summary(output, start: float, tokenizer=None) -> str:
     return "[" + ", ".join(parts) + "]"
 
 
+def check_fits(llm, n_prompt: int, max_tokens: int) -> None:
+    """The overflow error a user can act on: it names the flags."""
+    if n_prompt + max_tokens > llm.max_model_len:
+        raise ValueError(f"the prompt ({n_prompt} tokens) + --max-tokens {max_tokens} does not fit: "
+                         f"{context_hint(llm.max_model_len, getattr(llm, 'model_context', None))}")
+
+
 def run(args) -> int:
-    params = sampling_params(args, ignore_eos=args.ignore_eos)   # bad values fail before the model loads
+    sampling_params(args)                # bad values fail before the model loads
     llm = load_llm(args)
-    prompt = args.prompt
+    params = sampling_params(args, llm, ignore_eos=args.ignore_eos)
+    tok = llm.get_tokenizer()
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
-        prompt = llm.chat_prompt(messages + [{"role": "user", "content": args.prompt}])
+        text, ids = tok.encode_chat(messages + [{"role": "user", "content": args.prompt}])
+        prompt = {"prompt_token_ids": ids, "prompt": text}
+    else:
+        prompt = args.prompt
+        ids = tok.encode(prompt, limit=llm.max_model_len)
+    check_fits(llm, len(ids), params.max_tokens)
     start = time.perf_counter()
     stream = llm.stream(prompt, params)
     text, interrupted = stream_to(stream)

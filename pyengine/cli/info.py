@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 from collections import defaultdict
 
-HELP = "describe a GGUF model: architecture, sizes, tokenizer, quantization types (--tensors: every tensor)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -3,31 +3,68 @@
     pyengine serve --port 8000
     curl -N localhost:8000/v1/chat/completions -H 'content-type: application/json' \\
          -d '{"messages": [{"role": "user", "content": "Hi"}], "stream": true}'
+
+The port is taken before the model loads (a busy port fails at once). With --api-key every route but
+/health needs the key (the demo's pages too: a browser asks for it as a password). Bound to loopback,
+only loopback Host names are served (DNS rebinding protection; --allowed-hosts adds names); CORS is
+off unless --allowed-origins.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import logging
 import os
 import sys
+from pathlib import Path
 
-HELP = "serve the OpenAI-compatible API (chat/completions, streaming, /metrics) over HTTP"
+from pyengine.cli.generate import add_model_arguments
 
 # The web demo's dev-server app factory (the demo owns that module): create_app(model=path, pyodide=None).
 DEMO_MODULE = "pyengine.web_server"
 
 
+def server_extras_hint() -> str:
+    """How to get starlette/uvicorn: from this checkout when pyengine runs from one (PyPI's 'pyengine'
+    is another project), else the packages themselves."""
+    root = Path(__file__).resolve().parents[2]
+    if (root / "pyproject.toml").is_file():
+        return f"pip install -e '{root}[server]'"
+    return "pip install 'starlette>=0.37' 'uvicorn>=0.29' 'prometheus-client>=0.20'"
+
+
+def require_server_extras(command: str) -> bool:
+    """True when the server packages import; else prints the fix and returns False."""
+    missing = [m for m in ("uvicorn", "starlette", "prometheus_client") if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"pyengine {command} needs the server extras ({', '.join(missing)} missing): "
+              f"{server_extras_hint()}", file=sys.stderr)
+    return not missing
+
+
+def warn_if_exposed(command: str, host: str, api_key: str | None, what: str = "without --api-key") -> None:
+    from pyengine.server.guard import is_loopback
+    if not is_loopback(host) and not api_key:
+        print(f"warning: pyengine {command} on {host} {what}: anyone who can reach it can use it",
+              file=sys.stderr)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from pyengine.server.guard import ServerLimits
+    d = ServerLimits()
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--model", default=None, help="GGUF path (default: SmolLM2-135M-Instruct)")
+    add_model_arguments(p)
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: the file name)")
     p.add_argument("--api-key", default=os.environ.get("PYENGINE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 (default: $PYENGINE_API_KEY)")
-    p.add_argument("--max-waiting", type=int, default=64,
-                   help="bounded waiting queue; requests beyond it get 429 (default: 64)")
-    p.add_argument("--max-model-len", type=int, default=2048)
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: $PYENGINE_API_KEY)")
+    p.add_argument("--max-waiting", type=int, default=d.max_waiting,
+                   help=f"sequences (n counts) that may wait for the engine; more get 429 (default {d.max_waiting})")
+    p.add_argument("--max-waiting-tokens", type=int, default=None,
+                   help="prompt tokens that may wait for the engine (default 16 x max-model-len)")
+    p.add_argument("--max-tokens-per-request", type=int, default=d.max_tokens_per_request,
+                   help=f"n x max_tokens one request may ask for; 0 = unlimited (default {d.max_tokens_per_request})")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -35,15 +72,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
     p.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    p.add_argument("--body-timeout", type=float, default=d.body_timeout,
+                   help=f"seconds for a request body to arrive (408 otherwise; default {d.body_timeout:g})")
+    p.add_argument("--header-timeout", type=float, default=d.header_timeout,
+                   help=f"seconds for a connection to send its request headers (default {d.header_timeout:g})")
+    p.add_argument("--keep-alive-timeout", type=float, default=d.keep_alive_timeout,
+                   help=f"idle keep-alive connections are closed after this (default {d.keep_alive_timeout:g} s)")
+    p.add_argument("--max-connections", type=int, default=d.max_connections,
+                   help=f"connections served at once; requests beyond get 503 (default {d.max_connections})")
+    p.add_argument("--allowed-hosts", nargs="+", default=[], metavar="NAME",
+                   help="extra Host names accepted ('*': any); on loopback only loopback names are by default")
+    p.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
+                   help="browser origins allowed cross-origin access (CORS; default none)")
+    p.add_argument("--special-tokens-in-content", action="store_true",
+                   help="read control-token strings inside chat messages as control tokens (lets any client "
+                        "forge turns; off by default)")
+    p.add_argument("--no-tokenizer-process", action="store_true",
+                   help="tokenize prompts in the server's process (default: a worker process, so a long prompt "
+                        "cannot slow the engine)")
+    p.add_argument("--stats-interval", type=float, default=d.stats_interval,
+                   help=f"seconds between stats log lines; 0 = none (default {d.stats_interval:g})")
     p.add_argument("--with-demo", action="store_true", help="also serve the web demo at / (same process)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
 def build_engine(args):
+    from pyengine.cli.generate import default_max_model_len
     from pyengine.engine.llm_engine import LLMEngine
+    from pyengine.gguf.reader import GGUFFile
     from pyengine.model_files import resolve_model
 
     path = resolve_model(args.model)
+    if getattr(args, "max_model_len", None) is None:
+        args.max_model_len = default_max_model_len(GGUFFile(path))
     engine = LLMEngine(path, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        enable_prefix_caching=not args.no_prefix_cache,
@@ -58,8 +119,20 @@ def demo_app(model_path: str):
     return module.create_app(model=model_path)
 
 
+def server_limits(args):
+    from pyengine.server.guard import ServerLimits
+    return ServerLimits(body_timeout=args.body_timeout, header_timeout=args.header_timeout,
+                        keep_alive_timeout=args.keep_alive_timeout, max_connections=args.max_connections,
+                        max_waiting=args.max_waiting, max_waiting_tokens=args.max_waiting_tokens,
+                        max_tokens_per_request=args.max_tokens_per_request or None,
+                        special_tokens_in_content=args.special_tokens_in_content,
+                        tokenizer_process=not args.no_tokenizer_process,
+                        allowed_hosts=list(args.allowed_hosts), allowed_origins=list(args.allowed_origins),
+                        bind_host=args.host, stats_interval=args.stats_interval)
+
+
 def make_app(args):
-    """Engine + API app (+ the demo) from parsed arguments; used by `serve` and `bench serve`."""
+    """Engine + API app (+ the demo) from parsed arguments."""
     from pyengine.server.app import create_app, served_names
 
     engine, path = build_engine(args)
@@ -69,24 +142,21 @@ def make_app(args):
     demo = demo_app(path) if getattr(args, "with_demo", False) else None
     app = create_app(engine, model_id=model_id, aliases=aliases, api_key=getattr(args, "api_key", None),
                      max_model_len=args.max_model_len, max_body_bytes=getattr(args, "max_body_bytes", 1 << 20),
-                     demo_app=demo)
+                     demo_app=demo, limits=server_limits(args))
     return app, engine, model_id
 
 
 def run(args) -> int:
-    try:
-        import uvicorn
-    except ImportError:
-        print("pyengine serve needs the server extras: pip install 'pyengine[server]'", file=sys.stderr)
+    if not require_server_extras("serve"):
         return 1
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
-        print(f"warning: serving on {args.host} without --api-key: anyone who can reach it can use it",
-              file=sys.stderr)
+    from pyengine.server.runner import bind_socket, uvicorn_server
+
+    warn_if_exposed("serve", args.host, args.api_key)
+    sock = bind_socket(args.host, args.port)      # before the model loads: a taken port fails at once
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     app, engine, model_id = make_app(args)
     print(f"pyengine serve: model {model_id} on http://{args.host}:{args.port} "
-          f"(prefix cache {'off' if args.no_prefix_cache else 'on'}, chunked prefill "
-          f"{'off' if args.no_chunked_prefill else 'on'}, max waiting {args.max_waiting})", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, http="h11", ws="none",
-                timeout_graceful_shutdown=5)
+          f"(context {args.max_model_len}, prefix cache {'off' if args.no_prefix_cache else 'on'}, chunked prefill "
+          f"{'off' if args.no_chunked_prefill else 'on'}, max waiting {args.max_waiting} sequences)", file=sys.stderr)
+    uvicorn_server(app, args.host, args.port, args.log_level).run(sockets=[sock])
     return 0

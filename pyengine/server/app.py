@@ -4,15 +4,14 @@
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
 POST /v1/chat/completions, POST /v1/completions (SSE when "stream": true), GET /v1/models,
-GET /health, GET /metrics (Prometheus text). Every error is OpenAI-shaped:
-{"error": {"message", "type", "param", "code"}} with the matching HTTP status.
+POST /tokenize, POST /detokenize (vLLM's shapes), GET /health, GET /metrics (Prometheus text). Every
+error is OpenAI-shaped: {"error": {"message", "type", "param", "code"}} with the matching HTTP status,
+and names no internals. guard.py holds the defences around the routes (Host check, CORS, auth, 500s).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
-import json
 import logging
 import os
 import time
@@ -23,16 +22,20 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 
+from pyengine.server import guard
 from pyengine.server import protocol as P
 from pyengine.server import serving as S
 from pyengine.server.engine_loop import EngineLoop
-from pyengine.server.metrics import ServerMetrics
+from pyengine.server.guard import ServerLimits
+from pyengine.server.metrics import ServerMetrics, stats_line
 from pyengine.server.streaming import DisconnectWatcher, EventStreamResponse
 
 log = logging.getLogger("pyengine.server")
 
 MAX_BODY_BYTES = 1 << 20          # 1 MiB: larger bodies get 413
 DRAIN_LIMIT = 64 << 20            # read (and drop) at most this much of an oversized body before answering
+ROUTES = ("POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models", "POST /tokenize",
+          "POST /detokenize", "GET /health", "GET /metrics")
 
 
 def served_names(model_path: str | None) -> tuple[str, list[str]]:
@@ -50,54 +53,69 @@ def error_response(err: P.APIError) -> JSONResponse:
 
 
 class ServerState:
-    def __init__(self, engine, model_id, aliases, api_key, max_model_len, max_body_bytes, metrics):
+    def __init__(self, engine, model_id, aliases, max_model_len, max_body_bytes, metrics, limits: ServerLimits,
+                 sampling_defaults: dict):
         self.engine = engine
         self.tokenizer = engine.get_tokenizer()
         self.model_id = model_id
         self.names = {model_id.lower(), *(a.lower() for a in aliases), "pyengine"}
-        self.api_key = api_key
         self.max_model_len = max_model_len
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
+        self.limits = limits
+        self.request_limits = P.RequestPolicy(max_model_len=max_model_len,
+                                              max_tokens_per_request=limits.max_tokens_per_request,
+                                              special_tokens_in_content=limits.special_tokens_in_content,
+                                              sampling_defaults=tuple(sampling_defaults.items()))
+        self.admission = S.Admission(limits.max_waiting, limits.max_waiting_tokens or 16 * max_model_len)
         self.loop = EngineLoop(engine, metrics)
         self.created = P.now()
+        self.parser = None
+        if limits.tokenizer_process:
+            from pyengine.server.tokenizer_process import TokenizerProcess
+            self.parser = TokenizerProcess(self.tokenizer)
 
-    # --- checks in the order a client meets them: auth, size, JSON, model ------------------------
-    def check_key(self, request: Request) -> None:
-        if self.api_key is None:
-            return
-        got = request.headers.get("authorization", "")
-        scheme, _, token = got.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
-            raise P.APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
-                             code="invalid_api_key")
+    async def parse(self, fn, body: dict):
+        """fn(body, tokenizer, policy) off the event loop: in the tokenizer process when there is one (its
+        GIL is not the engine's), else in a thread (its work is still bounded by the context)."""
+        if self.parser is not None:
+            return await self.parser.run(fn, body, self.request_limits)
+        return await asyncio.to_thread(fn, body, self.tokenizer, self.request_limits)
 
+    # --- checks in the order a client meets them (auth and Host: guard.py): type, size, JSON, model -----
     async def read_json(self, request: Request) -> dict:
-        limit = self.max_body_bytes
-        too_big = P.APIError(413, f"Request body exceeds the limit of {limit} bytes.", code="request_too_large")
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > DRAIN_LIMIT:
+        media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media != "application/json" and not media.endswith("+json"):
+            raise P.APIError(415, f"Content-Type must be application/json, got {media or 'none'!r}.",
+                             code="unsupported_media_type")
+        limit, timeout = self.max_body_bytes, self.limits.body_timeout
+        close = {"connection": "close"}
+        too_big = P.APIError(413, f"Request body exceeds the limit of {limit} bytes.", code="request_too_large",
+                             headers=close)
+        declared = request.headers.get("content-length", "")
+        declared = int(declared) if declared.isdigit() else None
+        if declared is not None and declared > DRAIN_LIMIT:
             raise too_big
         body = bytearray()
         seen = 0
         try:
-            async for chunk in request.stream():
-                seen += len(chunk)
-                if seen <= limit:
-                    body += chunk
-                elif seen > DRAIN_LIMIT:   # stop reading: the connection will be closed after the 413
-                    raise too_big
+            async with asyncio.timeout(timeout):   # a slow or stalled upload must not hold a connection
+                async for chunk in request.stream():
+                    seen += len(chunk)
+                    if seen <= limit:
+                        body += chunk
+                    elif seen > DRAIN_LIMIT:   # stop reading: the connection will be closed after the 413
+                        raise too_big
+        except TimeoutError:
+            if seen > limit or (declared or 0) > limit:
+                raise too_big from None
+            raise P.APIError(408, f"The request body did not arrive within {timeout:g} s.", code="request_timeout",
+                             headers=close) from None
         except ClientDisconnect:   # gone mid-body: nobody to answer, nothing was started
             raise P.APIError(400, "client disconnected while sending the request", code="client_disconnected")
-        if seen > limit or (declared and declared.isdigit() and int(declared) > limit):
+        if seen > limit or (declared or 0) > limit:
             raise too_big
-        try:
-            data = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise P.APIError(400, f"Invalid JSON body: {exc}", code="invalid_json") from None
-        if not isinstance(data, dict):
-            raise P.APIError(400, "The request body must be a JSON object.", code="invalid_json")
-        return data
+        return P.parse_json_body(bytes(body))
 
     def check_model(self, body: dict) -> None:
         model = body.get("model")
@@ -111,30 +129,41 @@ class ServerState:
 
 def create_app(engine, *, model_id: str | None = None, aliases=(), api_key: str | None = None,
                max_model_len: int | None = None, max_body_bytes: int = MAX_BODY_BYTES, demo_app=None,
-               metrics: ServerMetrics | None = None) -> Starlette:
+               metrics: ServerMetrics | None = None, limits: ServerLimits | None = None,
+               sampling_defaults: dict | None = None) -> Starlette:
     """The API around a ready `LLMEngine`-shaped engine. `demo_app` (an ASGI app, e.g. the web demo)
-    is mounted at / so the demo and the API share one process and port."""
-    max_model_len = max_model_len or getattr(engine, "max_model_len", None) or 2048
-    state = ServerState(engine, model_id or "pyengine", list(aliases), api_key, int(max_model_len),
-                        max_body_bytes, metrics or ServerMetrics())
+    is mounted at / so the demo and the API share one process and port. `limits`: timeouts, queue
+    bounds, Host/CORS policy (guard.ServerLimits); `api_key` covers every route but /health.
+    `sampling_defaults`: for fields a request leaves out (default: the model GGUF's general.sampling.*)."""
+    from pyengine.sampling_params import model_sampling_defaults
 
-    async def complete(request: Request, kind: str) -> Response:
-        arrival = time.perf_counter()
+    max_model_len = max_model_len or getattr(engine, "max_model_len", None) or 2048
+    limits = limits or ServerLimits()
+    if sampling_defaults is None:
+        gguf = getattr(getattr(engine, "runner", None), "gguf", None)
+        sampling_defaults = model_sampling_defaults(getattr(gguf, "metadata", None))
+    state = ServerState(engine, model_id or "pyengine", list(aliases), int(max_model_len), max_body_bytes,
+                        metrics or ServerMetrics(), limits, sampling_defaults)
+
+    async def api(request: Request, handler) -> Response:
+        """Run one API handler: its APIErrors become OpenAI-shaped answers (and count in the metrics)."""
         try:
-            state.check_key(request)
-            body = await state.read_json(request)
-            state.check_model(body)
-            parse = P.parse_chat if kind == "chat" else P.parse_completion
-            # Tokenizing runs off the event loop: a long prompt must not stall other streams.
-            try:
-                parsed = await asyncio.to_thread(parse, body, state.tokenizer, state.max_model_len)
-            except ValueError as exc:   # e.g. the chat template refusing a message sequence
-                raise P.APIError(400, str(exc), param="messages" if kind == "chat" else "prompt") from None
-            gen = S.Generation(state.loop, state.metrics, parsed, P.new_id(kind), arrival)
-            await gen.start()
+            return await handler(request)
         except P.APIError as err:
             state.metrics.errors.labels(status=str(err.status)).inc()
             return error_response(err)
+
+    async def complete(request: Request, kind: str) -> Response:
+        arrival = time.perf_counter()
+        body = await state.read_json(request)
+        state.check_model(body)
+        parse = P.parse_chat if kind == "chat" else P.parse_completion
+        try:
+            parsed = await state.parse(parse, body)
+        except ValueError as exc:   # e.g. the chat template refusing a message sequence
+            raise P.APIError(400, str(exc), param="messages" if kind == "chat" else "prompt") from None
+        gen = S.Generation(state.loop, state.metrics, parsed, P.new_id(kind), arrival, state.admission)
+        await gen.start()
         created = P.now()
         watcher = DisconnectWatcher(request.receive, gen.abort)
         if parsed.stream:
@@ -144,24 +173,32 @@ def create_app(engine, *, model_id: str | None = None, aliases=(), api_key: str 
             return EventStreamResponse(S.stream(gen, state.tokenizer, state.model_id, created), on_close=on_close)
         try:
             result = await S.collect(gen, state.tokenizer, state.model_id, created)
-        except P.APIError as err:
-            return error_response(err)
         finally:
             watcher.stop()
             gen.close()
         return JSONResponse(result)
 
     async def chat_completions(request: Request) -> Response:
-        return await complete(request, "chat")
+        return await api(request, lambda r: complete(r, "chat"))
 
     async def completions(request: Request) -> Response:
-        return await complete(request, "completion")
+        return await api(request, lambda r: complete(r, "completion"))
+
+    async def tokenize(request: Request) -> Response:
+        async def handle(r):
+            body = await state.read_json(r)
+            state.check_model(body)
+            return JSONResponse(await state.parse(P.tokenize, body))
+        return await api(request, handle)
+
+    async def detokenize(request: Request) -> Response:
+        async def handle(r):
+            body = await state.read_json(r)
+            state.check_model(body)
+            return JSONResponse(P.detokenize(body, state.tokenizer))
+        return await api(request, handle)
 
     async def models(request: Request) -> Response:
-        try:
-            state.check_key(request)
-        except P.APIError as err:
-            return error_response(err)
         card = {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "pyengine",
                 "root": state.model_id, "max_model_len": state.max_model_len}
         return JSONResponse({"object": "list", "data": [card]})
@@ -175,34 +212,63 @@ def create_app(engine, *, model_id: str | None = None, aliases=(), api_key: str 
         data, content_type = state.metrics.render()
         return Response(data, media_type=content_type.split(";")[0], headers={"content-type": content_type})
 
-    async def http_error(request: Request, exc: HTTPException) -> Response:
-        kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(P.error_body(str(exc.detail), kind, None, None), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+    async def not_found(request: Request) -> Response:
+        raise HTTPException(404)
 
-    async def server_error(request: Request, exc: Exception) -> Response:
-        log.exception("unhandled error", exc_info=exc)
-        return JSONResponse(P.error_body(f"internal server error: {exc!r}", "server_error", None, None),
-                            status_code=500)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        if exc.status_code == 404:
+            message = (f"{request.method} {request.url.path} is not a route of this server; it serves "
+                       + ", ".join(ROUTES) + (" and the web demo under /" if demo_app is not None else "") + ".")
+            return JSONResponse(P.error_body(message, "not_found", None, "route_not_found"), status_code=404)
+        return JSONResponse(P.error_body(str(exc.detail), "invalid_request_error", None, None),
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    async def log_stats(interval: float) -> None:
+        """vLLM's periodic line: throughput since the last line, queue sizes, KV usage, prefix hits."""
+        last, then = {}, time.perf_counter()
+        with contextlib.suppress(Exception):
+            last = dict(engine.stats() or {})
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                stats = dict(engine.stats() or {})
+            except Exception:   # the engine is mid-step in another thread: try again next time
+                continue
+            now = time.perf_counter()
+            if stats != last:
+                log.info(stats_line(stats, last, now - then))
+            last, then = stats, now
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        if state.parser is not None:
+            await state.parser.start()
         state.loop.ensure_started()
+        stats_task = (asyncio.get_running_loop().create_task(log_stats(limits.stats_interval))
+                      if limits.stats_interval > 0 and hasattr(engine, "stats") else None)
         try:
             yield
         finally:
+            if stats_task is not None:
+                stats_task.cancel()
             await state.loop.stop()
+            if state.parser is not None:
+                state.parser.close()
 
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
     ]
-    if demo_app is not None:
-        routes.append(Mount("/", app=demo_app))
-    app = Starlette(routes=routes, lifespan=lifespan,
-                    exception_handlers={HTTPException: http_error, Exception: server_error})
+    if demo_app is not None:   # unknown /v1 paths stay the API's clear 404, not the demo's
+        routes += [Route("/v1/{rest:path}", not_found, methods=["GET", "POST", "HEAD", "PUT", "DELETE"]),
+                   Mount("/", app=demo_app)]
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=guard.middleware(limits, api_key),
+                    exception_handlers={HTTPException: http_error})
     app.state.server = state
+    app.state.limits = limits
     return app

@@ -65,3 +65,16 @@ class ServerMetrics:
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def stats_line(stats: dict, last: dict, seconds: float) -> str:
+    """The periodic log line vLLM prints, from two `engine.stats()` snapshots `seconds` apart."""
+    def rate(key: str) -> float:
+        return (stats.get(key, 0) - last.get(key, 0)) / max(seconds, 1e-9)
+
+    usage = stats.get("kv_cache_usage")
+    hit = _hit_rate(stats)
+    return (f"Avg prompt throughput: {rate('computed_prompt_tokens'):.1f} tokens/s, "
+            f"Avg generation throughput: {rate('generation_tokens'):.1f} tokens/s, "
+            f"Running: {stats.get('running', 0)} reqs, Waiting: {stats.get('waiting', 0)} reqs, "
+            f"KV cache usage: {100 * (usage or 0):.1f}%, Prefix cache hit rate: {100 * (hit or 0):.1f}%")

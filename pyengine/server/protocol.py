@@ -5,18 +5,21 @@ raises `APIError` carrying the HTTP status and the OpenAI error body, naming the
 """
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
 from dataclasses import dataclass
 
 from pyengine.sampling_params import SamplingParams
+from pyengine.tokenizer.length_bound import TooManyTokens
 
 MAX_N = 32                  # choices per request: each one is a sequence in the batch
 MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS_ENTRIES = 300
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # OpenAI's legacy default; chat defaults to "rest of the context"
+MAX_JSON_DEPTH = 64         # no OpenAI body nests deeper than ~6; deep nesting only costs recursion
 
 
 class APIError(Exception):
@@ -31,6 +34,9 @@ class APIError(Exception):
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
 
+    def __reduce__(self):   # it crosses from the tokenizer process (tokenizer_process.py)
+        return APIError, (self.status, self.message, self.type, self.param, self.code, self.headers)
+
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
@@ -39,6 +45,50 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 
 def bad_param(param: str, message: str) -> APIError:
     return APIError(400, message, param=param, code="invalid_value")
+
+
+# --- the body: JSON that is safe to read ------------------------------------------------------------
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse_json_body(raw: bytes) -> dict:
+    """Request bytes -> a JSON object, or a 400 saying what is wrong with the input (never an internal
+    message): invalid UTF-8 or syntax, NaN/Infinity literals, numbers past Python's 4300-digit limit,
+    nesting deeper than MAX_JSON_DEPTH, and strings holding lone surrogates (\\ud800 escapes), which
+    cannot be encoded back to UTF-8 anywhere downstream."""
+    def invalid(why: str) -> APIError:
+        return APIError(400, f"Invalid JSON body: {why}.", code="invalid_json")
+
+    try:
+        data = json.loads(raw, parse_constant=_reject_constant)
+    except UnicodeDecodeError:
+        raise invalid("it is not UTF-8") from None
+    except json.JSONDecodeError as exc:
+        raise invalid(f"{exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except RecursionError:
+        raise invalid(f"it nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as exc:   # NaN/Infinity (ours), or an integer over the int-string digit limit
+        text = str(exc)
+        raise invalid(text if text.endswith("is not JSON") else "a number has too many digits") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
+    stack = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise invalid(f"it nests deeper than {MAX_JSON_DEPTH} levels")
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            for s in (key, item):
+                if isinstance(s, str) and not s.isascii():
+                    try:
+                        s.encode("utf-8")
+                    except UnicodeEncodeError:
+                        raise invalid("a string holds a lone surrogate (an unpaired \\ud800-\\udfff escape)") from None
+            if isinstance(item, (dict, list)):
+                stack.append((item, depth + 1))
+    return data
 
 
 # --- field readers: each names its parameter in the error -------------------------------------
@@ -157,7 +207,7 @@ def _common(body: dict, vocab_size: int) -> dict:
     rf = body.get("response_format")
     if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
         raise bad_param("response_format", "only response_format {\"type\": \"text\"} is supported")
-    top_k = _int(body, "top_k", -1)
+    top_k = _int(body, "top_k", -1, vocab_size)
     kw = dict(
         n=n or 1,
         temperature=_float(body, "temperature", 0.0, 2.0),
@@ -186,12 +236,13 @@ def _common(body: dict, vocab_size: int) -> dict:
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise bad_param("user", "user must be a string")
-    return dict(kw=kw, n=n or 1, stream=stream, include_usage=include_usage, user=user)
+    budget_param = "max_completion_tokens" if max_completion is not None else "max_tokens"
+    return dict(kw=kw, n=n or 1, stream=stream, include_usage=include_usage, user=user, budget_param=budget_param)
 
 
-def _make_params(kw: dict) -> SamplingParams:
+def _make_params(kw: dict, defaults=()) -> SamplingParams:
     # max_tokens stays None when absent: _fit_context fills it once the prompt length is known.
-    given = {k: v for k, v in kw.items() if v is not None or k == "max_tokens"}
+    given = {**dict(defaults), **{k: v for k, v in kw.items() if v is not None or k == "max_tokens"}}
     try:
         return SamplingParams(**given)
     except ValueError as exc:  # a rule the server did not pre-check: pass SamplingParams' words on
@@ -236,39 +287,83 @@ def _messages(body: dict) -> list[dict]:
     return out
 
 
-def _check_ids(ids: list, vocab_size: int, where: str) -> list[int]:
+def _check_ids(ids: list, vocab_size: int, where: str, param: str = "prompt") -> list[int]:
     if not ids:
-        raise bad_param("prompt", f"{where} must not be empty")
+        raise bad_param(param, f"{where} must not be empty")
     for t in ids:
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
-            raise bad_param("prompt", f"{where} holds {t!r}, not a token id in [0, {vocab_size})")
+            raise bad_param(param, f"{where} holds {t!r}, not a token id in [0, {vocab_size})")
     return list(ids)
 
 
-def _fit_context(params: SamplingParams, prompt_lens: list[int], max_model_len: int, default_max: int | None,
-                 param: str) -> SamplingParams:
-    """OpenAI-style context checks naming both lengths; fills max_tokens when the client left it out."""
+@dataclass(frozen=True)
+class RequestPolicy:
+    """What the operator allows one request, and what it gets by default (`pyengine serve` options)."""
+    max_model_len: int = 2048
+    max_tokens_per_request: int | None = None   # n x max_tokens summed over prompts (--max-tokens-per-request)
+    special_tokens_in_content: bool = False     # chat: read control-token strings in messages as tokens
+    sampling_defaults: tuple = ()               # (field, value) pairs for fields the client leaves out
+
+
+def _limits(limits) -> RequestPolicy:
+    return limits if isinstance(limits, RequestPolicy) else RequestPolicy(max_model_len=int(limits))
+
+
+def _too_long(max_model_len: int, what: str, param: str) -> APIError:
+    return APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, your "
+                         f"prompt {what}; no room is left for the completion. (The server's --max-model-len "
+                         f"sets the context length.)", param=param, code="context_length_exceeded")
+
+
+def encode_prompt(tokenizer, text: str, max_model_len: int, param: str, **encode_kw) -> list[int]:
+    """Encode with the work bounded by the context: a prompt whose bytes cannot fit is refused before
+    tokenizing (`Tokenizer.min_tokens`), and tokenizing stops once past the context (`limit=`)."""
+    if not hasattr(tokenizer, "min_tokens"):    # a tokenizer without the bounds (tests' stand-ins)
+        return tokenizer.encode(text, **encode_kw)
+    at_least = tokenizer.min_tokens(text)
+    if at_least >= max_model_len:
+        raise _too_long(max_model_len, f"is {len(text.encode())} bytes, which is at least {at_least} tokens",
+                        param)
+    try:
+        return tokenizer.encode(text, limit=max_model_len, **encode_kw)
+    except TooManyTokens as exc:      # stopped early: the exact count was not worth computing
+        raise _too_long(max_model_len, f"has at least {exc.at_least} tokens", param) from None
+
+
+def _fit_context(params: SamplingParams, prompt_lens: list[int], limits: RequestPolicy, default_max: int | None,
+                 param: str, budget_param: str, n: int) -> SamplingParams:
+    """OpenAI-style context checks naming both lengths; fills max_tokens when the client left it out.
+    The operator's max_tokens_per_request caps n x max_tokens over all prompts."""
+    max_model_len = limits.max_model_len
     longest = max(prompt_lens)
     if longest >= max_model_len:
-        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, your "
-                            f"prompt has {longest} tokens; no room is left for the completion.",
-                       param=param, code="context_length_exceeded")
+        raise _too_long(max_model_len, f"has {longest} tokens", param)
     room = max_model_len - longest
+    sequences = n * len(prompt_lens)
+    cap = limits.max_tokens_per_request
     if params.max_tokens is None:
         want = room if default_max is None else min(default_max, room)
+        if cap is not None:
+            want = max(1, min(want, cap // sequences))
         return params.clone(max_tokens=want)
     if longest + params.max_tokens > max_model_len:
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
                             f"requested {longest + params.max_tokens} tokens ({longest} in the prompt, "
                             f"{params.max_tokens} for the completion).",
-                       param="max_tokens", code="context_length_exceeded")
+                       param=budget_param, code="context_length_exceeded")
+    if cap is not None and sequences * params.max_tokens > cap:
+        raise APIError(400, f"This request asks for {sequences} x {params.max_tokens} = "
+                            f"{sequences * params.max_tokens} completion tokens; this server allows at most "
+                            f"{cap} per request (its --max-tokens-per-request).",
+                       param=budget_param, code="max_tokens_per_request_exceeded")
     return params
 
 
-def _finish(kind, body, common, prompts, prompt_texts, tokenizer, max_model_len, logprobs, echo, param):
-    params = _make_params(common["kw"])
+def _finish(kind, body, common, prompts, prompt_texts, tokenizer, limits, logprobs, echo, param):
+    params = _make_params(common["kw"], limits.sampling_defaults)
     default_max = COMPLETIONS_DEFAULT_MAX_TOKENS if kind == "completion" else None
-    params = _fit_context(params, [len(p) for p in prompts], max_model_len, default_max, param)
+    params = _fit_context(params, [len(p) for p in prompts], limits, default_max, param, common["budget_param"],
+                          common["n"])
     if logprobs is not None:
         params = params.clone(logprobs=logprobs)
     return ParsedRequest(kind=kind, model=_check_model(body), prompts=prompts, prompt_texts=prompt_texts,
@@ -277,8 +372,29 @@ def _finish(kind, body, common, prompts, prompt_texts, tokenizer, max_model_len,
                          user=common["user"])
 
 
-def parse_chat(body: dict, tokenizer, max_model_len: int) -> ParsedRequest:
-    """POST /v1/chat/completions body -> ParsedRequest (prompt rendered with the model's chat template)."""
+def encode_messages(tokenizer, messages: list[dict], limits: RequestPolicy, add_generation_prompt: bool = True,
+                    param: str = "messages") -> tuple[str, list[int]]:
+    """The conversation as (text, ids) with the message text read as plain text (unless the operator's
+    special_tokens_in_content), refused before rendering when its text alone cannot fit."""
+    if hasattr(tokenizer, "min_tokens"):
+        at_least = sum(tokenizer.min_tokens(m["content"]) for m in messages)
+        if at_least >= limits.max_model_len:
+            raise _too_long(limits.max_model_len, f"holds at least {at_least} tokens of message text", param)
+    if not hasattr(tokenizer, "encode_chat"):   # a stand-in tokenizer: render, then encode
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        return text, tokenizer.encode(text, add_special_tokens=False, parse_special=True)
+    try:
+        return tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt,
+                                     special_tokens_in_content=limits.special_tokens_in_content,
+                                     limit=limits.max_model_len)
+    except TooManyTokens as exc:
+        raise _too_long(limits.max_model_len, f"has at least {exc.at_least} tokens", param) from None
+
+
+def parse_chat(body: dict, tokenizer, limits: RequestPolicy | int) -> ParsedRequest:
+    """POST /v1/chat/completions body -> ParsedRequest (prompt rendered with the model's chat template).
+    `limits`: a RequestPolicy, or just max_model_len."""
+    limits = _limits(limits)
     _check_model(body)
     messages = _messages(body)
     common = _common(body, tokenizer.vocab_size)
@@ -288,13 +404,13 @@ def parse_chat(body: dict, tokenizer, max_model_len: int) -> ParsedRequest:
     elif body.get("top_logprobs") is not None:
         _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
         raise bad_param("top_logprobs", "top_logprobs requires logprobs: true")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    ids = tokenizer.encode(text, add_special_tokens=False, parse_special=True)
-    return _finish("chat", body, common, [ids], [text], tokenizer, max_model_len, logprobs, False, "messages")
+    text, ids = encode_messages(tokenizer, messages, limits)
+    return _finish("chat", body, common, [ids], [text], tokenizer, limits, logprobs, False, "messages")
 
 
-def parse_completion(body: dict, tokenizer, max_model_len: int) -> ParsedRequest:
+def parse_completion(body: dict, tokenizer, limits: RequestPolicy | int) -> ParsedRequest:
     """POST /v1/completions body -> ParsedRequest. prompt: str, [str], [int] or [[int]]."""
+    limits = _limits(limits)
     vocab = tokenizer.vocab_size
     prompt = body.get("prompt")
     if prompt is None:
@@ -313,7 +429,8 @@ def parse_completion(body: dict, tokenizer, max_model_len: int) -> ParsedRequest
     else:
         for i, p in enumerate(prompt):
             if isinstance(p, str):
-                ids = tokenizer.encode(p, add_special_tokens=True, parse_special=True)
+                ids = encode_prompt(tokenizer, p, limits.max_model_len, "prompt", add_special_tokens=True,
+                                    parse_special=True)
                 if not ids:
                     raise bad_param("prompt", f"prompt[{i}] encodes to no tokens")
                 prompts.append(ids)
@@ -331,7 +448,40 @@ def parse_completion(body: dict, tokenizer, max_model_len: int) -> ParsedRequest
         raise bad_param("echo", "echo with logprobs (prompt logprobs) is not supported")
     if echo:
         texts = [t if t is not None else tokenizer.decode(ids) for t, ids in zip(texts, prompts)]
-    return _finish("completion", body, common, prompts, texts, tokenizer, max_model_len, logprobs, echo, "prompt")
+    return _finish("completion", body, common, prompts, texts, tokenizer, limits, logprobs, echo, "prompt")
+
+
+# --- /tokenize and /detokenize (vLLM's shapes) -------------------------------------------------------
+def tokenize(body: dict, tokenizer, limits: RequestPolicy | int) -> dict:
+    """{"prompt": str, "add_special_tokens": true} or {"messages": [...], "add_generation_prompt": true}
+    -> {"count", "max_model_len", "tokens", "token_strs"}. Counting stops at the context length, as for
+    a completion (a prompt that cannot fit is a 400)."""
+    limits = _limits(limits)
+    want_strs = _bool(body, "return_token_strs")
+    if body.get("messages") is not None:
+        messages = _messages(body)
+        _, ids = encode_messages(tokenizer, messages, limits, _bool(body, "add_generation_prompt", True))
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise APIError(400, "tokenize needs prompt (a string) or messages", param="prompt",
+                           code="missing_required_parameter")
+        ids = encode_prompt(tokenizer, prompt, limits.max_model_len, "prompt",
+                            add_special_tokens=_bool(body, "add_special_tokens", True), parse_special=True)
+    strs = [_token_text(tokenizer, t)[0] for t in ids] if want_strs else None
+    return {"count": len(ids), "max_model_len": limits.max_model_len, "tokens": ids, "token_strs": strs}
+
+
+def detokenize(body: dict, tokenizer) -> dict:
+    """{"tokens": [int, ...]} -> {"prompt": text}."""
+    tokens = body.get("tokens")
+    if tokens is None:
+        raise APIError(400, "tokens is required", param="tokens", code="missing_required_parameter")
+    if not isinstance(tokens, list):
+        raise bad_param("tokens", "tokens must be a list of token ids")
+    if tokens:
+        _check_ids(tokens, tokenizer.vocab_size, "tokens", param="tokens")
+    return {"prompt": tokenizer.decode(tokens)}
 
 
 # --- responses ------------------------------------------------------------------------------------

@@ -5,10 +5,14 @@ with the client's n (the engine runs n sequences sharing the prompt's KV blocks)
 OpenAI: choice = p * n + i. All report to one asyncio.Queue; `Generation` turns their cumulative
 `RequestOutput`s into per-choice updates (new text, new token ids, new logprobs), times them for the
 metrics, and aborts whatever still runs when it is closed early.
+
+`Admission` bounds what waits for the engine by sequences (a request with n=8 is 8) and prompt tokens,
+not by requests: a request is waiting from its acceptance until its first output (its prefill is done).
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -17,6 +21,8 @@ from pyengine.server import protocol as P
 from pyengine.server.engine_loop import Aborted, EngineFailure, EngineLoop
 from pyengine.server.streaming import DONE, sse
 
+log = logging.getLogger("pyengine.server")
+
 
 def is_overloaded(exc: BaseException) -> bool:
     """The engine's EngineOverloaded (bounded waiting queue full), recognised by name so the server
@@ -24,14 +30,50 @@ def is_overloaded(exc: BaseException) -> bool:
     return any(c.__name__ == "EngineOverloaded" for c in type(exc).__mro__)
 
 
+def overloaded(why: str) -> P.APIError:
+    return P.APIError(429, f"The server is overloaded: {why}. Retry later.", type="rate_limit_exceeded",
+                      code="engine_overloaded", headers={"retry-after": "1"})
+
+
+def engine_failed() -> P.APIError:
+    # The exception is in the server's log; its text may hold internals, so the client gets none of it.
+    return P.APIError(500, "The engine failed while running this request; the server's log has the details.",
+                      type="server_error", code="engine_error", headers={"connection": "close"})
+
+
 def engine_error(exc: Exception) -> P.APIError:
     if is_overloaded(exc):
-        return P.APIError(429, f"The server is overloaded: {exc}. Retry later.", type="rate_limit_exceeded",
-                          code="engine_overloaded", headers={"retry-after": "1"})
+        return overloaded(str(exc))
     if isinstance(exc, ValueError):
         return P.APIError(400, str(exc), param=P.param_named_in(str(exc), ("prompt", "max_tokens", "logit_bias",
                                                                             "stop_token_ids", "logprobs")))
-    return P.APIError(500, f"engine error: {exc!r}", type="server_error", code="engine_error")
+    log.error("engine refused a request: %r", exc)
+    return engine_failed()
+
+
+class Admission:
+    """The waiting budget: sequences and prompt tokens accepted but not yet started by the engine.
+    A request that alone exceeds a bound is still admitted into an empty queue (it could never run
+    otherwise); `max_tokens_per_request` and the context bound its size instead."""
+
+    def __init__(self, max_seqs: int, max_tokens: int):
+        self.max_seqs, self.max_tokens = max_seqs, max_tokens
+        self.seqs = self.tokens = 0
+        self._held: dict[str, tuple[int, int]] = {}
+
+    def admit(self, request_id: str, seqs: int, tokens: int) -> None:
+        if self._held and (self.seqs + seqs > self.max_seqs or self.tokens + tokens > self.max_tokens):
+            raise overloaded(f"{self.seqs} sequences with {self.tokens} prompt tokens are waiting (limits: "
+                             f"{self.max_seqs} sequences, --max-waiting; {self.max_tokens} tokens, "
+                             f"--max-waiting-tokens); this request adds {seqs} and {tokens}")
+        self._held[request_id] = (seqs, tokens)
+        self.seqs += seqs
+        self.tokens += tokens
+
+    def release(self, request_id: str) -> None:
+        seqs, tokens = self._held.pop(request_id, (0, 0))
+        self.seqs -= seqs
+        self.tokens -= tokens
 
 
 @dataclass
@@ -44,8 +86,10 @@ class Update:
 
 
 class Generation:
-    def __init__(self, loop: EngineLoop, metrics, parsed: P.ParsedRequest, api_id: str, arrival: float):
+    def __init__(self, loop: EngineLoop, metrics, parsed: P.ParsedRequest, api_id: str, arrival: float,
+                 admission: Admission | None = None):
         self.loop, self.metrics, self.parsed, self.api_id, self.arrival = loop, metrics, parsed, api_id, arrival
+        self.admission = admission or Admission(1 << 62, 1 << 62)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.prompt_of = {f"{api_id}-{p}": p for p in range(len(parsed.prompts))}
         self.pending: set[str] = set()
@@ -73,19 +117,22 @@ class Generation:
 
     async def start(self) -> None:
         """Add every prompt to the engine; on any refusal, withdraw the ones already added."""
+        n = self.parsed.n
         try:
             for rid, p in self.prompt_of.items():
-                prompt = {"prompt_token_ids": self.parsed.prompts[p]}
-                await self.loop.add_request(rid, prompt, self.parsed.params, self.queue)
+                ids = self.parsed.prompts[p]
+                self.admission.admit(rid, n, n * len(ids))
                 self.pending.add(rid)
+                await self.loop.add_request(rid, {"prompt_token_ids": ids}, self.parsed.params, self.queue)
         except Exception as exc:
             self.abort()
             self.closed = True
-            raise engine_error(exc) from exc
+            raise exc if isinstance(exc, P.APIError) else engine_error(exc) from exc
 
     def abort(self) -> None:
         for rid in list(self.pending):
             self.loop.abort(rid)
+            self.admission.release(rid)
 
     async def updates(self) -> AsyncIterator[Update]:
         n = self.parsed.n
@@ -94,6 +141,7 @@ class Generation:
             rid = item.request_id
             if rid not in self.pending:
                 continue
+            self.admission.release(rid)   # it has run (or ended): no longer waiting
             p = self.prompt_of[rid]
             if isinstance(item, (Aborted, EngineFailure)):
                 self.pending.discard(rid)
@@ -163,7 +211,7 @@ class Generation:
 def _failure_error(gen: Generation) -> P.APIError | None:
     """Why a generation ended without finishing, as an API error (None if it finished)."""
     if gen.failure is not None:
-        return P.APIError(500, f"engine error: {gen.failure!r}", type="server_error", code="engine_error")
+        return engine_failed()
     if gen.abort_reason is not None:
         return P.APIError(503, f"request aborted: {gen.abort_reason}", type="server_error", code="aborted")
     return None

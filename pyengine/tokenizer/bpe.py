@@ -6,8 +6,12 @@ Text -> UTF-8 bytes -> each byte spelled as one printable character (GPT-2's byt
 """
 from __future__ import annotations
 
+import functools
+
+from .length_bound import LONG_PIECE, PieceBound, TooManyTokens
 from .merge import bpe_merge
 from .pretokenize import PreTokenizer
+from .word_cache import WORD_CACHE_BYTES, WORD_CACHE_MAX_CHARS, BoundedCache
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -63,28 +67,39 @@ class ByteLevelBPE:
         # HF's BPE has no unknown token here and silently drops such bytes; so do we.
         self._char_id = {c: self.vocab[c] for c in BYTE_TO_CHAR.values() if c in self.vocab}
         self.missing_bytes = bytes(b for b, c in BYTE_TO_CHAR.items() if c not in self.vocab)
-        self._cache: dict[str, list[int]] = {}
+        self._cache = BoundedCache(WORD_CACHE_BYTES, WORD_CACHE_MAX_CHARS)
 
     def pair_info(self, a: int, b: int):
         return self.ranks.get((a, b))
 
+    @functools.cached_property
+    def bound(self) -> PieceBound:
+        return PieceBound(bytes(CHAR_TO_BYTE[c] for c in key) for key in self.vocab)
+
     def encode_word(self, piece: str) -> list[int]:
         """One pre-tokenized piece -> ids (memoized: natural text repeats words a lot)."""
-        ids = self._cache.get(piece)
+        ids = self._cache.data.get(piece)
         if ids is None:
             spelled = piece.encode("utf-8").decode("latin-1").translate(_SPELL)
             char_id = self._char_id
             if self.missing_bytes:
                 spelled = "".join(c for c in spelled if c in char_id)
             ids = bpe_merge([char_id[c] for c in spelled], self.pair_info)
-            if len(self._cache) < 200_000:
-                self._cache[piece] = ids
+            self._cache.put(piece, ids)
         return ids
 
-    def encode_segment(self, text: str) -> list[int]:
+    def encode_segment(self, text: str, limit: int | None = None) -> list[int]:
+        """Ids of text free of special tokens. With `limit`: TooManyTokens as soon as more than `limit`
+        ids are certain (a long piece is bounded before it is merged)."""
         out: list[int] = []
-        cache, encode_word = self._cache, self.encode_word
+        cache, encode_word = self._cache.data, self.encode_word
         for piece in self.pretokenizer(text):
             ids = cache.get(piece)
-            out += ids if ids is not None else encode_word(piece)
+            if ids is None:
+                if limit is not None and len(piece) > LONG_PIECE:
+                    self.bound.check(piece.encode("utf-8").translate(None, self.missing_bytes), len(out), limit)
+                ids = encode_word(piece)
+            out += ids
+            if limit is not None and len(out) > limit:
+                raise TooManyTokens(len(out), limit)
         return out

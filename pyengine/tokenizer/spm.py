@@ -13,7 +13,19 @@ from __future__ import annotations
 
 import re
 
+import functools
+
+from .length_bound import LONG_PIECE, PieceBound, TooManyTokens
 from .merge import bpe_merge
+from .word_cache import WORD_CACHE_BYTES, WORD_CACHE_MAX_CHARS, BoundedCache
+
+# Merge ranks of the symbol pairs seen: an entry is ~250 B, and adversarial text of rare characters can
+# show millions of distinct pairs.
+PAIR_CACHE_BYTES = 32 << 20
+
+
+def _pair_cost(key, info) -> int:
+    return 250
 
 SPACE = "\u2581"  # ▁
 _RUN = re.compile(f"{SPACE}*[^{SPACE}]+|{SPACE}+")
@@ -46,7 +58,7 @@ class SentencePieceBPE:
         self.prefix_space = prefix_space
         self.unk_id = unk_id
         self._byte_ids = [self.vocab.get(f"<0x{b:02X}>") for b in range(256)]
-        self._pairs: dict[tuple[int, int], tuple | None] = {}
+        self._pairs = BoundedCache(PAIR_CACHE_BYTES, cost=_pair_cost)
         self._explicit = None
         if merges is not None:
             self._explicit = {}
@@ -58,13 +70,13 @@ class SentencePieceBPE:
                     raise ValueError(f"tokenizer.ggml.merges[{rank}] = {line!r} does not join two tokens into one")
                 self._explicit[(a, b)] = (rank, ab)
         self._safe_cut = self._find_safe_cuts()
-        self._cache: dict[str, list[int]] = {}
+        self._cache = BoundedCache(WORD_CACHE_BYTES, WORD_CACHE_MAX_CHARS)
 
     # -- merge ranks -----------------------------------------------------------------------------------
     def pair_info(self, a: int, b: int):
         """(rank, merged id) of adjacent symbols a, b, or None."""
         key = (a, b)
-        info = self._pairs.get(key, False)
+        info = self._pairs.data.get(key, False)
         if info is False:
             if self._explicit is not None:
                 info = self._explicit.get(key)
@@ -75,14 +87,22 @@ class SentencePieceBPE:
                 # then file order of the merged token and of the parts.
                 info = None if ab is None else (
                     (-self.scores[ab], -len(left), -len(right), ab, a, b), ab)
-            self._pairs[key] = info
+            self._pairs.put(key, info)
         return info
+
+    @functools.cached_property
+    def bound(self) -> PieceBound | None:
+        """None when a run of characters without tokens fuses into one <unk> (no bound exists)."""
+        if None in self._byte_ids and self.unk_id is not None:
+            return None
+        return PieceBound(t.replace(SPACE, " ").encode("utf-8") for t in self.tokens)
 
     # -- splitting long words into independent chunks ------------------------------------------------
     def _find_safe_cuts(self):
         """Characters c after which a cut before "▁" is safe: no token contains c + "▁", so no merge can
         ever join the symbol ending in c with the "▁..." symbol after it. Cutting a paragraph (which
-        SentencePiece treats as one word) into "▁word" chunks makes the per-chunk cache effective."""
+        SentencePiece treats as one word) into "▁word" chunks makes the per-chunk cache effective.
+        Returns the blocked characters and whether byte fallback may follow a cut (None: never cut)."""
         if SPACE not in self.vocab:
             return None
         blocked = set()
@@ -93,9 +113,11 @@ class SentencePieceBPE:
                     blocked.add(t[i - 1])
                 i = t.find(SPACE, i + 1)
         # A character without a token becomes byte tokens "<0xNN>" (or "<unk>"), which end in ">".
-        fallback_ok = ">" not in blocked
-        vocab = self.vocab
-        return lambda c: c not in blocked and (c in vocab or fallback_ok)
+        return blocked, ">" not in blocked
+
+    def _cut_ok(self, c: str) -> bool:
+        blocked, fallback_ok = self._safe_cut
+        return c not in blocked and (c in self.vocab or fallback_ok)
 
     def _chunks(self, text: str) -> list[str]:
         if self._safe_cut is None:
@@ -103,7 +125,7 @@ class SentencePieceBPE:
         chunks: list[str] = []
         for m in _RUN.finditer(text):
             piece = m.group()
-            if chunks and not (piece[0] == SPACE and self._safe_cut(chunks[-1][-1])):
+            if chunks and not (piece[0] == SPACE and self._cut_ok(chunks[-1][-1])):
                 chunks[-1] += piece
             else:
                 chunks.append(piece)
@@ -135,19 +157,24 @@ class SentencePieceBPE:
         return ids
 
     def encode_word(self, word: str) -> list[int]:
-        ids = self._cache.get(word)
+        ids = self._cache.data.get(word)
         if ids is None:
             ids = bpe_merge(self.initial_symbols(word), self.pair_info)
-            if len(self._cache) < 200_000 and len(word) < 256:
-                self._cache[word] = ids
+            self._cache.put(word, ids)
         return ids
 
-    def encode_segment(self, text: str, at_start: bool = False) -> list[int]:
-        """Text between special tokens; `at_start` when it begins the input (for the prefix space)."""
+    def encode_segment(self, text: str, at_start: bool = False, limit: int | None = None) -> list[int]:
+        """Text between special tokens; `at_start` when it begins the input (for the prefix space). With
+        `limit`: TooManyTokens as soon as more than `limit` ids are certain."""
         text = text.replace(" ", SPACE)
         if self.prefix_space and at_start and not text.startswith(SPACE):
             text = SPACE + text
         out: list[int] = []
+        bound = self.bound if limit is not None else None
         for chunk in self._chunks(text):
+            if bound is not None and len(chunk) > LONG_PIECE and chunk not in self._cache:
+                bound.check(chunk.replace(SPACE, " ").encode("utf-8"), len(out), limit)
             out.extend(self.encode_word(chunk))
+            if limit is not None and len(out) > limit:
+                raise TooManyTokens(len(out), limit)
         return out

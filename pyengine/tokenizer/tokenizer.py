@@ -6,12 +6,20 @@ Pipeline of `encode`:
 2. the model: byte-level BPE (`bpe.py`) or SentencePiece-style BPE with byte fallback (`spm.py`).
 3. BOS/EOS only when `add_special_tokens=True` and the file asks for them (`tokenizer.ggml.add_bos_token`).
 
+`encode_chat` renders a conversation and encodes it with the messages' text as plain text: a control-token
+string inside a message stays characters, so a user cannot forge a turn. `min_tokens` and `encode(limit=)`
+let a server reject an over-long prompt before (or early in) the pure-Python merge work.
+
 Everything is built from the GGUF metadata dict, so it works from bytes (Pyodide) as well as paths.
 """
 from __future__ import annotations
 
+import functools
+import re
+
 from .bpe import BYTE_TO_CHAR, ByteLevelBPE, byte_level_spelling
 from .detokenize import ByteLevelDecoder, SentencePieceDecoder
+from .length_bound import TooManyTokens
 from .pretokenize import get_pretokenizer
 from .spm import SPACE, SentencePieceBPE, byte_token_value
 
@@ -20,6 +28,8 @@ GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
 # Chat end-of-turn tokens, stops besides eos (llama.cpp calls the set "end of generation").
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<|eot_id|>", "<|eom_id|>",
                       "<|end|>", "<|end_of_text|>", "</s>", "<eos>")
+# Unicode noncharacters are reserved for a program's internal use: encode_chat marks message text with one.
+NONCHARACTERS = tuple(chr(c) for c in range(0xFDD0, 0xFDF0))
 
 
 class SpecialTokenMatcher:
@@ -31,23 +41,25 @@ class SpecialTokenMatcher:
         for text in added:
             by_first.setdefault(text[0], set()).add(len(text))
         self.lengths = {c: sorted(ls, reverse=True) for c, ls in by_first.items()}
+        # Candidate starts are found by `re` (C speed), so text without them costs no Python loop.
+        self._starts = re.compile("[" + "".join(re.escape(c) for c in sorted(by_first)) + "]") if by_first else None
 
     def find(self, text: str):
         """Yield (start, end, token_text) of non-overlapping matches, left to right."""
-        lengths, added = self.lengths, self.added
-        i, n = 0, len(text)
-        while i < n:
-            ls = lengths.get(text[i])
-            if ls is not None:
-                for length in ls:
-                    if text[i:i + length] in added:
-                        yield i, i + length, text[i:i + length]
-                        i += length
-                        break
-                else:
-                    i += 1
+        if self._starts is None:
+            return
+        lengths, added, search = self.lengths, self.added, self._starts.search
+        m = search(text)
+        while m is not None:
+            i = m.start()
+            for length in lengths[text[i]]:
+                if text[i:i + length] in added:
+                    yield i, i + length, text[i:i + length]
+                    i += length
+                    break
             else:
                 i += 1
+            m = search(text, i)
 
 
 class Tokenizer:
@@ -184,27 +196,19 @@ class Tokenizer:
         return bytes([value]) if value is not None else self.decoder.pieces[i].encode("utf-8")
 
     # -- encode / decode ---------------------------------------------------------------------------------
-    def encode(self, text: str, add_special_tokens: bool = False, parse_special: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False, parse_special: bool = True,
+               limit: int | None = None) -> list[int]:
         """Text -> ids. `parse_special=False` reads control tokens in the text as plain characters (HF's
-        split_special_tokens=True); user-defined tokens are still matched, as in HF and llama.cpp."""
+        split_special_tokens=True); user-defined tokens are still matched, as in HF and llama.cpp.
+        `limit`: raise `TooManyTokens` (a ValueError) as soon as more than `limit` ids are certain, long
+        before the whole text is merged (length_bound.py)."""
         if not isinstance(text, str):
             raise ValueError(f"text must be a str, got {type(text).__name__}")
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:
             raise ValueError(f"text is not valid Unicode (lone surrogate at index {e.start})") from None
-        ids: list[int] = []
-        pos = 0
-        for start, end, token in self._matcher.find(text):
-            tid = self.added[token]
-            if not parse_special and tid in self.special_ids:
-                continue  # stays part of the surrounding text
-            if start > pos:
-                ids.extend(self._encode_segment(text[pos:start], pos == 0))
-            ids.append(tid)
-            pos = end
-        if pos < len(text):
-            ids.extend(self._encode_segment(text[pos:], pos == 0))
+        ids = self._encode_text(text, parse_special, limit)
         if add_special_tokens:
             if self.add_bos_token and self.bos_token_id is not None:
                 ids.insert(0, self.bos_token_id)
@@ -212,10 +216,57 @@ class Tokenizer:
                 ids.append(self.eos_token_id)
         return ids
 
-    def _encode_segment(self, text: str, at_start: bool) -> list[int]:
-        if self.kind == "spm":
-            return self.model.encode_segment(text, at_start)
-        return self.model.encode_segment(text)
+    def _encode_text(self, text: str, parse_special: bool, limit: int | None, mark: str | None = None) -> list[int]:
+        """Special tokens first, the model between them. `mark` (see encode_chat) is deleted from each
+        segment before the model sees it, after the special-token search, so marked text never matches."""
+        ids: list[int] = []
+        pos = 0
+        for start, end, token in self._matcher.find(text):
+            tid = self.added[token]
+            if not parse_special and tid in self.special_ids:
+                continue  # stays part of the surrounding text
+            if start > pos:
+                ids.extend(self._encode_segment(text[pos:start], pos == 0, limit, mark, len(ids)))
+            ids.append(tid)
+            pos = end
+            if limit is not None and len(ids) > limit:
+                raise TooManyTokens(len(ids), limit)
+        if pos < len(text):
+            ids.extend(self._encode_segment(text[pos:], pos == 0, limit, mark, len(ids)))
+        return ids
+
+    def _encode_segment(self, text: str, at_start: bool, limit: int | None = None, mark: str | None = None,
+                        have: int = 0) -> list[int]:
+        if mark is not None:
+            text = text.replace(mark, "")
+            if not text:
+                return []
+        room = None if limit is None else limit - have
+        try:
+            if self.kind == "spm":
+                return self.model.encode_segment(text, at_start, room)
+            return self.model.encode_segment(text, room)
+        except TooManyTokens as exc:     # counted within the segment: add what came before it
+            raise TooManyTokens(exc.at_least + have, limit) from None
+
+    # -- cheap length bounds -------------------------------------------------------------------------------
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most input bytes one token can stand for (its spelling or, for added tokens, its text)."""
+        spelled = max(len(self.token_bytes(i)) for i in range(len(self.tokens)))
+        return max(spelled, *(len(t.encode("utf-8")) for t in self.added)) if self.added else spelled
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on len(encode(text)) computed without tokenizing (C-speed byte operations): no
+        token covers more than `max_token_bytes` bytes. 0 when the vocabulary allows no bound (SentencePiece
+        without complete byte fallback fuses any run of unknown characters into one <unk>)."""
+        raw = text.encode("utf-8", errors="surrogatepass")
+        if self.kind == "bpe":
+            if self.model.missing_bytes:          # bytes without a token are dropped, not counted
+                raw = raw.translate(None, self.model.missing_bytes)
+        elif None in self.model._byte_ids and self.unk_token_id is not None:
+            return 0
+        return -(-len(raw) // self.max_token_bytes)
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         ids = [self.check_id(i) for i in ids]
@@ -247,6 +298,44 @@ class Tokenizer:
         text = render_chat(template, messages, add_generation_prompt=add_generation_prompt,
                            **{**self.special_tokens_map, **kwargs})
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def encode_chat(self, messages, add_generation_prompt: bool = True, special_tokens_in_content: bool = False,
+                    limit: int | None = None, **kwargs) -> tuple[str, list[int]]:
+        """(rendered text, ids) of a conversation (`limit` as in `encode`). The messages' text is plain
+        text: "<|im_end|>" typed in a message is encoded as its characters, never as the control token, so no message can open a
+        forged turn; the template's own markers stay control tokens. `special_tokens_in_content=True`
+        restores rendering then encoding the whole text (HF's apply_chat_template(tokenize=True)).
+
+        How: every control-token string found in a message gets a noncharacter MARK between its
+        characters (and MARK closes off the message's non-blank ends), the template renders the marked
+        text, the special-token search runs over it (marked strings cannot match), and MARK is deleted from
+        the text between special tokens before the model encodes it."""
+        if special_tokens_in_content:
+            text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+            return text, self._encode_text(text, True, limit)
+        contents = [m["content"] for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str)]
+        template = kwargs.get("chat_template") or self.chat_template or ""
+        mark = next((c for c in NONCHARACTERS if c not in template and not any(c in t for t in contents)), None)
+        if mark is None:
+            raise ValueError("the messages use every Unicode noncharacter U+FDD0..U+FDEF")
+        marked = [{**m, "content": self._mark_specials(m["content"], mark)}
+                  if isinstance(m, dict) and isinstance(m.get("content"), str) else m for m in messages]
+        text = self.apply_chat_template(marked, add_generation_prompt=add_generation_prompt, **kwargs)
+        return text.replace(mark, ""), self._encode_text(text, True, limit, mark)
+
+    def _mark_specials(self, content: str, mark: str) -> str:
+        if not content:
+            return content
+        out, pos = [], 0
+        for start, end, token in self._matcher.find(content):
+            if self.added[token] in self.special_ids:
+                out += [content[pos:start], mark.join(token)]
+                pos = end
+        out.append(content[pos:])
+        text = "".join(out)
+        head = "" if content[0].isspace() else mark    # blank ends stay bare: templates may trim them
+        tail = "" if content[-1].isspace() else mark
+        return head + text + tail
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.kind}, vocab_size={self.vocab_size})"

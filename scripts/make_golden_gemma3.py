@@ -46,6 +46,32 @@ PROMPTS = [
 ]
 
 
+def logits_at(model, seq, rows):
+    """{row: float32 logits} of one full forward without cache; the 262144-column head only at ``rows``."""
+    hidden = model.model(torch.tensor([seq]), use_cache=False).last_hidden_state[0]
+    assert getattr(model.config, "final_logit_softcapping", None) is None
+    return dict(zip(rows, model.lm_head(hidden[rows]).float()))
+
+
+def no_cache_greedy(model, ids):
+    """The greedy tokens a loop without KV cache gives (argmax of a full forward, one token at a time), in a
+    few full forwards: a cached generate proposes the continuation, one full forward checks every proposed token
+    against its own argmax, and the first disagreement is replaced and proposed on from. The result is
+    token-for-token the no-cache loop's (each kept token is the full forward's argmax after its prefix)."""
+    seq = list(ids)
+    with torch.no_grad():
+        while len(seq) < len(ids) + N_NEW:
+            x = torch.tensor([seq])
+            draft = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=len(ids) + N_NEW - len(seq),
+                                   do_sample=False, num_beams=1)[0, len(seq):].tolist()
+            rows = list(range(len(seq) - 1, len(seq) + len(draft) - 1))
+            at = logits_at(model, seq + draft, rows)
+            full = [int(at[r].argmax()) for r in rows]
+            k = next((i for i, (a, b) in enumerate(zip(draft, full)) if a != b), len(draft))
+            seq += draft[:k] + ([full[k]] if k < len(draft) else [])
+    return seq[:len(ids) + N_NEW]
+
+
 def main():
     path = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else DEFAULT_GGUF)
     folder, name = os.path.dirname(path), os.path.basename(path)
@@ -53,23 +79,21 @@ def main():
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     model.eval()
+    model.generation_config.eos_token_id = None          # pure argmax: EOS does not stop
     cases = []
     for prompt in PROMPTS:
         ids = tok(prompt, add_special_tokens=True)["input_ids"]
-        seq = list(ids)
-        margins = []
-        with torch.no_grad():
-            for _ in range(N_NEW):                        # no KV cache: a full forward per token
-                logits = model(torch.tensor([seq]), use_cache=False, logits_to_keep=1).logits[0, -1].float()
-                top2 = torch.topk(logits, 2)
-                margins.append(float(top2.values[0] - top2.values[1]))
-                seq.append(int(top2.indices[0]))
-            n = len(ids)
-            positions = sorted({0, n // 2, n - 1, n + 9, n + N_NEW - 2} | ({520, n - 200} if n > 600 else set()))
-            # one more full forward; the head (262144 columns) only at the recorded positions
-            hidden = model.model(torch.tensor([seq[:-1]]), use_cache=False).last_hidden_state[0]
-            logits = model.lm_head(hidden[positions]).float()
+        seq = no_cache_greedy(model, ids)
         greedy = seq[len(ids):]
+        assert len(greedy) == N_NEW
+        n = len(ids)
+        positions = sorted({0, n // 2, n - 1, n + 9, n + N_NEW - 2} | ({520, n - 200} if n > 600 else set()))
+        steps = list(range(n - 1, n + N_NEW - 1))                  # the rows that predict each greedy token
+        with torch.no_grad():
+            rows = logits_at(model, seq[:-1], sorted(set(steps) | set(positions)))
+        top2 = {r: torch.topk(rows[r], 2).values for r in steps}
+        margins = [float(top2[r][0] - top2[r][1]) for r in steps]
+        logits = torch.stack([rows[p] for p in positions])
         logp = dict(zip(positions, torch.log_softmax(logits, dim=-1)))
         top = []
         for p in positions:

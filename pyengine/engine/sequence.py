@@ -9,6 +9,8 @@ from __future__ import annotations
 import enum
 from typing import Any
 
+from pyengine.engine.spec_decode import ALPHA_PRIOR
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"        # never scheduled yet
@@ -45,6 +47,12 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: Any = None
         self.num_preemptions = 0
+        # S14 speculative decoding (see engine/spec_decode.py): this step's drafts, the distributions they were
+        # drawn from (None: certain guesses), the running acceptance estimate and an unverified guess
+        self.spec_token_ids: list[int] = []
+        self.spec_draft_probs = None
+        self.spec_alpha = ALPHA_PRIOR
+        self.spec_shadow: tuple[int, list[int]] | None = None
 
     # token views ---------------------------------------------------------------------------------
     @property

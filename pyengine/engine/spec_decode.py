@@ -77,6 +77,19 @@ class SpeculativeConfig:
         return cls(method, k, lo, hi, model, adaptive)
 
 
+def parse_speculative_config(text: str | None) -> dict | None:
+    """The ``--speculative-config '<json>'`` command-line value, validated (ValueError naming the problem)."""
+    if text is None:
+        return None
+    import json
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--speculative-config is not valid JSON ({exc.msg}): {text!r}") from None
+    SpeculativeConfig.from_dict(d)
+    return d
+
+
 def expected_tokens(alpha: float, k: int) -> float:
     """Tokens one verification emits on average with k drafts each accepted with probability alpha."""
     return float(sum(alpha ** i for i in range(k + 1)))

@@ -250,9 +250,17 @@ def test_ngram_engine_on_a_repetitive_prompt_accepts_and_matches_reference():
     assert eng.stats()["spec_decode_num_drafts"] > 0
 
 
+def priced(engine):
+    """Feed the back-off a fixed cost model instead of the fake runner's (noisy, near-zero) step times:
+    a step whose longest draft is k costs 1 + 0.5 + 0.1 k plain steps (like the real runner)."""
+    observe = engine.spec.observe_step
+    engine.spec.observe_step = lambda seconds, n, k: observe(1.0 + (0.5 + 0.1 * k if k else 0.0), n, k)
+    return engine
+
+
 def test_backoff_stops_drafting_when_acceptance_is_low():
     ps = prompts(2, seed=14)
-    eng = make_engine(speculative_config={"method": "ngram", "num_speculative_tokens": 4}, num_blocks=128)
+    eng = priced(make_engine(speculative_config={"method": "ngram", "num_speculative_tokens": 4}, num_blocks=128))
     eng.spec.proposer = OracleProposer(1.0)                  # every guess wrong
     add_all(eng, ps, SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
     final = run_all(eng, check=invariants)
@@ -261,7 +269,7 @@ def test_backoff_stops_drafting_when_acceptance_is_low():
     st = eng.stats()
     # after a few failed rounds the sequences stop drafting (the free proposer's guesses are still scored)
     assert st["spec_decode_num_drafts"] <= 2 * 8
-    eng2 = make_engine(speculative_config={"method": "ngram", "num_speculative_tokens": 4}, num_blocks=128)
+    eng2 = priced(make_engine(speculative_config={"method": "ngram", "num_speculative_tokens": 4}, num_blocks=128))
     eng2.spec.proposer = OracleProposer(0.0)
     add_all(eng2, ps, SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
     run_all(eng2, check=invariants)

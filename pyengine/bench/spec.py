@@ -23,29 +23,25 @@ import time
 HELP = "speculative decoding: decode tok/s with and without each proposer on three workloads (+ llama.cpp)"
 LLAMA_CPP_AUTO = "/work/llamacpp-venv/bin/python"
 
-CODE = '''def {name}(values, threshold={t}):
-    """Return the mean, minimum and maximum of the values above the threshold."""
-    kept = []
-    for value in values:
-        if value > threshold:
-            kept.append(value)
-    if not kept:
-        return None
-    total = 0
-    for value in kept:
-        total += value
-    mean = total / len(kept)
-    smallest = kept[0]
-    largest = kept[0]
-    for value in kept:
-        if value < smallest:
-            smallest = value
-        if value > largest:
-            largest = value
-    return mean, smallest, largest
-'''
-NAMES = ["compute_stats", "summarize", "describe", "value_stats", "basic_stats", "filter_stats", "stats_above",
-         "kept_stats"]
+CODE = """class {name}:
+    def __init__(self, x, y):
+        self.x = x
+        self.y = y
+
+    def __repr__(self):
+        return f"{name}({{self.x}}, {{self.y}})"
+
+    def add(self, other):
+        return {name}(self.x + other.x, self.y + other.y)
+
+    def scale(self, factor):
+        return {name}(self.x * factor, self.y * factor)
+
+    def dot(self, other):
+        return self.x * other.x + self.y * other.y
+"""
+NAMES = [("Point", "Vector"), ("Vec2", "Pair"), ("Coord", "Position"), ("Pair", "Couple"), ("Vector", "Arrow"),
+         ("Pos", "Place"), ("Step", "Move"), ("Offset", "Shift")]
 PASSAGE = ("The {city} public library opened in 1902 with a single reading room and four thousand books. Over "
            "the following century it grew into a network of twelve branches. In the 1960s the main building was "
            "extended with a children's wing, and in 1998 the library became one of the first in the country to "
@@ -60,9 +56,8 @@ CHAT = ["Tell me a story about a dragon who learns to paint.", "What should I pa
 
 
 def workloads() -> dict[str, list[list[dict]]]:
-    code = [[{"role": "user", "content": "Here is a Python function:\n\n" + CODE.format(name=n, t=i) +
-              "\nRewrite the whole function with a docstring that says `Statistics of the kept values.` and "
-              "otherwise the same code."}] for i, n in enumerate(NAMES)]
+    code = [[{"role": "user", "content": f"Rename the class {a} to {b} and show the whole code:\n\n```python\n"
+              + CODE.format(name=a) + "```"}] for a, b in NAMES]
     summ = [[{"role": "user", "content": PASSAGE.format(city=c) + "\n\nSummarise the passage above in a few "
               "sentences."}] for c in CITIES]
     chat = [[{"role": "user", "content": q}] for q in CHAT]

@@ -261,12 +261,12 @@ class LLMEngine:
         self.scheduler.on_step_done(sched)
 
         deltas: dict[str, dict[int, list]] = {}
-        drafts = sum(len(s.spec_token_ids) for s, _ in sched.scheduled)
+        longest_draft = max((len(s.spec_token_ids) for s, _ in sched.scheduled), default=0)
         if sampled:
             self._sample(sampled, logits, deltas)
         if self.spec is not None:
             if all(not s.is_prefill for s, _ in sched.scheduled) and not sched.preempted:
-                self.spec.observe_step(time.perf_counter() - t_start, len(sched.scheduled), drafts)
+                self.spec.observe_step(time.perf_counter() - t_start, len(sched.scheduled), longest_draft)
             for seq, _ in sched.scheduled:
                 seq.spec_token_ids, seq.spec_draft_probs = [], None
         outputs = []

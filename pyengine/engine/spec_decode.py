@@ -11,8 +11,10 @@ Back-off: a draft only pays when it is accepted often enough to cover what it co
 estimate ``alpha`` of its per-token acceptance (an exponential average over the drafts it had verified, and,
 for a free proposer, over the guesses it would have made while not speculating), and each step takes the
 draft length k in 0..num_speculative_tokens that maximises the expected tokens per unit of cost,
-``(1 - alpha^(k+1)) / (1 - alpha) / (1 + scale * (FIXED_COST + PER_TOKEN_COST * k))``. ``scale`` is measured
-as the engine runs: whole-step times of pure-decode steps against steps with drafts, per batch size.
+``(1 + alpha + ... + alpha^k) / cost(k)``. ``cost(k)`` is measured as the engine runs: the whole-step time
+(propose + forward + verify) of decode steps whose longest draft is k, over that of plain decode steps with as
+many sequences (a plain step is forced now and then to keep that baseline fresh); a k not measured yet is
+priced by a model, ``1 + FIXED_COST + PER_TOKEN_COST * k``, which tries it.
 """
 from __future__ import annotations
 
@@ -26,8 +28,9 @@ FIXED_COST = 0.45
 PER_TOKEN_COST = 0.15
 ALPHA_PRIOR = 0.6          # acceptance assumed before a sequence has any evidence
 ALPHA_WEIGHT = 0.15        # weight of one accept/reject trial in the per-sequence average
-SCALE_WEIGHT = 0.2         # weight of one step's timing in the cost scale
+TIME_WEIGHT = 0.2          # weight of one step's time in its (batch size, k) average
 PROBE_EVERY = 8            # an expensive proposer backed off to k=0 still drafts 1 token every 8th step
+BASELINE_EVERY = 64        # one forced plain decode step in 64 keeps cost(0) measured (~1.5% of the steps)
 
 
 @dataclass
@@ -110,8 +113,7 @@ class SpeculativeDecoder:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_position = [0] * config.num_speculative_tokens
-        self._base: dict[int, float] = {}     # batch-size bucket -> seconds of a pure-decode step
-        self._scale: dict[int, float] = {}    # batch-size bucket -> measured / modelled draft cost
+        self._time: dict[tuple[int, int], float] = {}   # (batch-size bucket, longest draft) -> step seconds
         self._steps = 0
 
     # choosing k ---------------------------------------------------------------------------------
@@ -122,11 +124,16 @@ class SpeculativeDecoder:
                    self.max_model_len - seq.num_tokens)
         if room <= 0 or not self.config.adaptive:
             return max(room, 0)
-        scale = self._scale.get(_bucket(num_seqs), 1.0)
+        b = _bucket(num_seqs)
+        base = self._time.get((b, 0))
+        if base is None or self._steps % BASELINE_EVERY == 0:
+            return 0                          # measure what a plain step costs first
         alpha = seq.spec_alpha
         best, best_k = 1.0, 0
         for k in range(1, room + 1):
-            rate = expected_tokens(alpha, k) / (1.0 + scale * (FIXED_COST + PER_TOKEN_COST * k))
+            t = self._time.get((b, k))
+            cost = t / base if t is not None else 1.0 + FIXED_COST + PER_TOKEN_COST * k
+            rate = expected_tokens(alpha, k) / cost
             if rate > best:
                 best, best_k = rate, k
         if best_k == 0 and not self.proposer.free and self._steps % PROBE_EVERY == 0:
@@ -180,24 +187,14 @@ class SpeculativeDecoder:
         if num_accepted < num_draft:
             self._trial(seq, False)
 
-    def observe_step(self, seconds: float, num_decodes: int, num_draft_tokens: int) -> None:
-        """Time of one whole step (propose + forward + verify) of ``num_decodes`` decodes and no prefill."""
+    def observe_step(self, seconds: float, num_decodes: int, longest_draft: int) -> None:
+        """Time of one whole step (propose + forward + verify) of ``num_decodes`` decodes and no prefill,
+        whose longest draft had ``longest_draft`` tokens."""
         if num_decodes <= 0:
             return
-        b = _bucket(num_decodes)
-        if num_draft_tokens == 0:
-            old = self._base.get(b)
-            self._base[b] = seconds if old is None else old + SCALE_WEIGHT * (seconds - old)
-            return
-        base = self._base.get(b)
-        if base is None:
-            return
-        k_mean = num_draft_tokens / num_decodes
-        # extra time per decode share, against the model's prediction for drafts of k_mean tokens
-        measured = (seconds / base - 1.0)
-        ratio = max(measured, 0.0) / (FIXED_COST + PER_TOKEN_COST * k_mean)
-        old = self._scale.get(b, 1.0)
-        self._scale[b] = old + SCALE_WEIGHT * (min(ratio, 10.0) - old)
+        key = (_bucket(num_decodes), longest_draft)
+        old = self._time.get(key)
+        self._time[key] = seconds if old is None else old + TIME_WEIGHT * (seconds - old)
 
     def release(self, seq) -> None:
         self.proposer.release(seq)

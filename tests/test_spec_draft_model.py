@@ -7,10 +7,12 @@ import numpy as np
 import pytest
 
 from engine_fakes import VOCAB, FakeRunner, make_engine, reference_greedy, run_all
+from pyengine.bench.spec import write_truncated
 from pyengine.engine.proposers import DraftModelProposer
 from pyengine.sampling_params import SamplingParams
 from test_sampling_distribution import chi2_pvalue
-from test_spec_engine import check_greedy, invariants, prompts
+from test_engine_fake_runner import check_against_reference
+from test_spec_engine import invariants, prompts
 from test_spec_rejection import NTOK, TEMP, TOPK, exact_law
 
 
@@ -46,7 +48,7 @@ def test_greedy_with_a_draft_model_equals_reference():
     for i, p in enumerate(ps):
         eng.add_request(f"r{i}", {"prompt_token_ids": p}, SamplingParams(temperature=0.0, max_tokens=30))
     final = run_all(eng, check=both_invariants(prop))
-    check_greedy(final, ps, 30)
+    check_against_reference(final, ps, 30)
     st = eng.stats()
     assert st["num_preemptions"] > 0
     assert 0 < st["spec_decode_num_accepted_tokens"] < st["spec_decode_num_draft_tokens"]
@@ -83,34 +85,6 @@ def test_draft_vocabulary_must_match():
 
 
 # --- the real model ----------------------------------------------------------------------------------------
-def write_truncated(src: str, dst, n_layers: int, rename_token: int | None = None) -> None:
-    """A copy of a llama GGUF keeping its first ``n_layers`` blocks (optionally renaming one token)."""
-    import gguf
-    r = gguf.GGUFReader(src)
-    arch = r.fields["general.architecture"].contents()
-    w = gguf.GGUFWriter(str(dst), arch)
-    for name, f in r.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        value = f.contents()
-        if name == f"{arch}.block_count":
-            value = n_layers
-        if name == "tokenizer.ggml.tokens" and rename_token is not None:
-            value = list(value)
-            value[rename_token] = value[rename_token] + "_x"
-        vtype = f.types[0]
-        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(name, value, vtype, sub_type=sub)
-    for t in r.tensors:
-        if t.name.startswith("blk.") and int(t.name.split(".")[1]) >= n_layers:
-            continue
-        w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
 @pytest.fixture(scope="module")
 def small_draft(tmp_path_factory):
     from pyengine.model_files import default_model_path

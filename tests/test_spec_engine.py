@@ -10,11 +10,12 @@ import random
 import numpy as np
 import pytest
 
-from engine_fakes import EOS, VOCAB, FakeTokenizer, context_logits, make_engine, reference_greedy, run_all
+from engine_fakes import VOCAB, FakeTokenizer, context_logits, make_engine, reference_greedy, run_all
 from pyengine.engine.proposers import NgramProposer, ngram_lookup
 from pyengine.engine.spec_decode import SpeculativeConfig, expected_tokens
 from pyengine.layers.sampler import softmax
 from pyengine.sampling_params import SamplingParams
+from test_engine_fake_runner import check_against_reference
 
 
 class OracleProposer:
@@ -78,22 +79,13 @@ def add_all(engine, ps, params):
         engine.add_request(f"r{i}", {"prompt_token_ids": p}, params)
 
 
-def check_greedy(final, ps, max_tokens):
-    for i, p in enumerate(ps):
-        out = final[f"r{i}"].outputs[0]
-        ref = reference_greedy(p, max_tokens)
-        assert out.token_ids == ref, f"request {i}"
-        assert out.finish_reason == ("stop" if ref[-1] == EOS else "length")
-        assert out.text == FakeTokenizer().decode(ref, skip_special_tokens=True)
-
-
 @pytest.mark.parametrize("k", [1, 3, 7])
 def test_greedy_with_drafts_equals_reference_batched(k):
     ps = prompts(12, seed=k)
     eng = spec_engine(k, OracleProposer(0.3, seed=k), num_blocks=256, max_num_seqs=12, max_num_batched_tokens=256)
     add_all(eng, ps, SamplingParams(temperature=0.0, max_tokens=30))
     final = run_all(eng, check=invariants)
-    check_greedy(final, ps, 30)
+    check_against_reference(final, ps, 30)
     st = eng.stats()
     assert st["spec_decode_num_drafts"] > 0 and 0 < st["spec_decode_num_accepted_tokens"] < \
         st["spec_decode_num_draft_tokens"]
@@ -130,7 +122,7 @@ def test_prefix_cache_chunked_prefill_and_preemption_with_drafts():
                       max_num_batched_tokens=24)
     add_all(eng, ps, SamplingParams(temperature=0.0, max_tokens=30))
     final = run_all(eng, check=invariants)
-    check_greedy(final, ps, 30)
+    check_against_reference(final, ps, 30)
     st = eng.stats()
     assert st["num_preemptions"] > 0 and st["prefix_cache_hits"] > 0 and st["spec_decode_num_accepted_tokens"] > 0
     # prefix-cache blocks are only full blocks of real tokens: re-running one prompt must hit its prompt blocks
@@ -246,7 +238,7 @@ def test_ngram_engine_on_a_repetitive_prompt_accepts_and_matches_reference():
     assert isinstance(eng.spec.proposer, NgramProposer)
     add_all(eng, ps, SamplingParams(temperature=0.0, max_tokens=30))
     final = run_all(eng, check=invariants)
-    check_greedy(final, ps, 30)
+    check_against_reference(final, ps, 30)
     assert eng.stats()["spec_decode_num_drafts"] > 0
 
 

@@ -76,21 +76,22 @@ def add_arguments(p) -> None:
                    help="a Python with llama-cpp-python: also time llama.cpp's greedy decode (ratio)")
 
 
-def _truncated_copy(src: str, n_layers: int) -> str | None:
-    """The target's first ``n_layers`` blocks as a GGUF in a temp dir (needs the `gguf` package)."""
-    try:
-        import gguf
-    except ImportError:
-        return None
+def write_truncated(src: str, dst, n_layers: int, rename_token: int | None = None) -> None:
+    """A copy of a llama-family GGUF keeping its first ``n_layers`` blocks, written with the `gguf` package
+    (quantized tensors copied as they are). ``rename_token`` alters one token string (a vocabulary that
+    differs, for the draft check's tests)."""
+    import gguf
     r = gguf.GGUFReader(src)
     arch = r.fields["general.architecture"].contents()
-    path = os.path.join(tempfile.mkdtemp(prefix="pyengine-draft-"), f"draft-{n_layers}-layers.gguf")
-    w = gguf.GGUFWriter(path, arch)
+    w = gguf.GGUFWriter(str(dst), arch)
     for name, f in r.fields.items():
         if name.startswith("GGUF.") or name == "general.architecture":
             continue
-        vtype = f.types[0]
         value = n_layers if name == f"{arch}.block_count" else f.contents()
+        if name == "tokenizer.ggml.tokens" and rename_token is not None:
+            value = list(value)
+            value[rename_token] += "_x"
+        vtype = f.types[0]
         w.add_key_value(name, value, vtype, sub_type=f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
     for t in r.tensors:
         if not (t.name.startswith("blk.") and int(t.name.split(".")[1]) >= n_layers):
@@ -99,6 +100,16 @@ def _truncated_copy(src: str, n_layers: int) -> str | None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def _truncated_copy(src: str, n_layers: int) -> str | None:
+    """The target's first ``n_layers`` blocks as a GGUF in a temp dir (None without the `gguf` package)."""
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        return None
+    path = os.path.join(tempfile.mkdtemp(prefix="pyengine-draft-"), f"draft-{n_layers}-layers.gguf")
+    write_truncated(src, path, n_layers)
     return path
 
 

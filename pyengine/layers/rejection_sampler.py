@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pyengine.layers.sampler import (_compact, apply_min_p, apply_temperature, apply_top_k, apply_top_p,
-                                     process_logits, softmax)
+from pyengine.layers.sampler import distribution_logits, process_logits, softmax
 from pyengine.sampling_params import SamplingParams
 
 
@@ -30,13 +29,8 @@ def target_distribution(logits: np.ndarray, params: SamplingParams, prompt_ids=(
         p = np.zeros(x.shape[-1])
         p[int(np.argmax(x))] = 1.0
         return p
-    x = apply_temperature(x, params.temperature)
-    live = None
-    if 0 < params.top_k < x.shape[-1]:
-        x, live = _compact(apply_top_k(x, params.top_k), live)
-    if params.top_p < 1.0:
-        x, live = _compact(apply_top_p(x, params.top_p), live)
-    probs = softmax(apply_min_p(x, params.min_p))
+    x, live = distribution_logits(x, params)
+    probs = softmax(x)
     if live is None:
         return probs
     full = np.zeros(len(logits))

@@ -283,3 +283,12 @@ def test_config_errors_are_clear():
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (4, 4)
     with pytest.raises(ValueError, match="speculative"):
         SamplingParams(speculative=1)
+
+
+def test_drafts_never_pass_the_context_limit():
+    p = prompts(1, seed=15, lo=21, hi=22)[0]
+    eng = spec_engine(7, OracleProposer(0.0), num_blocks=64, max_model_len=48)
+    eng.add_request("r", {"prompt_token_ids": p}, SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True))
+    out = run_all(eng, check=invariants)["r"].outputs[0]
+    assert out.token_ids == reference_greedy(p, 48 - len(p), ignore_eos=True)
+    assert out.finish_reason == "length" and max(c for _, cl in eng.runner.batches for c in cl) <= 48

@@ -292,3 +292,20 @@ def test_drafts_never_pass_the_context_limit():
     out = run_all(eng, check=invariants)["r"].outputs[0]
     assert out.token_ids == reference_greedy(p, 48 - len(p), ignore_eos=True)
     assert out.finish_reason == "length" and max(c for _, cl in eng.runner.batches for c in cl) <= 48
+
+
+def test_an_expensive_proposer_probes_less_and_less_when_it_does_not_pay():
+    from pyengine.engine.spec_decode import PROBE_GAP
+    ps = prompts(1, seed=16)
+    eng = priced(make_engine(speculative_config={"method": "ngram", "num_speculative_tokens": 4}, num_blocks=128,
+                             max_model_len=512))
+    wrong = OracleProposer(1.0)
+    wrong.free = False                       # like a draft model: no shadow guesses, only probes
+    eng.spec.proposer = wrong
+    add_all(eng, ps, SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True))
+    final = run_all(eng, check=invariants)
+    assert final["r0"].outputs[0].token_ids == reference_greedy(ps[0], 300, ignore_eos=True)
+    st = eng.stats()
+    # a first round at the prior, then probes after 8, 16, 32, 64, 128 steps: a handful in 300 tokens
+    assert 2 <= st["spec_decode_num_drafts"] <= 8, st["spec_decode_num_drafts"]
+    assert PROBE_GAP == 8

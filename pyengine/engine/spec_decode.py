@@ -29,7 +29,8 @@ PER_TOKEN_COST = 0.15
 ALPHA_PRIOR = 0.6          # acceptance assumed before a sequence has any evidence
 ALPHA_WEIGHT = 0.15        # weight of one accept/reject trial in the per-sequence average
 TIME_WEIGHT = 0.2          # weight of one step's time in its (batch size, k) average
-PROBE_EVERY = 8            # an expensive proposer backed off to k=0 still drafts 1 token every 8th step
+PROBE_GAP = 8              # an expensive proposer backed off to k=0 drafts 1 token after 8 steps, then after
+PROBE_GAP_MAX = 256        # twice as many steps after each probe that did not pay (up to 256)
 BASELINE_EVERY = 64        # one forced plain decode step in 64 keeps cost(0) measured (~1.5% of the steps)
 
 
@@ -136,8 +137,16 @@ class SpeculativeDecoder:
             rate = expected_tokens(alpha, k) / cost
             if rate > best:
                 best, best_k = rate, k
-        if best_k == 0 and not self.proposer.free and self._steps % PROBE_EVERY == 0:
-            return 1                         # probe: the only way to notice acceptance has risen
+        if best_k == 0 and not self.proposer.free:
+            # probe now and then: the only way to notice that acceptance has risen
+            if seq.spec_probe_at is None:
+                seq.spec_probe_at = self._steps + seq.spec_probe_gap
+            elif self._steps >= seq.spec_probe_at:
+                seq.spec_probe_gap = min(2 * seq.spec_probe_gap, PROBE_GAP_MAX)
+                seq.spec_probe_at = None
+                return 1
+        elif best_k:
+            seq.spec_probe_gap, seq.spec_probe_at = PROBE_GAP, None
         return best_k
 
     def propose(self, seqs: list, rngs: list) -> None:

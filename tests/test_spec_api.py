@@ -71,6 +71,9 @@ def test_server_reports_spec_metrics_and_honours_the_opt_out():
         assert engine.stats()["spec_decode_num_drafts"] == 0
         on = httpx.post(srv.url + "/v1/completions", json=body, timeout=120).json()
         assert on["choices"][0]["text"] == off["choices"][0]["text"]
+        with httpx.stream("POST", srv.url + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == off["choices"][0]["text"]
         st = engine.stats()
         assert st["spec_decode_num_drafts"] > 0
         bad = httpx.post(srv.url + "/v1/completions", json={**body, "speculative": "no"}, timeout=60)

@@ -5,6 +5,10 @@ reached the end of their known tokens -> stop checks -> `RequestOutput` snapshot
 the new delta. Nothing runs in the background: a server loop, the `LLM` class or a browser worker simply
 calls ``step()`` while ``has_unfinished_requests()``.
 
+With speculative decoding (S14, ``speculative_config``) a step first asks the proposer for drafts of every
+decoding sequence; each then scores its last token and its k drafts in the same batch, the rejection sampler
+keeps an accepted prefix plus one token of the model's own, and the rejected drafts' KV slots are rolled back.
+
 A request with ``n > 1`` becomes n sequences. The first one prefills the prompt; the others wait until it
 has produced its first token, by which time the prompt's full blocks are in the prefix cache, so they
 only compute the last partial block (with prefix caching off they simply compute the prompt again).

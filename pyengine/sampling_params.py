@@ -71,6 +71,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    speculative: bool = True           # extension (S14): False opts this request out of speculative decoding
 
     def __post_init__(self) -> None:
         self.n = _number("n", self.n, integer=True)
@@ -111,7 +112,7 @@ class SamplingParams:
         self.stop = self._stop_strings(self.stop)
         self.stop_token_ids = self._token_ids("stop_token_ids", self.stop_token_ids)
         self.logit_bias = self._logit_bias(self.logit_bias)
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "speculative"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 

@@ -39,19 +39,25 @@ class WorkerSession:
         self.requests: dict[str, dict] = {}   # id -> {"t0", "t_first", "n"}
 
     # load -------------------------------------------------------------------------------------------
-    def load(self, data, mode: str | None = None, max_model_len: int = 1024) -> dict:
+    def load(self, data, mode: str | None = None, max_model_len: int = 1024, speculative=None) -> dict:
         """Build an engine from GGUF bytes. The previous engine is replaced only if this one loads, so
         a corrupt file leaves a working page behind. `mode`: "resident" (weights dequantized once, fastest)
-        or "lean" (quantized weights, dequantized per layer per step: less memory)."""
+        or "lean" (quantized weights, dequantized per layer per step: less memory). `speculative` (S14):
+        vLLM's speculative_config as a dict or JSON text, e.g. {"method": "ngram", "num_speculative_tokens": 4}
+        (a draft_model's "model" must then be the draft GGUF's bytes: the worker has no file system)."""
         from pyengine import GGUFFile, LLMEngine
         from pyengine.engine.model_runner import ModelRunner
 
+        if isinstance(speculative, str):
+            from pyengine.engine.spec_decode import parse_speculative_config
+            speculative = parse_speculative_config(speculative)
         t0 = time.perf_counter()
         gguf = GGUFFile(data)                 # zero-copy views into `data`; GGUFError if malformed
         t_parse = time.perf_counter() - t0
         mode = choose_mode(gguf, mode)
         runner = ModelRunner(gguf, max_model_len=max_model_len, weights_mode=mode, **BROWSER_LIMITS)
-        engine = LLMEngine(max_model_len=max_model_len, runner=runner, **BROWSER_LIMITS)
+        engine = LLMEngine(max_model_len=max_model_len, runner=runner, speculative_config=speculative,
+                           **BROWSER_LIMITS)
         cfg = engine.runner.config
         self.abort_all()
         self.engine = engine
@@ -61,6 +67,7 @@ class WorkerSession:
             "params": int(getattr(cfg, "n_params", 0) or 0), "tensors": len(gguf.tensors),
             "name": str(gguf.get("general.name", "") or ""), "mode": mode, "kvBlocks": runner.num_blocks,
             "stopTokenIds": sorted(int(t) for t in engine.get_tokenizer().stop_token_ids),
+            "speculative": None if engine.spec is None else engine.spec.config.method,
             "parseMs": round(t_parse * 1e3, 1), "loadMs": round((time.perf_counter() - t0) * 1e3, 1),
         }
         return self.info
@@ -118,6 +125,10 @@ class WorkerSession:
                 self.engine.abort_request(req_id)
         self.requests.clear()
 
+    def stats(self) -> dict:
+        """The engine's counters (spec_decode_* among them), for the page's status line."""
+        return self.engine.stats() if self.engine is not None else {}
+
     def _done(self, out) -> dict:
         """tokensPerSecond is the decode rate (tokens after the first / time since the first), the figure
         comparable across engines; ttftMs holds the prompt's cost."""
@@ -130,4 +141,6 @@ class WorkerSession:
                 "text": comp.text, "finishReason": comp.finish_reason,
                 "tokensPerSecond": (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
                 "ttftMs": None if state["t_first"] is None else (state["t_first"] - state["t0"]) * 1e3,
-                "promptTokens": len(out.prompt_token_ids or [])}
+                "promptTokens": len(out.prompt_token_ids or []),
+                "numDraftTokens": out.metrics.num_draft_tokens if out.metrics else 0,
+                "numAcceptedTokens": out.metrics.num_accepted_tokens if out.metrics else 0}

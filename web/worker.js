@@ -1,6 +1,6 @@
 // Pyodide web worker (module worker): runs the unchanged pyengine wheel on NumPy-in-WebAssembly.
 // Protocol (docs/architecture.md, shared with the TypeScript worker):
-//   in:  {type:"load", model: ArrayBuffer, mode?}  {type:"generate", id, prompt, maxTokens, temperature, topP,
+//   in:  {type:"load", model: ArrayBuffer, mode?, speculative?}  {type:"generate", id, prompt, maxTokens, temperature, topP,
 //        topK, seed, chat}  {type:"cancel", id}
 //   out: {type:"progress", stage, loaded, total}  {type:"ready", info}  {type:"token", id, tokenId, text, ms}
 //        {type:"done", id, tokenIds, text, tokensPerSecond, finishReason}  {type:"error", id?, message}
@@ -81,11 +81,13 @@ async function load(msg) {
   py.globals.set("_model_js", u8);
   py.globals.set("_session", session);
   py.globals.set("_mode", msg.mode || undefined);   // undefined -> None (null would be JsNull)
+  // S14: {speculative: {method: "ngram", num_speculative_tokens: 4}} as JSON text (pyworker validates it)
+  py.globals.set("_spec", msg.speculative ? JSON.stringify(msg.speculative) : undefined);
   let info;
   try {
-    info = py.runPython("_session.load(_model_js.to_bytes(), _mode)");
+    info = py.runPython("_session.load(_model_js.to_bytes(), _mode, speculative=_spec)");
   } finally {
-    py.runPython("del _model_js, _session, _mode");
+    py.runPython("del _model_js, _session, _mode, _spec");
   }
   const out = info.toJs({ dict_converter: Object.fromEntries });
   info.destroy();

@@ -36,6 +36,13 @@ def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="stop string (repeat for several)")
+    add_speculative_argument(p)
+
+
+def add_speculative_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='S14 speculative decoding, vLLM\'s dict, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4}\' or {"method": "draft_model", "model": PATH, ...}')
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -103,7 +110,10 @@ def load_llm(args):
     from pyengine.engine.model_runner import ModelRunner
     from pyengine.gguf.reader import GGUFFile
     from pyengine.llm import LLM
+    from pyengine.engine.spec_decode import parse_speculative_config
     from pyengine.model_files import resolve_model
+
+    spec = parse_speculative_config(getattr(args, "speculative_config", None))   # fails before the model loads
 
     def stage(label: str, t: float) -> float:
         now = time.perf_counter()
@@ -122,13 +132,16 @@ def load_llm(args):
         raise ValueError(f"--max-model-len {args.max_model_len} exceeds the model's context length {context}")
     t = stage(f"read {len(gguf.tensors)} tensors' headers; context {args.max_model_len} of {context}", t)
     # one conversation at a time: size the KV cache and batch for a single sequence
-    runner = ModelRunner(gguf, max_model_len=args.max_model_len, max_num_seqs=1)
+    runner = ModelRunner(gguf, max_model_len=args.max_model_len, max_num_seqs=1,
+                         max_logits=17)    # 1 + up to 16 drafts verified per step (S14)
     c = runner.config
     t = stage(f"weights: {c.arch}, {c.n_layers} layers, d={c.d_model}; KV cache {runner.num_blocks} blocks", t)
     tok = runner.tokenizer
     stage(f"tokenizer: {tok.vocab_size} tokens", t)
-    llm = LLM(runner=runner, max_model_len=args.max_model_len, max_num_seqs=1)
+    llm = LLM(runner=runner, max_model_len=args.max_model_len, max_num_seqs=1, speculative_config=spec)
     llm.model_context = context
+    if spec is not None:
+        stage(f"speculative decoding: {spec['method']}, up to {spec['num_speculative_tokens']} drafts a step", t)
     print(f"loaded in {time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)
     return llm
 
@@ -160,6 +173,9 @@ def summary(output, start: float, tokenizer=None) -> str:
         if m.finished_time is not None and n > 1:
             decode = m.finished_time - m.first_token_time
             parts.append(f"decode {(n - 1) / max(decode, 1e-9):.1f} tok/s")
+    if m is not None and m.num_drafts:
+        parts.append(f"spec {m.num_accepted_tokens}/{m.num_draft_tokens} drafts accepted, "
+                     f"mean acceptance length {m.mean_acceptance_length:.2f}")
     why = comp.stop_reason
     if isinstance(why, int) and tokenizer is not None:
         why = tokenizer.decode([why])

@@ -19,7 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-from pyengine.cli.generate import add_model_arguments
+from pyengine.cli.generate import add_model_arguments, add_speculative_argument
 
 # The web demo's dev-server app factory (the demo owns that module): create_app(model=path, pyodide=None).
 DEMO_MODULE = "pyengine.web_server"
@@ -69,6 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="worker processes sharing each linear layer (S17; pays for batches of ~9-40 tokens)")
+    add_speculative_argument(p)
     p.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
     p.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
@@ -99,9 +100,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def build_engine(args):
     from pyengine.cli.generate import default_max_model_len
     from pyengine.engine.llm_engine import LLMEngine
+    from pyengine.engine.spec_decode import parse_speculative_config
     from pyengine.gguf.reader import GGUFFile
     from pyengine.model_files import resolve_model
 
+    spec = parse_speculative_config(getattr(args, "speculative_config", None))   # fails before the model loads
     path = resolve_model(args.model)
     if getattr(args, "max_model_len", None) is None:
         args.max_model_len = default_max_model_len(GGUFFile(path))
@@ -109,7 +112,7 @@ def build_engine(args):
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        enable_prefix_caching=not args.no_prefix_cache,
                        enable_chunked_prefill=not args.no_chunked_prefill, max_waiting=args.max_waiting,
-                       tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
+                       tensor_parallel_size=getattr(args, "tensor_parallel_size", 1), speculative_config=spec)
     return engine, path
 
 

@@ -204,6 +204,18 @@ class BlockManager:
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Free the tail blocks of ``seq`` beyond the first ``num_tokens`` positions (S14: rejected drafts'
+        slots). Those blocks were never full of computed tokens, so none of them is in the prefix cache."""
+        keep = self.blocks_for(num_tokens)
+        table = seq.block_table
+        while len(table) > keep:
+            b = table.pop()
+            if self.block_hash[b] is not None or self.ref_counts[b] != 1:
+                raise RuntimeError(f"block {b} beyond sequence {seq.seq_id}'s computed tokens is shared or cached")
+            self.ref_counts[b] = 0
+            self._release_uncached(b)
+
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """After a step: offer ``seq``'s newly completed full blocks to the prefix cache."""
         if not self.enable_prefix_caching:

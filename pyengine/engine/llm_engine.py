@@ -5,6 +5,10 @@ reached the end of their known tokens -> stop checks -> `RequestOutput` snapshot
 the new delta. Nothing runs in the background: a server loop, the `LLM` class or a browser worker simply
 calls ``step()`` while ``has_unfinished_requests()``.
 
+With speculative decoding (S14, ``speculative_config``) a step first asks the proposer for drafts of every
+decoding sequence; each then scores its last token and its k drafts in the same batch, the rejection sampler
+keeps an accepted prefix plus one token of the model's own, and the rejected drafts' KV slots are rolled back.
+
 A request with ``n > 1`` becomes n sequences. The first one prefills the prompt; the others wait until it
 has produced its first token, by which time the prompt's full blocks are in the prefix cache, so they
 only compute the last partial block (with prefix caching off they simply compute the prompt again).
@@ -19,6 +23,7 @@ from pyengine.engine.block_manager import BlockManager
 from pyengine.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, snapshot_metrics
 from pyengine.engine.scheduler import Scheduler, SchedulerOutput
 from pyengine.engine.sequence import Sequence
+from pyengine.engine.spec_decode import spec_stats
 
 
 class EngineOverloaded(RuntimeError):
@@ -50,10 +55,14 @@ class LLMEngine:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, max_waiting: int | None = None, *,
                  runner=None, tokenizer=None, seed: int | None = None, watermark: float = 0.03,
-                 aging_steps: int = 64, tensor_parallel_size: int = 1, weights_mode: str = "resident"):
+                 aging_steps: int = 64, tensor_parallel_size: int = 1, speculative_config=None,
+                 draft_runner=None, weights_mode: str = "resident"):
         """``runner``/``tokenizer`` (keyword-only extension): inject any object with the ModelRunner contract
         (tests use a fake one); by default a `ModelRunner` is built for ``model`` (path, bytes, GGUFFile or
-        None for the default model); ``weights_mode`` "resident" or "lean" goes to that runner."""
+        None for the default model), its weights in ``weights_mode`` ("resident" or "lean").
+        ``speculative_config`` (S14, vLLM's dict): ``{"method": "ngram" | "draft_model",
+        "num_speculative_tokens": k, "prompt_lookup_min", "prompt_lookup_max", "model"}``; ``draft_runner``
+        (extension) injects the draft model's runner."""
         if runner is None:
             from pyengine.engine.model_runner import ModelRunner
             if model is None or isinstance(model, str):
@@ -89,6 +98,11 @@ class LLMEngine:
             stop_ids = [tok.eos_token_id] if getattr(tok, "eos_token_id", None) is not None else []
         self.eos_token_ids = {int(t) for t in stop_ids}
         self.vocab_size = int(getattr(tok, "vocab_size", 0) or runner.config.vocab_size)
+        self.spec = None
+        if speculative_config is not None:
+            from pyengine.engine.spec_decode import make_speculative_decoder
+            self.spec = make_speculative_decoder(speculative_config, max_model_len, runner,
+                                                 draft_runner=draft_runner, max_num_seqs=max_num_seqs)
         self.requests: dict[str, _Request] = {}
         self._seq_owner: dict[int, _Request] = {}
         self._next_seq_id = 0
@@ -169,7 +183,7 @@ class LLMEngine:
             return None
         for seq, checker in zip(req.seqs, req.checkers):
             if not seq.is_finished:
-                self.scheduler.finish(seq)
+                self._finish(seq)
                 checker.finish("abort")
                 seq.finish_reason = "abort"
         for seq in req.seqs:
@@ -196,13 +210,15 @@ class LLMEngine:
         query_lens, context_lens, block_tables, logits_indices, sampled = [], [], [], [], []
         for seq, n in sched.scheduled:
             start = seq.num_computed_tokens
-            token_ids.extend(seq.token_ids[start:start + n])
+            k = len(seq.spec_token_ids)          # S14: a decode's drafts ride behind its last token
+            token_ids.extend(seq.token_ids[start:start + n - k])
+            token_ids.extend(seq.spec_token_ids)
             positions.extend(range(start, start + n))
             query_lens.append(n)
             context_lens.append(start + n)
             block_tables.append(np.asarray(seq.block_table, dtype=np.int32))
-            if start + n == seq.num_tokens:      # the prompt (or recompute) is complete: sample the next token
-                logits_indices.append(len(token_ids) - 1)
+            if start + n - k == seq.num_tokens:  # the prompt (or recompute) is complete: sample the next token
+                logits_indices.extend(range(len(token_ids) - k - 1, len(token_ids)))   # k + 1 rows to verify
                 sampled.append(seq)
         batch = ForwardBatch(token_ids=np.asarray(token_ids, dtype=np.int64),
                              positions=np.asarray(positions, dtype=np.int64),
@@ -210,7 +226,21 @@ class LLMEngine:
                              logits_indices=np.asarray(logits_indices, dtype=np.int64))
         return batch, sampled
 
+    def _propose(self) -> None:
+        """S14: drafts for every running sequence about to decode (see engine/spec_decode.py)."""
+        seqs, rngs = [], []
+        for seq in self.scheduler.running:
+            seq.spec_token_ids, seq.spec_draft_probs = [], None
+            if seq.num_tokens - seq.num_computed_tokens == 1 and seq.params.speculative:
+                seqs.append(seq)
+                rngs.append(self._seq_owner[seq.seq_id].rngs[seq.index])
+        if seqs:
+            self.spec.propose(seqs, rngs)
+
     def step(self) -> list[RequestOutput]:
+        t_start = time.perf_counter()
+        if self.spec is not None:
+            self._propose()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             if self.scheduler.has_unfinished():
@@ -235,15 +265,15 @@ class LLMEngine:
         logits = self.runner.run(batch) if batch.token_ids.size else None
         self.scheduler.on_step_done(sched)
 
-        deltas: dict[str, dict[int, tuple[int, str]]] = {}
+        deltas: dict[str, dict[int, list]] = {}
+        longest_draft = max((len(s.spec_token_ids) for s, _ in sched.scheduled), default=0)
         if sampled:
-            reqs = [self._seq_owner[s.seq_id] for s in sampled]
-            tokens, infos = self.sampler.sample(
-                logits, [r.params for r in reqs], [s.prompt_token_ids for s in sampled],
-                [s.output_token_ids for s in sampled], [r.rngs[s.index] for r, s in zip(reqs, sampled)])
-            now = time.monotonic()
-            for seq, req, tok, info in zip(sampled, reqs, tokens.tolist(), infos):
-                self._append_token(seq, req, int(tok), info, now, deltas)
+            self._sample(sampled, logits, deltas)
+        if self.spec is not None:
+            if all(not s.is_prefill for s, _ in sched.scheduled) and not sched.preempted:
+                self.spec.observe_step(time.perf_counter() - t_start, len(sched.scheduled), longest_draft)
+            for seq, _ in sched.scheduled:
+                seq.spec_token_ids, seq.spec_draft_probs = [], None
         outputs = []
         for rid, d in deltas.items():
             req = self.requests[rid]
@@ -254,6 +284,52 @@ class LLMEngine:
                     self._seq_owner.pop(s.seq_id, None)
                 self.counters["finished_requests"] += 1
         return outputs
+
+    def _sample(self, sampled: list[Sequence], logits, deltas: dict) -> None:
+        """Plain rows through the batch sampler; sequences with drafts through the rejection sampler."""
+        reqs = [self._seq_owner[s.seq_id] for s in sampled]
+        rows, row = [], 0
+        for s in sampled:
+            rows.append(row)
+            row += 1 + len(s.spec_token_ids)
+        plain = [i for i, s in enumerate(sampled) if not s.spec_token_ids]
+        results: list = [None] * len(sampled)
+        if plain:
+            sel = logits if len(plain) == len(logits) else logits[[rows[i] for i in plain]]
+            tokens, infos = self.sampler.sample(
+                sel, [reqs[i].params for i in plain], [sampled[i].prompt_token_ids for i in plain],
+                [sampled[i].output_token_ids for i in plain], [reqs[i].rngs[sampled[i].index] for i in plain])
+            for i, tok, info in zip(plain, tokens.tolist(), infos):
+                results[i] = ([int(tok)], [info])
+        for i, seq in enumerate(sampled):
+            if results[i] is None:
+                results[i] = self._verify(seq, reqs[i], logits[rows[i]:rows[i] + 1 + len(seq.spec_token_ids)])
+        now = time.monotonic()
+        for seq, req, (toks, infos) in zip(sampled, reqs, results):
+            for tok, info in zip(toks, infos):
+                self._append_token(seq, req, tok, info, now, deltas)
+                if seq.is_finished:
+                    break
+            if seq.spec_token_ids:
+                k, accepted = len(seq.spec_token_ids), len(toks) - 1
+                self.spec.record(seq, k, accepted)
+                m = req.metrics
+                m.num_drafts += 1
+                m.num_draft_tokens += k
+                m.num_accepted_tokens += accepted
+                self.scheduler.accept_drafts(seq, accepted)
+
+    def _verify(self, seq: Sequence, req: _Request, rows) -> tuple[list[int], list]:
+        """S14: the tokens one verification emits (accepted drafts + the model's own) and their logprobs."""
+        from pyengine.layers.rejection_sampler import verify
+        from pyengine.layers.sampler import token_logprobs
+
+        p = req.params
+        toks = verify(rows, seq.spec_token_ids, seq.spec_draft_probs, p, req.rngs[seq.index],
+                      seq.prompt_token_ids, seq.output_token_ids)
+        infos = [token_logprobs(rows[j], t, p.logprobs) if p.logprobs is not None else None
+                 for j, t in enumerate(toks)]
+        return toks, infos
 
     def _append_token(self, seq: Sequence, req: _Request, tok: int, info, now: float, deltas: dict) -> None:
         seq.append_token(tok)
@@ -274,20 +350,27 @@ class LLMEngine:
             delta += res.delta_text
         if res.finished:
             seq.finish_reason, seq.stop_reason = res.finish_reason, res.stop_reason
-            self.scheduler.finish(seq)
+            self._finish(seq)
             if req.finished:
                 m.finished_time = now
-        deltas.setdefault(req.request_id, {})[seq.index] = (tok, delta)
+        entry = deltas.setdefault(req.request_id, {}).setdefault(seq.index, [[], ""])
+        entry[0].append(tok)      # a verification may emit several tokens in one step
+        entry[1] += delta
 
-    def _make_output(self, req: _Request, deltas: dict[int, tuple[int, str]]) -> RequestOutput:
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        if self.spec is not None:
+            self.spec.release(seq)
+
+    def _make_output(self, req: _Request, deltas: dict[int, list]) -> RequestOutput:
         outs = []
         for seq, checker in zip(req.seqs, req.checkers):
-            tok, delta = deltas.get(seq.index, (None, ""))
+            toks, delta = deltas.get(seq.index, ([], ""))
             lps = req.logprobs[seq.index]
             outs.append(CompletionOutput(
                 index=seq.index, text=checker.text, token_ids=list(seq.output_token_ids),
                 logprobs=list(lps) if lps is not None else None, finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason, delta_text=delta, delta_token_ids=[] if tok is None else [tok],
+                stop_reason=seq.stop_reason, delta_text=delta, delta_token_ids=list(toks),
                 cumulative_logprob=req.cumulative_logprob[seq.index]))
         return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), outs, req.finished,
                              snapshot_metrics(req.metrics))
@@ -304,4 +387,5 @@ class LLMEngine:
             "prefix_cache_hit_rate": bm.hit_rate(), "prefix_cache_hit_tokens": bm.hit_tokens,
             "prefix_cache_query_tokens": bm.query_tokens, "prefix_cache_evictions": bm.evictions,
             "num_preemptions": sch.num_preemptions, **self.counters,
+            **spec_stats(self.spec),
         }

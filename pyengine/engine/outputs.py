@@ -34,6 +34,16 @@ class RequestMetrics:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0              # prompt tokens served by the prefix cache at first admission
     num_preemptions: int = 0
+    # S14 speculative decoding (vLLM's names): verifications with drafts, drafted and accepted tokens
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verification (accepted drafts + the model's own); 0 without drafts."""
+        from pyengine.engine.spec_decode import mean_acceptance_length
+        return mean_acceptance_length(self.num_drafts, self.num_accepted_tokens)
 
     @property
     def ttft(self) -> float | None:
@@ -60,5 +70,6 @@ class RequestOutput:
 
 def snapshot_metrics(m: RequestMetrics) -> RequestMetrics:
     return RequestMetrics(m.arrival_time, m.first_scheduled_time, m.first_token_time, list(m.token_times),
-                          m.finished_time, m.num_prompt_tokens, m.num_cached_tokens, m.num_preemptions)
+                          m.finished_time, m.num_prompt_tokens, m.num_cached_tokens, m.num_preemptions,
+                          m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens)
 

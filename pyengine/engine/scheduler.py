@@ -95,7 +95,14 @@ class Scheduler:
         age = self.step_count - seq.arrival_step
         return (seq.priority - age // self.aging_steps, seq.seq_id)
 
+    @staticmethod
+    def _drop_drafts(seq: Sequence, keep: int = 0) -> None:
+        del seq.spec_token_ids[max(keep, 0):]
+        if seq.spec_draft_probs is not None:
+            seq.spec_draft_probs = seq.spec_draft_probs[:len(seq.spec_token_ids)] if seq.spec_token_ids else None
+
     def _preempt(self, seq: Sequence) -> None:
+        self._drop_drafts(seq)
         self.running.remove(seq)
         self.bm.free(seq)
         seq.status = SequenceStatus.PREEMPTED
@@ -124,7 +131,14 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue                                   # preempted earlier in this loop
             remaining = seq.num_tokens - seq.num_computed_tokens
-            n = 1 if remaining == 1 else self._num_new_tokens(remaining, budget)
+            if remaining == 1 and seq.spec_token_ids:
+                # S14: a decode with drafts scores 1 + k tokens; drafts give way to budget and memory
+                # (never a reason to preempt anyone)
+                k = min(len(seq.spec_token_ids), budget - 1)
+                while k > 0 and not self.bm.can_append(seq, 1 + k):
+                    k -= 1
+                self._drop_drafts(seq, k)
+            n = 1 + len(seq.spec_token_ids) if remaining == 1 else self._num_new_tokens(remaining, budget)
             if n <= 0 or n > budget:
                 continue
             while not self.bm.can_append(seq, n):
@@ -174,7 +188,18 @@ class Scheduler:
         return out
 
     def on_step_done(self, out: SchedulerOutput) -> None:
-        """The runner has written K/V for the scheduled tokens: advance and publish full blocks."""
+        """The runner has written K/V for the scheduled tokens: advance and publish full blocks. A decode's
+        drafts are not tokens of the sequence yet: the engine accounts for the accepted ones after verifying."""
         for seq, n in out.scheduled:
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n - len(seq.spec_token_ids)
             self.bm.cache_computed_blocks(seq)
+
+    def accept_drafts(self, seq: Sequence, num_accepted: int) -> None:
+        """After verification: the first ``num_accepted`` drafts (now appended to the sequence) have valid
+        K/V; the slots of the rejected ones are rolled back (blocks holding only those are freed)."""
+        seq.spec_token_ids, seq.spec_draft_probs = [], None
+        if seq.is_finished:
+            return
+        seq.num_computed_tokens += num_accepted
+        self.bm.trim(seq, seq.num_computed_tokens)
+        self.bm.cache_computed_blocks(seq)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import enum
 from typing import Any
 
+from pyengine.engine.spec_decode import ALPHA_PRIOR, PROBE_GAP
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"        # never scheduled yet
@@ -45,6 +47,14 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: Any = None
         self.num_preemptions = 0
+        # S14 speculative decoding (see engine/spec_decode.py): this step's drafts, the distributions they were
+        # drawn from (None: certain guesses), the running acceptance estimate and an unverified guess
+        self.spec_token_ids: list[int] = []
+        self.spec_draft_probs = None
+        self.spec_alpha = ALPHA_PRIOR
+        self.spec_shadow: tuple[int, list[int]] | None = None
+        self.spec_probe_gap = PROBE_GAP       # back-off of an expensive proposer: steps to the next probe
+        self.spec_probe_at: int | None = None
 
     # token views ---------------------------------------------------------------------------------
     @property

@@ -158,6 +158,14 @@ def sample_row(logits: np.ndarray, params: SamplingParams, rng: np.random.Genera
         return int(np.argmax(x))
     if rng is None:
         raise ValueError("a random generator is required for temperature > 0")
+    x, live = distribution_logits(x, params)
+    j = sample_from_logits(x, rng)
+    return int(live[j]) if live is not None else j
+
+
+def distribution_logits(x: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray | None]:
+    """The distribution-shaping half (temperature -> top-k -> top-p -> min-p) of processed scores ``x``:
+    (logits over the live tokens, their ids or None when all V are live)."""
     x = apply_temperature(x, params.temperature)
     # After each truncation only live tokens matter: compacting to them makes the next steps work on
     # k (or the nucleus) values instead of V. `live` maps compact positions back to token ids.
@@ -166,9 +174,7 @@ def sample_row(logits: np.ndarray, params: SamplingParams, rng: np.random.Genera
         x, live = _compact(apply_top_k(x, params.top_k), live)
     if params.top_p < 1.0:
         x, live = _compact(apply_top_p(x, params.top_p), live)
-    x = apply_min_p(x, params.min_p)
-    j = sample_from_logits(x, rng)
-    return int(live[j]) if live is not None else j
+    return apply_min_p(x, params.min_p), live
 
 
 def _compact(x: np.ndarray, live: np.ndarray | None):

@@ -47,6 +47,15 @@ class ServerMetrics:
                                 ["finish_reason"], registry=r)
         self.errors = Counter(p + "request_errors", "Requests answered with an error, by HTTP status",
                               ["status"], registry=r)
+        # S14 speculative decoding (vLLM's spec_decode_* names); counters follow the engine's totals
+        self.spec = {name: Counter(p + "spec_decode_" + name, help_, registry=r) for name, help_ in (
+            ("num_drafts", "Verifications of at least one draft token"),
+            ("num_draft_tokens", "Draft tokens proposed and verified"),
+            ("num_accepted_tokens", "Draft tokens accepted"))}
+        self._spec_seen = dict.fromkeys(self.spec, 0)
+        self.spec_mean_acceptance_length = Gauge(
+            p + "spec_decode_mean_acceptance_length", "Tokens emitted per verification so far (1 + accepted / drafts)",
+            registry=r)
 
     def observe_engine(self, engine) -> None:
         """Refresh the gauges from the engine (called by the engine loop between steps)."""
@@ -62,6 +71,13 @@ class ServerMetrics:
         rate = _hit_rate(stats)
         if rate is not None:
             self.prefix_hit_rate.set(rate)
+        for name, counter in self.spec.items():
+            total = stats.get("spec_decode_" + name)
+            if isinstance(total, int) and total > self._spec_seen[name]:
+                counter.inc(total - self._spec_seen[name])
+                self._spec_seen[name] = total
+        if isinstance(stats.get("spec_decode_mean_acceptance_length"), float):
+            self.spec_mean_acceptance_length.set(stats["spec_decode_mean_acceptance_length"])
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

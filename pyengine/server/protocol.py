@@ -224,6 +224,7 @@ def _common(body: dict, vocab_size: int) -> dict:
         ignore_eos=_bool(body, "ignore_eos"),
         include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
         skip_special_tokens=_bool(body, "skip_special_tokens", True),
+        speculative=_bool(body, "speculative", True),    # extension: false opts out of speculative decoding
     )
     stream = _bool(body, "stream")
     so = body.get("stream_options")

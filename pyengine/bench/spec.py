@@ -1,0 +1,235 @@
+"""`pyengine bench spec` (S14): what speculative decoding buys, measured in one run.
+
+For three workloads — code editing (the prompt holds the code the answer repeats with changes), summarising a
+given passage, open-ended chat — greedy decode tok/s of one stream and of 8 sequences at once, without
+speculation, with the n-gram proposer and with a draft model, and each proposer's acceptance. Every figure is
+a ratio to the same workload's plain decode in the same run. The decode phase is timed from the step at which
+every sequence has its first token to the end (prefill excluded).
+
+``--draft-model`` defaults to a copy of the target's first 24 layers written with the `gguf` package (the only
+model with SmolLM2's vocabulary at hand; it accepts rarely, which shows the back-off). ``--llama-cpp PY``
+(a Python with llama-cpp-python, or ``auto`` for /work/llamacpp-venv/bin/python) also times llama.cpp's greedy
+single-stream decode of the same GGUF on the same prompt tokens, in a subprocess, as a ratio.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HELP = "speculative decoding: decode tok/s with and without each proposer on three workloads (+ llama.cpp)"
+LLAMA_CPP_AUTO = "/work/llamacpp-venv/bin/python"
+
+CODE = """class {name}:
+    def __init__(self, x, y):
+        self.x = x
+        self.y = y
+
+    def __repr__(self):
+        return f"{name}({{self.x}}, {{self.y}})"
+
+    def add(self, other):
+        return {name}(self.x + other.x, self.y + other.y)
+
+    def scale(self, factor):
+        return {name}(self.x * factor, self.y * factor)
+
+    def dot(self, other):
+        return self.x * other.x + self.y * other.y
+"""
+NAMES = [("Point", "Vector"), ("Vec2", "Pair"), ("Coord", "Position"), ("Pair", "Couple"), ("Vector", "Arrow"),
+         ("Pos", "Place"), ("Step", "Move"), ("Offset", "Shift")]
+PASSAGE = ("The {city} public library opened in 1902 with a single reading room and four thousand books. Over "
+           "the following century it grew into a network of twelve branches. In the 1960s the main building was "
+           "extended with a children's wing, and in 1998 the library became one of the first in the country to "
+           "offer free internet access. Today it lends more than two million items a year, runs language classes "
+           "for newcomers, and keeps a local history archive with photographs, maps and letters going back to the "
+           "founding of the town.")
+CITIES = ["Springfield", "Riverton", "Lakeside", "Hillcrest", "Fairview", "Oakdale", "Brookfield", "Milton"]
+CHAT = ["Tell me a story about a dragon who learns to paint.", "What should I pack for a week of hiking?",
+        "Give me some ideas for a rainy Sunday afternoon.", "Why do cats like boxes?",
+        "Describe your perfect breakfast.", "How can I get better at chess?",
+        "What would you do on a trip to the Moon?", "Write a short poem about autumn leaves."]
+
+
+def workloads() -> dict[str, list[list[dict]]]:
+    code = [[{"role": "user", "content": f"Rename the class {a} to {b} and show the whole code:\n\n```python\n"
+              + CODE.format(name=a) + "```"}] for a, b in NAMES]
+    summ = [[{"role": "user", "content": PASSAGE.format(city=c) + "\n\nSummarise the passage above in a few "
+              "sentences."}] for c in CITIES]
+    chat = [[{"role": "user", "content": q}] for q in CHAT]
+    return {"code-edit": code, "summarise": summ, "chat": chat}
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default=None, help="GGUF path (default: the bundled SmolLM2-135M)")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per sequence (default 64)")
+    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens (default 4)")
+    p.add_argument("--streams", default="1,8", help="sequences decoding at once (default 1,8)")
+    p.add_argument("--only", default="", help="comma list of workloads (code-edit,summarise,chat)")
+    p.add_argument("--draft-model", default=None,
+                   help="draft GGUF ('none': skip draft_model; default: the target's first 24 layers)")
+    p.add_argument("--llama-cpp", default=None, metavar="PYTHON_OR_auto",
+                   help="a Python with llama-cpp-python: also time llama.cpp's greedy decode (ratio)")
+
+
+def write_truncated(src: str, dst, n_layers: int, rename_token: int | None = None) -> None:
+    """A copy of a llama-family GGUF keeping its first ``n_layers`` blocks, written with the `gguf` package
+    (quantized tensors copied as they are). ``rename_token`` alters one token string (a vocabulary that
+    differs, for the draft check's tests)."""
+    import gguf
+    r = gguf.GGUFReader(src)
+    arch = r.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(str(dst), arch)
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        value = n_layers if name == f"{arch}.block_count" else f.contents()
+        if name == "tokenizer.ggml.tokens" and rename_token is not None:
+            value = list(value)
+            value[rename_token] += "_x"
+        vtype = f.types[0]
+        w.add_key_value(name, value, vtype, sub_type=f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    for t in r.tensors:
+        if not (t.name.startswith("blk.") and int(t.name.split(".")[1]) >= n_layers):
+            w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _truncated_copy(src: str, n_layers: int) -> str | None:
+    """The target's first ``n_layers`` blocks as a GGUF in a temp dir (None without the `gguf` package)."""
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        return None
+    path = os.path.join(tempfile.mkdtemp(prefix="pyengine-draft-"), f"draft-{n_layers}-layers.gguf")
+    write_truncated(src, path, n_layers)
+    return path
+
+
+def _decode(runner, draft_runner, prompts: list[list[int]], spec, max_tokens: int, k: int):
+    """(decode tok/s, tokens, acceptance rate, mean acceptance length) for these prompts decoding together."""
+    from pyengine.engine.llm_engine import LLMEngine
+    from pyengine.sampling_params import SamplingParams
+
+    eng = LLMEngine(runner=runner, max_model_len=runner.max_model_len, max_num_seqs=runner.max_num_seqs,
+                    max_num_batched_tokens=runner.max_num_batched_tokens, enable_prefix_caching=False,
+                    speculative_config=spec, draft_runner=draft_runner if spec and spec["method"] == "draft_model"
+                    else None)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        eng.add_request(str(i), {"prompt_token_ids": ids}, params)
+    seqs = [s for r in eng.requests.values() for s in r.seqs]
+    while not all(s.num_output_tokens for s in seqs):
+        eng.step()
+    t0, n0 = time.perf_counter(), sum(s.num_output_tokens for s in seqs)
+    outs = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o.outputs[0].token_ids
+    dt = time.perf_counter() - t0
+    n = sum(len(t) for t in outs.values()) - n0
+    st = eng.stats()
+    return n / dt, [outs[str(i)] for i in range(len(prompts))], st["spec_decode_acceptance_rate"], \
+        st["spec_decode_mean_acceptance_length"], st["spec_decode_num_draft_tokens"]
+
+
+LLAMA_CPP_SCRIPT = r'''
+import json, sys, time
+from llama_cpp import Llama
+job = json.load(sys.stdin)
+llm = Llama(model_path=job["model"], n_ctx=2048, n_threads=2, n_batch=512, verbose=False)
+out = []
+for ids in job["prompts"]:
+    llm.reset()
+    llm.eval(ids)
+    toks = []
+    t0 = time.perf_counter()
+    for _ in range(job["max_tokens"]):
+        t = int(llm.sample(top_k=1, temp=0.0))
+        toks.append(t)
+        llm.eval([t])
+    out.append({"seconds": time.perf_counter() - t0, "tokens": toks})
+json.dump(out, sys.stdout)
+'''
+
+
+def _llama_cpp(python: str, model: str, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+    job = json.dumps({"model": model, "prompts": prompts, "max_tokens": max_tokens})
+    res = subprocess.run([python, "-c", LLAMA_CPP_SCRIPT], input=job, capture_output=True, text=True, timeout=600)
+    if res.returncode != 0:
+        raise RuntimeError(f"llama-cpp-python failed: {res.stderr.strip()[-400:]}")
+    return json.loads(res.stdout)
+
+
+def run(args) -> int:
+    from pyengine.engine.model_runner import ModelRunner
+    from pyengine.model_files import resolve_model
+
+    path = resolve_model(args.model)
+    streams = [int(s) for s in args.streams.split(",") if s]
+    k = args.k
+    runner = ModelRunner(path, max_model_len=1024, max_num_seqs=max(streams), max_num_batched_tokens=4096,
+                         max_logits=max(streams) * (k + 1))
+    tok = runner.tokenizer
+    draft_path = args.draft_model
+    if draft_path is None:
+        draft_path = _truncated_copy(path, 24)
+    elif draft_path == "none":
+        draft_path = None
+    draft_runner = None
+    if draft_path is not None:
+        draft_runner = ModelRunner(draft_path, max_model_len=1024, max_num_seqs=max(streams),
+                                   max_num_batched_tokens=4096, max_logits=max(streams))
+    configs = {"plain": None, "ngram": {"method": "ngram", "num_speculative_tokens": k}}
+    if draft_runner is not None:
+        configs["draft"] = {"method": "draft_model", "model": draft_path, "num_speculative_tokens": k}
+    loads = workloads()
+    if args.only:
+        loads = {w: loads[w] for w in args.only.split(",")}
+    prompts = {w: [tok.encode(tok.apply_chat_template(c, add_generation_prompt=True), add_special_tokens=False)
+                   for c in convs] for w, convs in loads.items()}
+    print(f"pyengine bench spec: {os.path.basename(path)}, k={k}, {args.max_tokens} greedy tokens per sequence"
+          + (f", draft {os.path.basename(draft_path)}" if draft_path else ""))
+    _decode(runner, None, prompts[next(iter(prompts))][:1], None, 8, k)          # warm-up
+    rows = []
+    print(f"{'workload':<10} {'seqs':>4} {'method':<6} {'tok/s':>7} {'x plain':>8} {'accept':>7} "
+          f"{'mean len':>8} {'same tokens':>11}")
+    ours_single: dict[str, float] = {}
+    for w, ps in prompts.items():
+        for B in streams:
+            base = None
+            for name, spec in configs.items():
+                rate, toks, acc, mal, drafted = _decode(runner, draft_runner, ps[:B], spec, args.max_tokens, k)
+                if base is None:
+                    base, base_toks = rate, toks
+                same = sum(a == b for a, b in zip(toks, base_toks))
+                rows.append((w, B, name, rate, rate / base, acc, mal))
+                if B == 1:
+                    ours_single[(w, name)] = rate
+                print(f"{w:<10} {B:>4} {name:<6} {rate:>7.1f} {rate / base:>7.2f}x "
+                      f"{acc if drafted else float('nan'):>7.2f} {mal if drafted else float('nan'):>8.2f} "
+                      f"{same:>5}/{len(toks):<5}", flush=True)
+    worst = min(r[4] for r in rows if r[2] != "plain")
+    print(f"slowest speculative run: {worst:.2f}x its plain decode (target >= 0.95)")
+    if args.llama_cpp:
+        py = LLAMA_CPP_AUTO if args.llama_cpp == "auto" else args.llama_cpp
+        if not os.path.exists(py):
+            print(f"llama.cpp: {py} not found (build llama-cpp-python into a venv, see the issue)", file=sys.stderr)
+            return 1
+        for w, ps in prompts.items():
+            res = _llama_cpp(py, path, ps[:1], args.max_tokens)[0]
+            lc = len(res["tokens"]) / res["seconds"]
+            line = f"llama.cpp {w:<10} 1 stream {lc:7.1f} tok/s; ours plain {ours_single[(w, 'plain')] / lc:.2f}x"
+            for name in configs:
+                if name != "plain":
+                    line += f", {name} {ours_single[(w, name)] / lc:.2f}x"
+            print(line, flush=True)
+    return 0

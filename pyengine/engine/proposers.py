@@ -1,0 +1,216 @@
+"""S14: drafters. A proposer guesses the next k tokens of a sequence cheaply; the model then checks them all in
+one forward pass (see `pyengine/layers/rejection_sampler.py`).
+
+Every proposer has one method, ``propose(seqs, ks, rngs) -> [(draft ids, draft probabilities or None)]``:
+for each sequence at most ``ks[i]`` ids, and either the (len, V) distributions q the ids were drawn from or None
+when the ids are certain guesses (q one-hot). ``free`` says whether proposing costs a forward pass (the
+engine's back-off only probes an expensive proposer now and then). ``release(seq)`` forgets a sequence.
+
+- `NgramProposer` (prompt lookup): the last n tokens of the sequence, n from ``prompt_lookup_max`` down to
+  ``prompt_lookup_min``, are searched for earlier in its own prompt and output; what followed the latest
+  earlier occurrence is the guess. No model, no state: it shines when the output repeats its input (code
+  edits, summaries quoting the passage).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def ngram_lookup(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix
+    (of n_max..n_min tokens) of ``tokens``; [] if none matches."""
+    L = len(tokens)
+    for n in range(min(n_max, L - 1), n_min - 1, -1):
+        pattern = tokens[L - n:]
+        # windows starting at 0..L-n-1 (each followed by at least one token): all n positions must agree
+        hit = tokens[:L - n] == pattern[0]
+        for j in range(1, n):
+            hit &= tokens[j:L - n + j] == pattern[j]
+        starts = np.flatnonzero(hit)
+        if starts.size:
+            s = int(starts[-1]) + n
+            return tokens[s:s + k].tolist()
+    return []
+
+
+class NgramProposer:
+    free = True
+
+    def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int):
+        self.n_min, self.n_max = prompt_lookup_min, prompt_lookup_max
+
+    def propose(self, seqs, ks, rngs=None) -> list[tuple[list[int], None]]:
+        out = []
+        for seq, k in zip(seqs, ks):
+            ids = ngram_lookup(np.asarray(seq.token_ids, dtype=np.int64), k, self.n_min, self.n_max) if k else []
+            out.append((ids, None))
+        return out
+
+    def release(self, seq) -> None:
+        pass
+
+
+class _DraftState:
+    """One target sequence as the draft model sees it: the tokens whose K/V its cache holds, and a
+    `Sequence` that carries the draft cache's block table for the draft's own `BlockManager`."""
+
+    def __init__(self, seq):
+        from pyengine.engine.sequence import Sequence
+        self.shadow = Sequence(seq.seq_id, seq.request_id, seq.index, seq.prompt_token_ids)
+        self.cached: list[int] = []          # tokens with K/V in the draft cache, positions 0..len-1
+
+
+def check_same_vocabulary(draft_runner, target_runner) -> None:
+    """ValueError unless the draft model's vocabulary is the target's (same size, same token strings)."""
+    dv, tv = draft_runner.config.vocab_size, target_runner.config.vocab_size
+    if dv != tv:
+        raise ValueError(f"draft model vocabulary has {dv} tokens, the target's has {tv}: speculative decoding "
+                         "needs the same tokenizer")
+    dg, tg = getattr(draft_runner, "gguf", None), getattr(target_runner, "gguf", None)
+    if dg is not None and tg is not None:
+        dt, tt = dg.get("tokenizer.ggml.tokens"), tg.get("tokenizer.ggml.tokens")
+        if dt is not None and tt is not None and list(dt) != list(tt):
+            i = next(i for i, (a, b) in enumerate(zip(dt, tt)) if a != b)
+            raise ValueError(f"draft model vocabulary differs from the target's at token {i} "
+                             f"({dt[i]!r} vs {tt[i]!r}): speculative decoding needs the same tokenizer")
+
+
+class DraftModelProposer:
+    """A smaller model with the target's vocabulary drafts k tokens autoregressively, all sequences batched.
+
+    It has its own `ModelRunner` (weights, arena, paged KV cache) and its own `BlockManager`. Each round it
+    first catches a sequence's draft cache up with the target's tokens (the longest common prefix of what it
+    cached and what the sequence now holds is kept: rejected drafts roll back for free), in one ragged
+    prefill over all sequences, then runs k-1 batched one-token decodes. Greedy requests get the draft's
+    argmax; sampled ones a draw from the draft's distribution after the request's own processors, returned as
+    q for the rejection sampler. A sequence the draft cache has no room for gets no draft that step.
+    """
+    free = False
+
+    def __init__(self, model, target_runner, *, max_model_len: int, num_speculative_tokens: int,
+                 draft_runner=None, max_num_seqs: int = 64):
+        from pyengine.engine.block_manager import BlockManager
+        if draft_runner is None:
+            from pyengine.engine.model_runner import ModelRunner
+            if isinstance(model, str):
+                from pyengine.model_files import resolve_model
+                model = resolve_model(model)
+            draft_runner = ModelRunner(model, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                                       max_num_batched_tokens=max(2048, max_num_seqs),
+                                       max_logits=max_num_seqs)
+        if target_runner is not None:
+            check_same_vocabulary(draft_runner, target_runner)
+        self.runner = draft_runner
+        self.bm = BlockManager(draft_runner.num_blocks, draft_runner.block_size, enable_prefix_caching=False)
+        self.budget = getattr(draft_runner, "max_num_batched_tokens", None) or 2048
+        self.states: dict[int, _DraftState] = {}
+
+    def release(self, seq) -> None:
+        st = self.states.pop(seq.seq_id, None)
+        if st is not None:
+            self.bm.free(st.shadow)
+
+    def _forward(self, items):
+        """One draft forward: items are (state, tokens, want_logits). Returns the logits rows of those
+        that want them, in order."""
+        from pyengine.engine.forward_batch import ForwardBatch
+        ids, pos, qlens, clens, tables, rows = [], [], [], [], [], []
+        for st, toks, want in items:
+            start = len(st.cached)
+            sh = st.shadow
+            sh.num_computed_tokens = start
+            self.bm.append_slots(sh, len(toks))
+            ids.extend(toks)
+            pos.extend(range(start, start + len(toks)))
+            qlens.append(len(toks))
+            clens.append(start + len(toks))
+            tables.append(np.asarray(sh.block_table, dtype=np.int32))
+            if want:
+                rows.append(len(ids) - 1)
+            st.cached.extend(toks)
+            sh.num_computed_tokens = len(st.cached)
+        batch = ForwardBatch(np.asarray(ids, dtype=np.int64), np.asarray(pos, dtype=np.int64), qlens, clens,
+                             tables, np.asarray(rows, dtype=np.int64))
+        return self.runner.run(batch)
+
+    def _roll_back(self, seq, st: _DraftState) -> list[int]:
+        """Keep the draft cache's longest prefix that agrees with ``seq``; return the tokens to catch up."""
+        toks = seq.token_ids
+        n = min(len(st.cached), len(toks) - 1)          # the last token is always fed again (its logits)
+        if n:
+            a = np.asarray(st.cached[:n])
+            diff = np.flatnonzero(a != np.asarray(toks[:n]))
+            n = int(diff[0]) if diff.size else n
+        del st.cached[n:]
+        st.shadow.num_computed_tokens = n
+        self.bm.trim(st.shadow, n)
+        st.shadow._token_ids = list(toks)               # the draft block manager sizes runs by num_tokens
+        return toks[n:]
+
+    def propose(self, seqs, ks, rngs=None):
+        from pyengine.layers.rejection_sampler import target_distribution
+        from pyengine.layers.sampler import process_logits
+
+        rngs = rngs or [None] * len(seqs)
+        out: list = [([], None)] * len(seqs)
+        live = []                                      # (index, state, tokens still to feed)
+        free = self.bm.num_free_blocks()
+        for i, (seq, k) in enumerate(zip(seqs, ks)):
+            if k <= 0:
+                continue
+            st = self.states.get(seq.seq_id)
+            if st is None:
+                st = self.states[seq.seq_id] = _DraftState(seq)
+            todo = self._roll_back(seq, st)
+            # this round feeds the missing tokens and k - 1 drafts
+            need = self.bm.blocks_for(len(st.cached) + len(todo) + k - 1) - len(st.shadow.block_table)
+            if need > free:                            # the draft cache is full: no draft this step
+                continue
+            free -= need
+            live.append((i, st, todo))
+        drafts = {i: [] for i, _, _ in live}
+        probs = {i: [] for i, _, _ in live}
+
+        def choose(i, row):
+            seq, rng = seqs[i], rngs[i]
+            p = seq.params
+            output = list(seq.output_token_ids) + drafts[i]
+            if p.greedy:
+                x = row if not (p.logit_bias or p.has_penalties) else process_logits(
+                    row, p, seq.prompt_token_ids, output)
+                t = int(np.argmax(x))
+            else:
+                q = target_distribution(row, p, seq.prompt_token_ids, output)
+                t = int(rng.choice(len(q), p=q / q.sum()))
+                probs[i].append(q)
+            drafts[i].append(t)
+            return t
+
+        # catch-up prefill, split over forwards when it exceeds the draft's token budget
+        pending = [(i, st, list(todo)) for i, st, todo in live]
+        while pending:
+            items, budget, done = [], self.budget, []
+            for i, st, todo in pending:
+                if budget <= 0:
+                    break
+                take = todo[:budget]
+                del todo[:len(take)]
+                budget -= len(take)
+                items.append((st, take, not todo))
+                if not todo:
+                    done.append(i)
+            logits = self._forward(items)
+            for i, row in zip(done, logits):
+                choose(i, row)
+            pending = [x for x in pending if x[2]]
+        # k - 1 batched autoregressive steps
+        for step in range(1, max(ks, default=0)):
+            active = [(i, st) for i, st, _ in live if len(drafts[i]) < ks[i]]
+            if not active:
+                break
+            logits = self._forward([(st, [drafts[i][-1]], True) for i, st in active])
+            for (i, _), row in zip(active, logits):
+                choose(i, row)
+        for i, _, _ in live:
+            out[i] = (drafts[i], np.stack(probs[i]) if probs[i] else None)
+        return out

@@ -1,0 +1,242 @@
+"""S14 speculative decoding: the engine's side (configuration, per-sequence draft length, back-off, counters).
+
+Decoding one token reads every weight once; scoring k+1 tokens of a sequence in one pass costs little more,
+because the weights still dominate. So each step a proposer (`pyengine/engine/proposers.py`) guesses k
+tokens for every decoding sequence, the engine runs them as a (k+1)-token query in the same ragged batch as
+everything else (logits at each of the k+1 rows), and `pyengine/layers/rejection_sampler.py` keeps the
+longest acceptable prefix plus one token of the model's own. The KV slots of rejected drafts are rolled
+back (`BlockManager.trim`), so they are never read or published to the prefix cache.
+
+Back-off: a draft only pays when it is accepted often enough to cover what it costs. Each sequence keeps an
+estimate ``alpha`` of its per-token acceptance (an exponential average over the drafts it had verified, and,
+for a free proposer, over the guesses it would have made while not speculating), and each step takes the
+draft length k in 0..num_speculative_tokens that maximises the expected tokens per unit of cost,
+``(1 + alpha + ... + alpha^k) / cost(k)``. ``cost(k)`` is measured as the engine runs: the whole-step time
+(propose + forward + verify) of decode steps whose longest draft is k, over that of plain decode steps with as
+many sequences (a plain step is forced now and then to keep that baseline fresh); a k not measured yet is
+priced by a model, ``1 + FIXED_COST + PER_TOKEN_COST * k``, which tries it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+METHODS = ("ngram", "draft_model")
+# Cost of a step whose decodes carry k drafts, relative to a plain decode step, before online correction:
+# measured single-stream on SmolLM2 Q4_1 (the runner's multi-token path): 1 + 1 draft 1.6x, 4 drafts 2.0x,
+# 8 drafts 2.6x -> a fixed 0.45 for leaving the decode path plus 0.15 per draft token.
+FIXED_COST = 0.45
+PER_TOKEN_COST = 0.15
+ALPHA_PRIOR = 0.6          # acceptance assumed before a sequence has any evidence
+ALPHA_WEIGHT = 0.15        # weight of one accept/reject trial in the per-sequence average
+TIME_WEIGHT = 0.2          # weight of one step's time in its (batch size, k) average
+PROBE_GAP = 8              # an expensive proposer backed off to k=0 drafts 1 token after 8 steps, then after
+PROBE_GAP_MAX = 256        # twice as many steps after each probe that did not pay (up to 256)
+BASELINE_EVERY = 64        # one forced plain decode step in 64 keeps cost(0) measured (~1.5% of the steps)
+
+
+@dataclass
+class SpeculativeConfig:
+    """vLLM's ``speculative_config`` names: method, num_speculative_tokens, prompt_lookup_min/max, model."""
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    model: object = None           # draft_model: GGUF path, bytes or GGUFFile with the target's vocabulary
+    adaptive: bool = True          # extension: back off when acceptance is too low to pay (see module doc)
+
+    @classmethod
+    def from_dict(cls, d) -> "SpeculativeConfig":
+        if isinstance(d, SpeculativeConfig):
+            return d
+        if not isinstance(d, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(d).__name__}")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "adaptive"}
+        extra = sorted(set(d) - known)
+        if extra:
+            raise ValueError(f"speculative_config: unknown key(s) {extra}; known: {sorted(known)}")
+        method = d.get("method", "draft_model" if d.get("model") is not None else None)
+        if method not in METHODS:
+            raise ValueError(f"speculative_config method must be one of {METHODS}, got {method!r}")
+        k = d.get("num_speculative_tokens")
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:
+            raise ValueError(f"speculative_config num_speculative_tokens must be an integer in [1, 16], got {k!r}")
+        lo, hi = d.get("prompt_lookup_min"), d.get("prompt_lookup_max")
+        if lo is None and hi is None:
+            lo, hi = cls.prompt_lookup_min, cls.prompt_lookup_max
+        lo = hi if lo is None else lo
+        hi = lo if hi is None else hi
+        for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"speculative_config {name} must be a positive integer, got {v!r}")
+        if lo > hi:
+            raise ValueError(f"speculative_config prompt_lookup_min ({lo}) > prompt_lookup_max ({hi})")
+        model = d.get("model")
+        if method == "draft_model" and model is None:
+            raise ValueError("speculative_config method 'draft_model' needs 'model' (a GGUF path)")
+        if method == "ngram" and model is not None:
+            raise ValueError("speculative_config method 'ngram' takes no 'model'")
+        adaptive = d.get("adaptive", True)
+        if not isinstance(adaptive, bool):
+            raise ValueError(f"speculative_config adaptive must be a bool, got {adaptive!r}")
+        return cls(method, k, lo, hi, model, adaptive)
+
+
+def parse_speculative_config(text: str | None) -> dict | None:
+    """The ``--speculative-config '<json>'`` command-line value, validated (ValueError naming the problem)."""
+    if text is None:
+        return None
+    import json
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--speculative-config is not valid JSON ({exc.msg}): {text!r}") from None
+    SpeculativeConfig.from_dict(d)
+    return d
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens one verification emits on average with k drafts each accepted with probability alpha."""
+    return float(sum(alpha ** i for i in range(k + 1)))
+
+
+def _bucket(num_seqs: int) -> int:
+    return min(num_seqs.bit_length(), 6)        # 1, 2-3, 4-7, ..., 32+
+
+
+class SpeculativeDecoder:
+    """Owns the proposer; chooses each sequence's draft length; counts drafts (vLLM's metric names)."""
+
+    def __init__(self, config: SpeculativeConfig, proposer, max_model_len: int):
+        self.config = config
+        self.proposer = proposer
+        self.max_model_len = max_model_len
+        self.num_drafts = 0                  # verifications with at least one draft token
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_position = [0] * config.num_speculative_tokens
+        self._time: dict[tuple[int, int], float] = {}   # (batch-size bucket, longest draft) -> step seconds
+        self._steps = 0
+
+    # choosing k ---------------------------------------------------------------------------------
+    def draft_len(self, seq, num_seqs: int) -> int:
+        K = self.config.num_speculative_tokens
+        # room: this step emits at most k+1 tokens, and k+1 positions must fit in the context
+        room = min(K, seq.max_tokens - seq.num_output_tokens - 1 if seq.max_tokens is not None else K,
+                   self.max_model_len - seq.num_tokens)
+        if room <= 0 or not self.config.adaptive:
+            return max(room, 0)
+        b = _bucket(num_seqs)
+        base = self._time.get((b, 0))
+        if base is None or self._steps % BASELINE_EVERY == 0:
+            return 0                          # measure what a plain step costs first
+        alpha = seq.spec_alpha
+        best, best_k = 1.0, 0
+        for k in range(1, room + 1):
+            t = self._time.get((b, k))
+            cost = t / base if t is not None else 1.0 + FIXED_COST + PER_TOKEN_COST * k
+            rate = expected_tokens(alpha, k) / cost
+            if rate > best:
+                best, best_k = rate, k
+        if best_k == 0 and not self.proposer.free:
+            # probe now and then: the only way to notice that acceptance has risen
+            if seq.spec_probe_at is None:
+                seq.spec_probe_at = self._steps + seq.spec_probe_gap
+            elif self._steps >= seq.spec_probe_at:
+                seq.spec_probe_gap = min(2 * seq.spec_probe_gap, PROBE_GAP_MAX)
+                seq.spec_probe_at = None
+                return 1
+        elif best_k:
+            seq.spec_probe_gap, seq.spec_probe_at = PROBE_GAP, None
+        return best_k
+
+    def propose(self, seqs: list, rngs: list) -> None:
+        """Set ``spec_token_ids`` / ``spec_draft_probs`` on each decoding sequence (``seqs`` all want a draft)."""
+        self._steps += 1
+        for seq in seqs:
+            self._score_shadow(seq)
+        ks = [self.draft_len(s, len(seqs)) for s in seqs]
+        if self.proposer.free and self.config.adaptive:
+            # a free proposer guesses for everyone; backed-off sequences keep it as a shadow to learn from
+            K = self.config.num_speculative_tokens
+            want = [min(K, self.max_model_len - s.num_tokens) if k == 0 else k for s, k in zip(seqs, ks)]
+        else:
+            want = ks
+        drafts = self.proposer.propose(seqs, want, rngs) if any(want) else [([], None)] * len(seqs)
+        for seq, k, (ids, probs) in zip(seqs, ks, drafts):
+            if k == 0:
+                seq.spec_token_ids, seq.spec_draft_probs = [], None
+                seq.spec_shadow = (seq.num_tokens, ids[:1]) if ids else None
+            else:
+                seq.spec_token_ids = list(ids[:k])
+                seq.spec_draft_probs = None if probs is None else probs[:len(seq.spec_token_ids)]
+
+    def _score_shadow(self, seq) -> None:
+        """A guess made while not speculating, checked against the token the model then produced."""
+        shadow = seq.spec_shadow
+        seq.spec_shadow = None
+        if shadow is None or seq.num_tokens <= shadow[0]:
+            return
+        at, ids = shadow
+        self._trial(seq, seq.token_ids[at] == ids[0])
+
+    @staticmethod
+    def _trial(seq, accepted: bool) -> None:
+        seq.spec_alpha += ALPHA_WEIGHT * (float(accepted) - seq.spec_alpha)
+
+    # after verification -------------------------------------------------------------------------
+    def record(self, seq, num_draft: int, num_accepted: int) -> None:
+        """One verification of ``num_draft`` tokens of which the first ``num_accepted`` were accepted."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+        for _ in range(num_accepted):
+            self._trial(seq, True)
+        if num_accepted < num_draft:
+            self._trial(seq, False)
+
+    def observe_step(self, seconds: float, num_decodes: int, longest_draft: int) -> None:
+        """Time of one whole step (propose + forward + verify) of ``num_decodes`` decodes and no prefill,
+        whose longest draft had ``longest_draft`` tokens."""
+        if num_decodes <= 0:
+            return
+        key = (_bucket(num_decodes), longest_draft)
+        old = self._time.get(key)
+        self._time[key] = seconds if old is None else old + TIME_WEIGHT * (seconds - old)
+
+    def release(self, seq) -> None:
+        self.proposer.release(seq)
+
+    def stats(self) -> dict:
+        return spec_stats(self)
+
+
+def spec_stats(decoder: "SpeculativeDecoder | None") -> dict:
+    """vLLM's spec-decode counters plus the derived mean acceptance length (1 + accepted / drafts) and
+    acceptance rate (accepted / drafted); all zero when speculation is off (``decoder`` None)."""
+    drafts, drafted, accepted = ((decoder.num_drafts, decoder.num_draft_tokens, decoder.num_accepted_tokens)
+                                 if decoder is not None else (0, 0, 0))
+    return {"spec_decode_num_drafts": drafts, "spec_decode_num_draft_tokens": drafted,
+            "spec_decode_num_accepted_tokens": accepted,
+            "spec_decode_mean_acceptance_length": mean_acceptance_length(drafts, accepted),
+            "spec_decode_acceptance_rate": accepted / drafted if drafted else 0.0,
+            "spec_decode_num_accepted_tokens_per_pos": list(decoder.accepted_per_position) if decoder else []}
+
+
+def mean_acceptance_length(num_drafts: int, num_accepted: int) -> float:
+    """Tokens emitted per verification: the accepted drafts plus the model's own token (vLLM's definition)."""
+    return 1.0 + num_accepted / num_drafts if num_drafts else 0.0
+
+
+def make_speculative_decoder(config, max_model_len: int, target_runner=None, **draft_kw) -> SpeculativeDecoder:
+    """The decoder for a ``speculative_config`` dict (or `SpeculativeConfig`)."""
+    cfg = SpeculativeConfig.from_dict(config)
+    if cfg.method == "ngram":
+        from pyengine.engine.proposers import NgramProposer
+        proposer = NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+    else:
+        from pyengine.engine.proposers import DraftModelProposer
+        proposer = DraftModelProposer(cfg.model, target_runner, max_model_len=max_model_len,
+                                      num_speculative_tokens=cfg.num_speculative_tokens, **draft_kw)
+    return SpeculativeDecoder(cfg, proposer, max_model_len)

@@ -16,6 +16,8 @@ SUBCOMMANDS = {
     "bench": "pyengine.cli.bench",
     "serve": "pyengine.cli.serve",
     "web": "pyengine.cli.web",
+    "perplexity": "pyengine.cli.perplexity",
+    "quantize": "pyengine.cli.quantize",
 }
 
 

@@ -81,11 +81,12 @@ async function load(msg) {
   py.globals.set("_model_js", u8);
   py.globals.set("_session", session);
   py.globals.set("_mode", msg.mode || undefined);   // undefined -> None (null would be JsNull)
+  py.globals.set("_kv_dtype", msg.kvCacheDtype || undefined);   // "fp16" | "q8_0" | "q4_0" (S08)
   let info;
   try {
-    info = py.runPython("_session.load(_model_js.to_bytes(), _mode)");
+    info = py.runPython("_session.load(_model_js.to_bytes(), _mode, kv_cache_dtype=_kv_dtype)");
   } finally {
-    py.runPython("del _model_js, _session, _mode");
+    py.runPython("del _model_js, _session, _mode, _kv_dtype");
   }
   const out = info.toJs({ dict_converter: Object.fromEntries });
   info.destroy();

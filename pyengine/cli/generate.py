@@ -14,6 +14,7 @@ HELP = "generate a completion for PROMPT, streamed to stdout"
 
 def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
     """Options shared by `generate` and `chat`."""
+    from pyengine.engine.kv_cache import KV_DTYPES
     p.add_argument("--model", metavar="PATH", default=None, help="GGUF file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--max-tokens", type=int, default=max_tokens, metavar="N", help=f"default {max_tokens}")
     p.add_argument("--temperature", type=float, default=0.8, metavar="T", help="0 = greedy (default 0.8)")
@@ -25,6 +26,8 @@ def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="stop string (repeat for several)")
     p.add_argument("--max-model-len", type=int, default=2048, metavar="N", help="context size (default 2048)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_DTYPES,
+                   help="KV cache storage: auto (float32), fp16, q8_0, q4_0 (S08)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -67,9 +70,11 @@ def load_llm(args):
         raise ValueError(f"--max-model-len {args.max_model_len} exceeds the model's context length {context}")
     t = stage(f"read {len(gguf.tensors)} tensors' headers", t)
     # one conversation at a time: size the KV cache and batch for a single sequence
-    runner = ModelRunner(gguf, max_model_len=args.max_model_len, max_num_seqs=1)
+    runner = ModelRunner(gguf, max_model_len=args.max_model_len, max_num_seqs=1,
+                         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
     c = runner.config
-    t = stage(f"weights: {c.arch}, {c.n_layers} layers, d={c.d_model}; KV cache {runner.num_blocks} blocks", t)
+    t = stage(f"weights: {c.arch}, {c.n_layers} layers, d={c.d_model}; KV cache {runner.num_blocks} blocks "
+              f"({runner.kv_cache_dtype})", t)
     tok = runner.tokenizer
     stage(f"tokenizer: {tok.vocab_size} tokens", t)
     llm = LLM(runner=runner, max_model_len=args.max_model_len, max_num_seqs=1)

@@ -21,7 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ctx", "-c", type=int, default=None, metavar="N",
                    help="window size in tokens (default 512, or the base file's with --kl-divergence)")
     p.add_argument("--chunks", type=int, default=None, metavar="N", help="score at most N windows")
-    p.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
+    from pyengine.engine.kv_cache import KV_DTYPES
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_DTYPES,
                    help="KV cache storage: auto (float32), fp16, q8_0, q4_0")
     p.add_argument("--weights-mode", default="resident", choices=("resident", "lean"))
     p.add_argument("--kl-divergence-base", metavar="FILE", default=None,
@@ -38,9 +39,8 @@ def make_runner(model, ctx: int, kv_cache_dtype: str = "auto", weights_mode: str
     """A runner sized for one window at a time (the scored half of the logits kept in the arena)."""
     from pyengine.engine.model_runner import ModelRunner
 
-    kwargs = {} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype}
     return ModelRunner(model, max_model_len=ctx, max_num_batched_tokens=min(ctx, 2048), max_num_seqs=1,
-                       max_logits=ctx // 2, weights_mode=weights_mode, **kwargs)
+                       max_logits=ctx // 2, weights_mode=weights_mode, kv_cache_dtype=kv_cache_dtype)
 
 
 def run(args) -> int:

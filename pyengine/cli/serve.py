@@ -19,6 +19,7 @@ DEMO_MODULE = "pyengine.web_server"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from pyengine.engine.kv_cache import KV_DTYPES
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model", default=None, help="GGUF path (default: SmolLM2-135M-Instruct)")
@@ -32,6 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="worker processes sharing each linear layer (S17; pays for batches of ~9-40 tokens)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_DTYPES,
+                   help="KV cache storage: auto (float32), fp16, q8_0, q4_0 (S08)")
     p.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
     p.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
@@ -48,7 +51,8 @@ def build_engine(args):
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        enable_prefix_caching=not args.no_prefix_cache,
                        enable_chunked_prefill=not args.no_chunked_prefill, max_waiting=args.max_waiting,
-                       tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
+                       tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+                       kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
     return engine, path
 
 

@@ -255,22 +255,17 @@ class LlamaWeights:
 def decode_group_attention(layer: int, kv, A: dict, q_rot: np.ndarray, attn: np.ndarray, group: DecodeGroup,
                            scale: float) -> None:
     """Attention of a group of decoding sequences in one batched call: their context blocks are gathered
-    (whole blocks, np.take into arena scratch) into a padded (G, n_blocks*block_size, Hkv, hd) buffer, or,
-    for a lone sequence with consecutive blocks, read in place. ``A``: the arena views (or a tensor-parallel
+    (whole blocks, `PagedKVCache.gather_blocks` into arena scratch) into a padded (G, n_blocks*block_size,
+    Hkv, hd) buffer, or, for a lone sequence with consecutive blocks, read in place (`PagedKVCache.read`). ``A``: the arena views (or a tensor-parallel
     worker's own scratch) holding attn.k_batch, attn.v_batch and attn.scores."""
     rows, blocks, contiguous = group.rows, group.blocks, group.contiguous
     G, nb = blocks.shape
-    bs, Hkv, hd = kv.block_size, kv.n_kv_heads, kv.head_dim
-    n = G * nb * bs
-    shape = (G, nb * bs, Hkv, hd)
+    n = G * nb * kv.block_size
+    shape = (G, nb * kv.block_size, kv.n_kv_heads, kv.head_dim)
     if group.start is not None:
-        kb, vb = kv.k_slots[layer][group.start:group.start + n], kv.v_slots[layer][group.start:group.start + n]
+        kb, vb = kv.read(layer, group.start, n, A["attn.k_batch"], A["attn.v_batch"])
     else:
-        kb = A["attn.k_batch"][:n].reshape(G, nb, bs, Hkv, hd)
-        vb = A["attn.v_batch"][:n].reshape(G, nb, bs, Hkv, hd)
-        # mode="clip": ids were validated; the default "raise" mode buffers the whole output in a temporary
-        np.take(kv.k[layer], blocks, axis=0, out=kb, mode="clip")
-        np.take(kv.v[layer], blocks, axis=0, out=vb, mode="clip")
+        kb, vb = kv.gather_blocks(layer, blocks, A["attn.k_batch"], A["attn.v_batch"])
     if contiguous:
         decode_attention(q_rot[rows], kb.reshape(shape), vb.reshape(shape), scale=scale,
                          out=attn[rows], scratch=A["attn.scores"], pad=group.pad)
@@ -425,8 +420,7 @@ class LlamaModel:
             linear(xn, L.wqkv, qkv)
             # Q and K heads are adjacent columns of qkv: rotate them in one call
             apply_rope(qkv[:, :nq + nk].reshape(T, H + Hkv, hd), cos, sin, out=qk_rot, tmp=rope_tmp)
-            kv.k_slots[i][slots] = k_rot
-            kv.v_slots[i][slots] = qkv[:, nq + nk:].reshape(T, Hkv, hd)
+            kv.write(i, slots, k_rot, qkv[:, nq + nk:].reshape(T, Hkv, hd))
             if shared:
                 tp.attention_begin(i)                          # the workers attend over their groups meanwhile
             for group in groups:

@@ -207,3 +207,24 @@ def test_tensor_parallel_ranks_read_the_quantized_cache():
         two.close()
     np.testing.assert_allclose(b, a, rtol=0, atol=2e-2)   # the new token's own K/V may move a level
     assert np.array_equal(a.argmax(1), b.argmax(1))
+
+
+def test_browser_worker_session_takes_a_kv_dtype():
+    """web/pyworker.py (run in CPython, as tests/test_pyodide_worker_session.py does): load.kvCacheDtype."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("pyworker", HERE.parent / "web" / "pyworker.py")
+    pyworker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pyworker)
+    s = pyworker.WorkerSession()
+    data = Path(default_model_path()).read_bytes()
+    plain = s.load(data, max_model_len=256)["kvBlocks"]
+    info = s.load(data, max_model_len=256, kv_cache_dtype="q8_0")
+    assert info["kvCacheDtype"] == "q8_0" and info["kvBlocks"] == plain      # the same blocks in less memory
+    s.start("r", "The capital of France is", max_tokens=3, temperature=0.0)
+    events = []
+    while s.has_work():
+        events += s.step()
+    assert "Paris" in events[-1]["text"]
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        s.load(data, kv_cache_dtype="q2")
+    assert s.info["kvCacheDtype"] == "q8_0"                                     # the previous model stays

@@ -169,3 +169,13 @@ def test_cli_quantize_smollm2_q8_0(tmp_path, capsys):
     assert len(reader.tensors) == len(a.tensors)
     assert main(["quantize", src, src, "--type", "Q4_0"]) == 1
     assert main(["quantize", str(tmp_path / "missing.gguf"), str(tmp_path / "x.gguf"), "--type", "Q4_0"]) == 1
+
+
+def test_requantizing_llama_cpps_own_file_reproduces_its_bytes():
+    """SmolLM2's GGUF was written by llama.cpp (Q4_1 matrices, a Q8_0 embedding): quantizing each tensor's
+    dequantized float32 again gives back the very bytes llama.cpp stored."""
+    g = GGUFFile(default_model_path())
+    quantized = [t for t in g.tensors.values() if t.ggml_type in (GGMLType.Q4_1, GGMLType.Q8_0)]
+    assert len(quantized) == 211
+    for t in quantized[::7] + [g.tensor("token_embd.weight")]:
+        assert np.array_equal(quantizer(t.ggml_type)(g.dequantize(t.name)), t.data), t.name

@@ -318,14 +318,8 @@ def quantize_q8_0(x) -> np.ndarray:
 
 def quantize_q4_0(x) -> np.ndarray:
     """float array (last dim a multiple of 32) -> raw Q4_0 bytes, 1-D uint8 (18 bytes per 32 weights)."""
-    blocks = _as_blocks(x, 32, "quantize_q4_0")
-    # d = (the signed value of largest magnitude) / -8: that value maps exactly to q = 0 (-8 after the
-    # offset), and the other side of the range gets the 8th level -- the asymmetric int4 range [-8, 7].
-    d = _nearest_max(blocks) / np.float32(-8)
-    inv = _inverse(d)
-    # (int8_t)(x*id + 8.5f) truncates towards zero, then MIN(15, .)
-    q = np.minimum(np.trunc(blocks * inv[:, None] + np.float32(8.5)), 15).astype(np.uint8)
-    out = np.empty(blocks.shape[0], GGML_BLOCK[GGMLType.Q4_0].dtype)
+    n, d, q = _symmetric_levels(x, 8, "quantize_q4_0")
+    out = np.empty(n, GGML_BLOCK[GGMLType.Q4_0].dtype)
     out["d"] = d
     out["qs"] = q[:, :16] | (q[:, 16:] << 4)
     return out.view(np.uint8)
@@ -339,6 +333,17 @@ def _nearest_max(blocks: np.ndarray) -> np.ndarray:
 def _inverse(d: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore"):
         return np.where(d == 0, np.float32(0), np.float32(1) / d)
+
+
+def _symmetric_levels(x, half: int, name: str):
+    """The "_0" formats' levels: (blocks, d, q (blocks, 32) uint8 in 0 .. 2*half-1). d = (the signed value of
+    largest magnitude) / -half: that value maps exactly to q = 0 (-half after the offset), and the other side
+    of the range gets the extra level -- the asymmetric range [-half, half-1]. q = MIN(2*half-1,
+    (int8_t)(x/d + half + 0.5)): the cast truncates towards zero."""
+    blocks = _as_blocks(x, 32, name)
+    d = _nearest_max(blocks) / np.float32(-half)
+    q = np.trunc(blocks * _inverse(d)[:, None] + np.float32(half + 0.5))
+    return blocks.shape[0], d, np.minimum(q, 2 * half - 1).astype(np.uint8)
 
 
 def quantize_q4_1(x) -> np.ndarray:
@@ -358,11 +363,8 @@ def quantize_q4_1(x) -> np.ndarray:
 def quantize_q5_0(x) -> np.ndarray:
     """float array (last dim a multiple of 32) -> raw Q5_0 bytes (22 per 32 weights): Q4_0's scheme with
     32 levels (d = the largest-magnitude value / -16), the fifth bits gathered in qh."""
-    blocks = _as_blocks(x, 32, "quantize_q5_0")
-    d = _nearest_max(blocks) / np.float32(-16)
-    inv = _inverse(d)
-    q = np.minimum(np.trunc(blocks * inv[:, None] + np.float32(16.5)), 31).astype(np.uint8)
-    out = np.empty(blocks.shape[0], GGML_BLOCK[GGMLType.Q5_0].dtype)
+    n, d, q = _symmetric_levels(x, 16, "quantize_q5_0")
+    out = np.empty(n, GGML_BLOCK[GGMLType.Q5_0].dtype)
     out["d"] = d
     out["qs"] = (q[:, :16] & 15) | ((q[:, 16:] & 15) << 4)
     out["qh"] = np.packbits(q >> 4, axis=1, bitorder="little")      # bit j of the uint32 = weight j

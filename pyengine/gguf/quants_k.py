@@ -227,18 +227,27 @@ def _superblocks(x, name: str) -> np.ndarray:
 _CHUNK = 4096      # super-blocks quantized at a time: the (weights, sub-blocks) temporaries stay in cache
 
 
-def quantize_q4_k(x) -> np.ndarray:
-    """float array (last dim a multiple of 256) -> raw Q4_K bytes (144 per 256 weights)."""
-    sb = _superblocks(x, "quantize_q4_k")
+def _by_chunks(kernel, x, name: str, sub: int) -> np.ndarray:
+    """kernel(super-blocks (nb, 256), their sub-blocks of ``sub`` weights as (sub, nb * 256 / sub) columns)
+    over chunks of the super-blocks of x."""
+    sb = _superblocks(x, name)
+    out = []
     # flat and all-zero sub-blocks divide by zero in lanes whose results are then discarded (np.where)
     with np.errstate(divide="ignore", invalid="ignore"):
-        return np.concatenate([_q4_k(sb[i:i + _CHUNK]) for i in range(0, len(sb), _CHUNK)]).reshape(-1)
+        for i in range(0, len(sb), _CHUNK):
+            chunk = sb[i:i + _CHUNK]
+            out.append(kernel(chunk, np.ascontiguousarray(chunk.reshape(-1, sub).T)))
+    return np.concatenate(out).reshape(-1)
 
 
-def _q4_k(sb: np.ndarray) -> np.ndarray:
+def quantize_q4_k(x) -> np.ndarray:
+    """float array (last dim a multiple of 256) -> raw Q4_K bytes (144 per 256 weights)."""
+    return _by_chunks(_q4_k, x, "quantize_q4_k", 32)
+
+
+def _q4_k(sb: np.ndarray, xs: np.ndarray) -> np.ndarray:
     f = np.float32
     nb = sb.shape[0]
-    xs = np.ascontiguousarray(sb.reshape(nb * 8, 32).T)             # (32, sub-blocks)
     av = np.sqrt(_seq_sum(xs[i] * xs[i] for i in range(32)) / f(32))
     scales, mins, L = _make_qkx2(xs, av + np.abs(xs), 15, -1.0, 0.1, 20)
     scales, mins = scales.reshape(nb, 8), mins.reshape(nb, 8)
@@ -270,15 +279,12 @@ def _q4_k(sb: np.ndarray) -> np.ndarray:
 
 def quantize_q6_k(x) -> np.ndarray:
     """float array (last dim a multiple of 256) -> raw Q6_K bytes (210 per 256 weights)."""
-    sb = _superblocks(x, "quantize_q6_k")
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.concatenate([_q6_k(sb[i:i + _CHUNK]) for i in range(0, len(sb), _CHUNK)]).reshape(-1)
+    return _by_chunks(_q6_k, x, "quantize_q6_k", 16)
 
 
-def _q6_k(sb: np.ndarray) -> np.ndarray:
+def _q6_k(sb: np.ndarray, xs: np.ndarray) -> np.ndarray:
     f = np.float32
     nb = sb.shape[0]
-    xs = np.ascontiguousarray(sb.reshape(nb * 16, 16).T)            # (16, sub-blocks)
     scales, L = _make_qx(xs, 32)
     scales = scales.reshape(nb, 16)
     pick = np.abs(scales).argmax(axis=1)

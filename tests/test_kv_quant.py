@@ -228,3 +228,17 @@ def test_browser_worker_session_takes_a_kv_dtype():
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         s.load(data, kv_cache_dtype="q2")
     assert s.info["kvCacheDtype"] == "q8_0"                                     # the previous model stays
+
+
+def test_serve_and_chat_take_the_kv_dtype():
+    import argparse
+
+    from pyengine.cli import chat, serve
+    p = argparse.ArgumentParser()
+    serve.add_arguments(p)
+    engine, _ = serve.build_engine(p.parse_args(["--kv-cache-dtype", "fp16", "--max-model-len", "256",
+                                                 "--max-num-seqs", "2"]))
+    assert engine.runner.kv_cache.dtype == "fp16" and engine.runner.kv_cache.k.dtype == np.float16
+    p = argparse.ArgumentParser()
+    chat.add_arguments(p)
+    assert p.parse_args(["--kv-cache-dtype", "q4_0"]).kv_cache_dtype == "q4_0"

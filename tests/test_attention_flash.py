@@ -135,7 +135,7 @@ def test_attention_through_shuffled_block_table_is_exact():
         view = ContextView(table, ctx, bs)
         assert (view.start is not None) == (table[1] == table[0] + 1)
         scratch_k, scratch_v = np.zeros((64, 3, 64), np.float32), np.zeros((64, 3, 64), np.float32)
-        kc, vc = kv.read(0, view, scratch_k, scratch_v)
+        kc, vc = view.kv(kv, 0, scratch_k, scratch_v)
         assert np.array_equal(kc, k) and np.array_equal(vc, v)
         assert np.shares_memory(kc, kv.k) == (view.start is not None)     # zero-copy slice when contiguous
         got = grouped_attention(q, kc, vc)

@@ -150,6 +150,8 @@ class EngineClient {
       const small = navigator.deviceMemory && navigator.deviceMemory < 4;
       const mode = query.get("pymode") || (small ? "lean" : null);
       if (mode) msg.mode = mode;
+      const kv = query.get("pykv");            // KV cache storage: fp16 | q8_0 | q4_0 (default float32)
+      if (kv) msg.kvCacheDtype = kv;
     }
     this.modelReady = new Promise((resolve, reject) => { this.loadWaiter = { resolve, reject }; });
     this.worker.postMessage(msg, transfer ? [buffer] : []);

@@ -39,7 +39,8 @@ class WorkerSession:
         self.requests: dict[str, dict] = {}   # id -> {"t0", "t_first", "n"}
 
     # load -------------------------------------------------------------------------------------------
-    def load(self, data, mode: str | None = None, max_model_len: int = 1024, speculative=None) -> dict:
+    def load(self, data, mode: str | None = None, max_model_len: int = 1024, speculative=None,
+             kv_cache_dtype: str | None = None) -> dict:
         """Build an engine from GGUF bytes. The previous engine is replaced only if this one loads, so
         a corrupt file leaves a working page behind. `mode`: "resident" (weights dequantized once, fastest)
         or "lean" (quantized weights, dequantized per layer per step: less memory). `speculative` (S14):
@@ -55,7 +56,8 @@ class WorkerSession:
         gguf = GGUFFile(data)                 # zero-copy views into `data`; GGUFError if malformed
         t_parse = time.perf_counter() - t0
         mode = choose_mode(gguf, mode)
-        runner = ModelRunner(gguf, max_model_len=max_model_len, weights_mode=mode, **BROWSER_LIMITS)
+        runner = ModelRunner(gguf, max_model_len=max_model_len, weights_mode=mode,
+                             kv_cache_dtype=kv_cache_dtype or "auto", **BROWSER_LIMITS)
         engine = LLMEngine(max_model_len=max_model_len, runner=runner, speculative_config=speculative,
                            **BROWSER_LIMITS)
         cfg = engine.runner.config
@@ -66,6 +68,7 @@ class WorkerSession:
             "arch": cfg.arch, "layers": cfg.n_layers, "dModel": cfg.d_model, "vocabSize": cfg.vocab_size,
             "params": int(getattr(cfg, "n_params", 0) or 0), "tensors": len(gguf.tensors),
             "name": str(gguf.get("general.name", "") or ""), "mode": mode, "kvBlocks": runner.num_blocks,
+            "kvCacheDtype": runner.kv_cache_dtype,
             "stopTokenIds": sorted(int(t) for t in engine.get_tokenizer().stop_token_ids),
             "speculative": None if engine.spec is None else engine.spec.config.method,
             "parseMs": round(t_parse * 1e3, 1), "loadMs": round((time.perf_counter() - t0) * 1e3, 1),

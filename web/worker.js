@@ -83,11 +83,12 @@ async function load(msg) {
   py.globals.set("_mode", msg.mode || undefined);   // undefined -> None (null would be JsNull)
   // S14: {speculative: {method: "ngram", num_speculative_tokens: 4}} as JSON text (pyworker validates it)
   py.globals.set("_spec", msg.speculative ? JSON.stringify(msg.speculative) : undefined);
+  py.globals.set("_kv_dtype", msg.kvCacheDtype || undefined);   // "fp16" | "q8_0" | "q4_0" (S08)
   let info;
   try {
-    info = py.runPython("_session.load(_model_js.to_bytes(), _mode, speculative=_spec)");
+    info = py.runPython("_session.load(_model_js.to_bytes(), _mode, speculative=_spec, kv_cache_dtype=_kv_dtype)");
   } finally {
-    py.runPython("del _model_js, _session, _mode, _spec");
+    py.runPython("del _model_js, _session, _mode, _spec, _kv_dtype");
   }
   const out = info.toJs({ dict_converter: Object.fromEntries });
   info.destroy();

@@ -17,6 +17,8 @@ SUBCOMMANDS = {
     "bench": ("pyengine.cli.bench", "run a benchmark (default: decode/prefill against the NumPy roofline)"),
     "serve": ("pyengine.cli.serve", "serve the OpenAI-compatible API (chat/completions, streaming, /metrics)"),
     "web": ("pyengine.cli.web", "serve the browser demo (Pyodide + TypeScript engines side by side)"),
+    "perplexity": ("pyengine.cli.perplexity", "perplexity of a text file (llama.cpp's method), KL divergence"),
+    "quantize": ("pyengine.cli.quantize", "write a GGUF with its tensors requantized (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)"),
 }
 
 

@@ -17,6 +17,7 @@ BENCHMARKS = {
     "serve": "pyengine.bench.serve",          # S20: Poisson load against an OpenAI-compatible server
     "tuning": "pyengine.bench.tuning",        # sweep one constant of pyengine/tuning.py
     "spec": "pyengine.bench.spec",            # S14: speculative decoding, ngram / draft model vs plain decode
+    "kv": "pyengine.bench.kv",                # S08: KV cache dtypes and weight formats: memory, PPL/KL, speed
 }
 
 

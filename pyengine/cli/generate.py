@@ -18,10 +18,13 @@ SAMPLING_OPTIONS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalt
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """--model and --max-model-len (generate, chat, serve)."""
+    """--model, --max-model-len and --kv-cache-dtype (generate, chat, serve)."""
     p.add_argument("--model", metavar="PATH", default=None, help="GGUF file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--max-model-len", type=int, default=None, metavar="N",
                    help="context length (default: the model's, when one sequence's KV cache fits the memory)")
+    from pyengine.engine.kv_cache import KV_DTYPES
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_DTYPES,
+                   help="KV cache storage: auto (float32), fp16, q8_0, q4_0 (S08)")
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -133,9 +136,11 @@ def load_llm(args):
     t = stage(f"read {len(gguf.tensors)} tensors' headers; context {args.max_model_len} of {context}", t)
     # one conversation at a time: size the KV cache and batch for a single sequence
     runner = ModelRunner(gguf, max_model_len=args.max_model_len, max_num_seqs=1,
-                         max_logits=17)    # 1 + up to 16 drafts verified per step (S14)
+                         max_logits=17,    # 1 + up to 16 drafts verified per step (S14)
+                         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
     c = runner.config
-    t = stage(f"weights: {c.arch}, {c.n_layers} layers, d={c.d_model}; KV cache {runner.num_blocks} blocks", t)
+    t = stage(f"weights: {c.arch}, {c.n_layers} layers, d={c.d_model}; KV cache {runner.num_blocks} blocks "
+              f"({runner.kv_cache_dtype})", t)
     tok = runner.tokenizer
     stage(f"tokenizer: {tok.vocab_size} tokens", t)
     llm = LLM(runner=runner, max_model_len=args.max_model_len, max_num_seqs=1, speculative_config=spec)

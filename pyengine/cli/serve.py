@@ -112,7 +112,8 @@ def build_engine(args):
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        enable_prefix_caching=not args.no_prefix_cache,
                        enable_chunked_prefill=not args.no_chunked_prefill, max_waiting=args.max_waiting,
-                       tensor_parallel_size=getattr(args, "tensor_parallel_size", 1), speculative_config=spec)
+                       tensor_parallel_size=getattr(args, "tensor_parallel_size", 1), speculative_config=spec,
+                       kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
     return engine, path
 
 

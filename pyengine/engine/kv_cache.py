@@ -1,74 +1,167 @@
-"""S05/S06: the paged KV cache, carved from the arena.
+"""S05/S06/S08: the paged KV cache, carved from the arena, stored in float32, float16 or ggml's Q8_0 / Q4_0 blocks.
 
-Per layer, K and V are arrays of shape (num_blocks, block_size, Hkv, hd). A sequence's token at position p
-lives in slot ``block_table[p // block_size] * block_size + p % block_size`` of the flattened
-(num_blocks * block_size, Hkv, hd) view, so sequences grow block by block without reserving max_model_len
-and blocks can be shared (prefix caching). Block tables come from the BlockManager; this class only
-stores and gathers.
+Per layer, K and V are arrays of shape (num_blocks, block_size, Hkv, row) where a row is one head's hd values
+of one token. A sequence's token at position p lives in slot ``block_table[p // block_size] * block_size +
+p % block_size`` of the flattened (num_blocks * block_size, Hkv, row) view, so sequences grow block by block
+without reserving max_model_len and blocks can be shared (prefix caching). Block tables come from the
+BlockManager; this class only stores and reads.
+
+``dtype`` (llama.cpp's --cache-type-k/v):
+    "auto"  float32, row = hd floats (reads of consecutive slots are zero-copy slices)
+    "fp16"  float16, half the bytes
+    "q8_0"  ggml's Q8_0 blocks along the head dimension: 32 int8 values + a float16 scale (34 bytes per 32)
+    "q4_0"  ggml's Q4_0 blocks: 32 4-bit values + a float16 scale (18 bytes per 32)
+The quantized rows are the bytes ggml stores (``quants.quantize_q8_0`` / ``quantize_q4_0``, bit-exact with
+ggml's reference quantizers). The model calls only ``write`` and the read methods (``read``, ``gather``,
+``gather_blocks``): a read converts just the slots it returns into float32 scratch (the caller's, or this
+object's own for the gathered bytes), never the whole cache. The same memory budget holds 2x / 3.8x / 7.1x
+the blocks of float32.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from pyengine.arena import Arena, ArenaSpec, spec
+from pyengine.gguf import quants
+
+KV_DTYPES = ("auto", "fp16", "q8_0", "q4_0")
+_QUANT = {"q8_0": (quants.GGMLType.Q8_0, quants.quantize_q8_0), "q4_0": (quants.GGMLType.Q4_0, quants.quantize_q4_0)}
+
+
+def check_kv_dtype(dtype: str, head_dim: int) -> str:
+    if dtype not in KV_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_DTYPES)}, got {dtype!r}")
+    if dtype in _QUANT and head_dim % 32:
+        raise ValueError(f"kv_cache_dtype {dtype!r} needs a head dimension that is a multiple of 32, got {head_dim}")
+    return dtype
+
+
+def _row(dtype: str, head_dim: int) -> tuple[int, np.dtype]:
+    """(elements, element dtype) of one head's row of one token."""
+    if dtype == "auto":
+        return head_dim, np.dtype(np.float32)
+    if dtype == "fp16":
+        return head_dim, np.dtype(np.float16)
+    layout = quants.block_layout(_QUANT[dtype][0])
+    return head_dim // layout.block_size * layout.type_size, np.dtype(np.uint8)
+
+
+def _dtype_of(view: np.ndarray, head_dim: int) -> str:
+    """The storage format of an arena region (a tensor-parallel worker maps rank 0's arena and infers it)."""
+    for d in KV_DTYPES:
+        if d in _QUANT and head_dim % 32:
+            continue
+        n, dt = _row(d, head_dim)
+        if view.dtype == dt and view.shape[-1] == n:
+            return d
+    raise ValueError(f"arena KV region of dtype {view.dtype} and shape {view.shape} matches no KV cache format")
 
 
 class PagedKVCache:
     def __init__(self, arena: Arena, n_layers: int, num_blocks: int, block_size: int, n_kv_heads: int,
-                 head_dim: int):
+                 head_dim: int, dtype: str | None = None):
+        """``dtype`` None: the format of the arena's existing KV regions, else "auto" (float32)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
         self.n_layers, self.num_blocks, self.block_size = n_layers, num_blocks, block_size
         self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
-        shape = (n_layers, num_blocks, block_size, n_kv_heads, head_dim)
-        # self.k[layer]: (num_blocks, block_size, Hkv, hd); carved now unless the arena was planned with them
-        self.k, self.v = (arena.views[n] if n in arena.views else arena.alloc(n, shape)
+        if dtype is None:
+            dtype = _dtype_of(arena.views["kv_cache.k"], head_dim) if "kv_cache.k" in arena.views else "auto"
+        self.dtype = check_kv_dtype(dtype, head_dim)
+        row, elem = _row(self.dtype, head_dim)
+        shape = (n_layers, num_blocks, block_size, n_kv_heads, row)
+        # self.k[layer]: (num_blocks, block_size, Hkv, row); carved now unless the arena was planned with them
+        self.k, self.v = (arena.views[n] if n in arena.views else arena.alloc(n, shape, elem)
                           for n in ("kv_cache.k", "kv_cache.v"))
-        if self.k.shape != shape or self.v.shape != shape:
-            raise ValueError(f"arena KV regions have shape {self.k.shape}, expected {shape}")
-        flat = (n_layers, num_blocks * block_size, n_kv_heads, head_dim)
+        if self.k.shape != shape or self.v.shape != shape or self.k.dtype != elem:
+            raise ValueError(f"arena KV regions have shape {self.k.shape} ({self.k.dtype}), expected {shape} ({elem})")
+        flat = (n_layers, num_blocks * block_size, n_kv_heads, row)
         self.k_slots = self.k.reshape(flat)          # views: per layer, one row per slot
         self.v_slots = self.v.reshape(flat)
+        self._raw = np.empty(0, elem)                # this process's scratch for gathered stored rows
 
     @staticmethod
-    def arena_specs(n_layers: int, num_blocks: int, block_size: int, n_kv_heads: int,
-                    head_dim: int) -> list[ArenaSpec]:
-        shape = (n_layers, num_blocks, block_size, n_kv_heads, head_dim)
-        return [spec("kv_cache.k", shape), spec("kv_cache.v", shape)]
+    def arena_specs(n_layers: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
+                    dtype: str = "auto") -> list[ArenaSpec]:
+        row, elem = _row(check_kv_dtype(dtype, head_dim), head_dim)
+        shape = (n_layers, num_blocks, block_size, n_kv_heads, row)
+        return [spec("kv_cache.k", shape, elem), spec("kv_cache.v", shape, elem)]
 
     @staticmethod
-    def bytes_per_block(n_layers: int, block_size: int, n_kv_heads: int, head_dim: int) -> int:
-        return 2 * n_layers * block_size * n_kv_heads * head_dim * 4
+    def bytes_per_block(n_layers: int, block_size: int, n_kv_heads: int, head_dim: int, dtype: str = "auto") -> int:
+        row, elem = _row(check_kv_dtype(dtype, head_dim), head_dim)
+        return 2 * n_layers * block_size * n_kv_heads * row * elem.itemsize
 
+    @property
+    def zero_copy(self) -> bool:
+        """Reads of consecutive slots return views of the cache itself (float32 storage)."""
+        return self.dtype == "auto"
+
+    # --- writes -----------------------------------------------------------------------------------------
     def write(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
         """Store K/V rows (T, Hkv, hd) of this step's tokens into their slots."""
-        self.k_slots[layer][slots] = k
+        if self.dtype in _QUANT:
+            quantize = _QUANT[self.dtype][1]
+            row = self.k_slots.shape[-1]
+            k = quantize(k).reshape(len(slots), self.n_kv_heads, row)
+            v = quantize(v).reshape(len(slots), self.n_kv_heads, row)
+        self.k_slots[layer][slots] = k             # fp16: rounded to nearest on assignment
         self.v_slots[layer][slots] = v
 
-    def slots_view(self, layer: int, start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """(K, V) of n consecutive slots from ``start``: zero-copy views (n, Hkv, hd)."""
-        return self.k_slots[layer][start:start + n], self.v_slots[layer][start:start + n]
+    # --- reads ------------------------------------------------------------------------------------------
+    def _to_float(self, stored: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Stored rows (n, Hkv, row) -> float32 (n, Hkv, hd) in ``out`` (C-contiguous)."""
+        if self.dtype in _QUANT:
+            return quants.dequantize(np.ascontiguousarray(stored).reshape(-1).view(np.uint8),
+                                     _QUANT[self.dtype][0], out.shape, out=out)
+        np.copyto(out, stored.reshape(out.shape))
+        return out
+
+    def _scratch(self, shape: tuple[int, ...]) -> np.ndarray:
+        n = int(np.prod(shape))
+        if self._raw.size < n:
+            self._raw = np.empty(n, self._raw.dtype)
+        return self._raw[:n].reshape(shape)
+
+    def read(self, layer: int, start: int, n: int, k_out: np.ndarray, v_out: np.ndarray):
+        """(K, V) of the n consecutive slots from ``start``, each (n, Hkv, hd) float32: views of the cache
+        (float32 storage) or converted into k_out[:n] / v_out[:n]."""
+        k, v = self.k_slots[layer][start:start + n], self.v_slots[layer][start:start + n]
+        if self.zero_copy:
+            return k, v
+        return self._to_float(k, k_out[:n]), self._to_float(v, v_out[:n])
+
+    def gather(self, layer: int, slots: np.ndarray, k_out: np.ndarray, v_out: np.ndarray):
+        """(K, V) of arbitrary slots, gathered into k_out[:n] / v_out[:n] (n = len(slots))."""
+        n = len(slots)
+        out = []
+        for cache, dst in ((self.k_slots[layer], k_out[:n]), (self.v_slots[layer], v_out[:n])):
+            if self.zero_copy:
+                np.take(cache, slots, axis=0, mode="clip", out=dst)
+            else:
+                raw = self._scratch((n,) + cache.shape[1:])
+                np.take(cache, slots, axis=0, mode="clip", out=raw)
+                self._to_float(raw, dst)
+            out.append(dst)
+        return out[0], out[1]
 
     def gather_blocks(self, layer: int, blocks: np.ndarray, k_out: np.ndarray, v_out: np.ndarray):
-        """(K, V) of whole blocks (any shape of block ids, e.g. (G, n_blocks)) gathered into k_out / v_out (as
-        many slots as the blocks hold), returned shaped blocks.shape + (block_size, Hkv, hd)."""
-        shape = blocks.shape + self.k.shape[2:]
-        k, v = k_out.reshape(shape), v_out.reshape(shape)
-        # mode="clip": ids were validated; the default "raise" mode buffers the whole output in a temporary
-        np.take(self.k[layer], blocks, axis=0, out=k, mode="clip")
-        np.take(self.v[layer], blocks, axis=0, out=v, mode="clip")
-        return k, v
-
-    def read(self, layer: int, view: "ContextView", k_out: np.ndarray, v_out: np.ndarray):
-        """(K, V) of shape (n, Hkv, hd) for a ContextView's keys: views of the cache, or gathered into
-        k_out / v_out."""
-        n = view.n
-        if view.start is not None:
-            return self.slots_view(layer, view.start, n)
-        k, v = k_out[:n], v_out[:n]
-        np.take(self.k_slots[layer], view.slots, axis=0, mode="clip", out=k)
-        np.take(self.v_slots[layer], view.slots, axis=0, mode="clip", out=v)
-        return k, v
+        """(K, V) of whole blocks (G, nb) ids, each as (G, nb * block_size, Hkv, hd) float32 in the first
+        G * nb * block_size rows of k_out / v_out."""
+        G, nb = blocks.shape
+        n = G * nb * self.block_size
+        shape = (G, nb * self.block_size, self.n_kv_heads, self.head_dim)
+        out = []
+        for cache, dst in ((self.k[layer], k_out[:n]), (self.v[layer], v_out[:n])):
+            # mode="clip": ids were validated; the default "raise" mode buffers the whole output in a temporary
+            if self.zero_copy:
+                np.take(cache, blocks, axis=0, mode="clip", out=dst.reshape((G, nb) + cache.shape[1:]))
+            else:
+                raw = self._scratch((G, nb) + cache.shape[1:])
+                np.take(cache, blocks, axis=0, mode="clip", out=raw)
+                self._to_float(raw, dst)
+            out.append(dst.reshape(shape))
+        return out[0], out[1]
 
 
 def slot_mapping(positions: np.ndarray, block_table: np.ndarray, block_size: int) -> np.ndarray:
@@ -91,7 +184,7 @@ def contiguous_start(block_table: np.ndarray, context_len: int, block_size: int)
 
 class ContextView:
     """Which keys one sequence reads from the cache: positions ``first`` .. context_len - 1 (first > 0 for a
-    sliding window), as a slice of consecutive slots or a gather through its slots."""
+    sliding window), as a range of consecutive slots or a gather through its slots."""
 
     __slots__ = ("first", "n", "start", "slots")
 
@@ -102,3 +195,9 @@ class ContextView:
         self.start = None if start is None else start + first - b0 * block_size
         self.slots = None if self.start is not None else slot_mapping(np.arange(first, context_len), block_table,
                                                                       block_size)
+
+    def kv(self, kv: PagedKVCache, layer: int, k_out: np.ndarray, v_out: np.ndarray):
+        """(K, V) of shape (n, Hkv, hd): views of the cache, or read into k_out/v_out."""
+        if self.start is not None:
+            return kv.read(layer, self.start, self.n, k_out, v_out)
+        return kv.gather(layer, self.slots, k_out, v_out)

@@ -56,7 +56,7 @@ class LLMEngine:
                  enable_chunked_prefill: bool = True, max_waiting: int | None = None, *,
                  runner=None, tokenizer=None, seed: int | None = None, watermark: float = 0.03,
                  aging_steps: int = 64, tensor_parallel_size: int = 1, speculative_config=None,
-                 draft_runner=None, weights_mode: str = "resident"):
+                 draft_runner=None, weights_mode: str = "resident", kv_cache_dtype: str = "auto"):
         """``runner``/``tokenizer`` (keyword-only extension): inject any object with the ModelRunner contract
         (tests use a fake one); by default a `ModelRunner` is built for ``model`` (path, bytes, GGUFFile or
         None for the default model), its weights in ``weights_mode`` ("resident" or "lean").
@@ -70,9 +70,11 @@ class LLMEngine:
                 model = resolve_model(model)
             runner = ModelRunner(model, max_model_len=max_model_len, num_blocks=num_blocks, block_size=block_size,
                                  max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                 tensor_parallel_size=tensor_parallel_size, weights_mode=weights_mode)
-        elif tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size is a ModelRunner option: pass it to the runner you inject")
+                                 tensor_parallel_size=tensor_parallel_size, weights_mode=weights_mode,
+                                 kv_cache_dtype=kv_cache_dtype)
+        elif tensor_parallel_size != 1 or kv_cache_dtype != "auto":
+            raise ValueError("tensor_parallel_size and kv_cache_dtype are ModelRunner options: pass them to the "
+                             "runner you inject")
         for name, want in (("max_model_len", max_model_len), ("max_num_batched_tokens", max_num_batched_tokens),
                            ("max_num_seqs", max_num_seqs)):
             have = getattr(runner, name, None)

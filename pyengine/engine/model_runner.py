@@ -13,7 +13,7 @@ import numpy as np
 from pyengine import tuning
 from pyengine.arena import Arena
 from pyengine.engine.forward_batch import ForwardBatch
-from pyengine.engine.kv_cache import PagedKVCache
+from pyengine.engine.kv_cache import PagedKVCache, check_kv_dtype
 from pyengine.engine.step_plan import plan_step
 
 # Cap of the default num_blocks: SmolLM2's server defaults (64 sequences x 2048 tokens) would need 6 GB of KV.
@@ -28,12 +28,14 @@ class ModelRunner:
     max_logits        logits rows planned in the arena per run (default max_num_seqs; more rows still work)
     flash_min_query   sequences with at least this many new tokens use tiled flash attention
     tensor_parallel_size  > 1: worker processes share every linear layer and decode attention (S17; Linux x86-64)
+    kv_cache_dtype    KV cache storage (S08): "auto" (float32), "fp16", "q8_0", "q4_0" (see kv_cache.py); the
+                      default budget then holds 2x / 3.8x / 7.1x the blocks
     """
 
     def __init__(self, model, max_model_len: int = 2048, num_blocks: int | None = None, block_size: int = 16,
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 64, weights_mode: str = "resident",
                  kv_budget_bytes: int = DEFAULT_KV_BUDGET_BYTES, max_logits: int | None = None,
-                 flash_min_query: int | None = None, tensor_parallel_size: int = 1):
+                 flash_min_query: int | None = None, tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto"):
         from pyengine.gguf.reader import GGUFFile
         from pyengine.models import load_config, load_model
         from pyengine.models.base import Buffers
@@ -58,7 +60,8 @@ class ModelRunner:
         self.max_num_batched_tokens = int(max_num_batched_tokens)
         self.max_num_seqs = int(max_num_seqs)
         self.flash_min_query = tuning.FLASH_MIN_QUERY if flash_min_query is None else int(flash_min_query)
-        per_block = PagedKVCache.bytes_per_block(c.n_layers, block_size, c.n_kv_heads, c.head_dim)
+        self.kv_cache_dtype = check_kv_dtype(kv_cache_dtype, c.head_dim)
+        per_block = PagedKVCache.bytes_per_block(c.n_layers, block_size, c.n_kv_heads, c.head_dim, kv_cache_dtype)
         if num_blocks is None:
             # enough for every sequence at full length, unless that exceeds the memory budget
             want = max_num_seqs * -(-max_model_len // block_size)
@@ -74,7 +77,8 @@ class ModelRunner:
         n_kinds = len(self.model.kinds)
         specs = (Buffers.specs(c, n_kinds, self.max_num_batched_tokens, self.max_model_len, self.max_logits,
                                decode_slots, self.weights.lean_floats, self.flash_min_query)
-                 + PagedKVCache.arena_specs(c.n_layers, self.num_blocks, block_size, c.n_kv_heads, c.head_dim))
+                 + PagedKVCache.arena_specs(c.n_layers, self.num_blocks, block_size, c.n_kv_heads, c.head_dim,
+                                            kv_cache_dtype))
         self.tensor_parallel = None
         if tensor_parallel_size > 1:
             from pyengine.engine.tensor_parallel import TensorParallelGroup   # lazy: processes, CPython only
@@ -85,7 +89,7 @@ class ModelRunner:
         else:
             self.arena = Arena.from_specs(specs)
         self.kv_cache = PagedKVCache(self.arena, c.n_layers, self.num_blocks, block_size, c.n_kv_heads,
-                                     c.head_dim)
+                                     c.head_dim, kv_cache_dtype)
         self.buffers = Buffers.from_arena(self.arena, n_kinds)
         self.weights.bind_scratch(self.buffers.lean)
         self.model.prepare(self.buffers)

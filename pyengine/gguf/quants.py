@@ -1,4 +1,5 @@
-"""S08: ggml's quantization formats -- the block-layout table, dequantization, and Q8_0/Q4_0 quantization.
+"""S08: ggml's quantization formats -- the block-layout table, dequantization, and quantization
+(Q8_0, Q4_0, Q4_1, Q5_0 here; Q4_K and Q6_K in ``quants_k.py``).
 
 A quantized tensor is a run of fixed-size *blocks*; each block packs ``block_size`` weights as small integers
 plus one or two float16 scales (the K-quants add 6/8-bit sub-block scales). Every layout below is declared
@@ -308,8 +309,7 @@ def quantize_q8_0(x) -> np.ndarray:
     """float array (last dim a multiple of 32) -> raw Q8_0 bytes, 1-D uint8 (34 bytes per 32 weights)."""
     blocks = _as_blocks(x, 32, "quantize_q8_0")
     d = np.abs(blocks).max(axis=1) / np.float32(127)          # so the largest |x| maps to +-127
-    with np.errstate(divide="ignore"):
-        inv = np.where(d == 0, np.float32(0), np.float32(1) / d)
+    inv = _inverse(d)
     out = np.empty(blocks.shape[0], GGML_BLOCK[GGMLType.Q8_0].dtype)
     out["d"] = d                                                # float32 -> float16, round to nearest even
     out["qs"] = _round_half_away(blocks * inv[:, None])
@@ -318,16 +318,74 @@ def quantize_q8_0(x) -> np.ndarray:
 
 def quantize_q4_0(x) -> np.ndarray:
     """float array (last dim a multiple of 32) -> raw Q4_0 bytes, 1-D uint8 (18 bytes per 32 weights)."""
-    blocks = _as_blocks(x, 32, "quantize_q4_0")
-    # d = (the signed value of largest magnitude) / -8: that value maps exactly to q = 0 (-8 after the
-    # offset), and the other side of the range gets the 8th level -- the asymmetric int4 range [-8, 7].
-    first_max = np.abs(blocks).argmax(axis=1)
-    d = blocks[np.arange(blocks.shape[0]), first_max] / np.float32(-8)
-    with np.errstate(divide="ignore"):
-        inv = np.where(d == 0, np.float32(0), np.float32(1) / d)
-    # (int8_t)(x*id + 8.5f) truncates towards zero, then MIN(15, .)
-    q = np.minimum(np.trunc(blocks * inv[:, None] + np.float32(8.5)), 15).astype(np.uint8)
-    out = np.empty(blocks.shape[0], GGML_BLOCK[GGMLType.Q4_0].dtype)
+    n, d, q = _symmetric_levels(x, 8, "quantize_q4_0")
+    out = np.empty(n, GGML_BLOCK[GGMLType.Q4_0].dtype)
     out["d"] = d
     out["qs"] = q[:, :16] | (q[:, 16:] << 4)
     return out.view(np.uint8)
+
+
+def _nearest_max(blocks: np.ndarray) -> np.ndarray:
+    """Per block, the signed value of largest magnitude (the first one on ties), as ggml's loops pick it."""
+    return blocks[np.arange(blocks.shape[0]), np.abs(blocks).argmax(axis=1)]
+
+
+def _inverse(d: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore"):
+        return np.where(d == 0, np.float32(0), np.float32(1) / d)
+
+
+def _symmetric_levels(x, half: int, name: str):
+    """The "_0" formats' levels: (blocks, d, q (blocks, 32) uint8 in 0 .. 2*half-1). d = (the signed value of
+    largest magnitude) / -half: that value maps exactly to q = 0 (-half after the offset), and the other side
+    of the range gets the extra level -- the asymmetric range [-half, half-1]. q = MIN(2*half-1,
+    (int8_t)(x/d + half + 0.5)): the cast truncates towards zero."""
+    blocks = _as_blocks(x, 32, name)
+    d = _nearest_max(blocks) / np.float32(-half)
+    q = np.trunc(blocks * _inverse(d)[:, None] + np.float32(half + 0.5))
+    return blocks.shape[0], d, np.minimum(q, 2 * half - 1).astype(np.uint8)
+
+
+def quantize_q4_1(x) -> np.ndarray:
+    """float array (last dim a multiple of 32) -> raw Q4_1 bytes (20 per 32 weights): w ~ d * q + m with
+    m the block's min and d = (max - min) / 15; q = trunc((x - m) / d + 0.5), at most 15."""
+    blocks = _as_blocks(x, 32, "quantize_q4_1")
+    lo, hi = blocks.min(axis=1), blocks.max(axis=1)
+    d = (hi - lo) / np.float32(15)
+    inv = _inverse(d)
+    q = np.minimum(np.trunc((blocks - lo[:, None]) * inv[:, None] + np.float32(0.5)), 15).astype(np.uint8)
+    out = np.empty(blocks.shape[0], GGML_BLOCK[GGMLType.Q4_1].dtype)
+    out["d"], out["m"] = d, lo
+    out["qs"] = q[:, :16] | (q[:, 16:] << 4)
+    return out.view(np.uint8)
+
+
+def quantize_q5_0(x) -> np.ndarray:
+    """float array (last dim a multiple of 32) -> raw Q5_0 bytes (22 per 32 weights): Q4_0's scheme with
+    32 levels (d = the largest-magnitude value / -16), the fifth bits gathered in qh."""
+    n, d, q = _symmetric_levels(x, 16, "quantize_q5_0")
+    out = np.empty(n, GGML_BLOCK[GGMLType.Q5_0].dtype)
+    out["d"] = d
+    out["qs"] = (q[:, :16] & 15) | ((q[:, 16:] & 15) << 4)
+    out["qh"] = np.packbits(q >> 4, axis=1, bitorder="little")      # bit j of the uint32 = weight j
+    return out.view(np.uint8)
+
+
+def quantize_f16(x) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(x, np.float32).astype("<f2")).reshape(-1).view(np.uint8)
+
+
+def quantize_f32(x) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(x, dtype="<f4")).reshape(-1).view(np.uint8)
+
+
+def quantizer(ggml_type: int) -> Callable[[np.ndarray], np.ndarray]:
+    """The function float32 rows -> raw bytes of a ggml type, or GGUFError naming the type."""
+    table = {GGMLType.F32: quantize_f32, GGMLType.F16: quantize_f16, GGMLType.Q8_0: quantize_q8_0,
+             GGMLType.Q4_0: quantize_q4_0, GGMLType.Q4_1: quantize_q4_1, GGMLType.Q5_0: quantize_q5_0,
+             GGMLType.Q4_K: quants_k.quantize_q4_k, GGMLType.Q6_K: quants_k.quantize_q6_k}
+    try:
+        return table[GGMLType(ggml_type)]
+    except (ValueError, KeyError):
+        raise GGUFError(f"quantization to {type_name(ggml_type)} is not supported "
+                        f"(supported: {', '.join(t.name for t in table)})") from None

@@ -1,4 +1,5 @@
-"""S08: dequantization kernels of the K-quants (Q2_K..Q6_K), 256 weights per super-block.
+"""S08: the K-quants (Q2_K..Q6_K, 256 weights per super-block): dequantization kernels, and quantization to
+Q4_K and Q6_K (at the end of the file).
 
 Each kernel takes ``b``, a structured array of n blocks (layouts and their rationale are documented in the
 table of ``quants.py``), and writes float32 weights into ``out`` of shape (n, 256). Sub-block scales are
@@ -114,3 +115,196 @@ def dequant_q6_k(b: np.ndarray, out: np.ndarray) -> None:
     q -= 32
     dl = b["d"].astype(np.float32)[:, None] * _f32(b["scales"])
     np.multiply(q.reshape(n, 16, 16), dl[:, :, None], out=out.reshape(n, 16, 16))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Quantization: ggml's reference algorithms (quantize_row_q4_K_ref / quantize_row_q6_K_ref, used by
+# llama-quantize when no importance matrix is given), vectorized over sub-blocks. Every sum runs in ggml's
+# order (one float32 add per weight, left to right), so the bytes come out identical: the sub-blocks are laid
+# out as rows of a (weights, sub-blocks) array and the loops run over the few weights of a sub-block.
+# ---------------------------------------------------------------------------------------------------------
+
+_GROUP_MAX_EPS = np.float32(1e-15)
+
+
+def _rint(v: np.ndarray) -> np.ndarray:
+    """ggml's nearest_int (adding 1.5 * 2^23 rounds to nearest, ties to even) = np.rint, kept as float32."""
+    return np.rint(v)
+
+
+def _f16_round(v: np.ndarray) -> np.ndarray:
+    """float32 -> the float16 ggml stores -> back to float32 (what the later steps multiply with)."""
+    return v.astype(np.float16).astype(np.float32)
+
+
+def _seq_sum(terms) -> np.ndarray:
+    """Sum of a sequence of arrays, left to right (a C loop's float32 accumulation)."""
+    it = iter(terms)
+    acc = next(it).copy()
+    for t in it:
+        acc += t
+    return acc
+
+
+def _make_qkx2(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int):
+    """ggml's make_qkx2_quants for every sub-block at once: x, w are (n, m) float32 (weight i of sub-block k
+    at [i, k]). Returns (scale (m,), the_min (m,), L (n, m) float32 levels 0..nmax), minimizing the weighted
+    squared error of scale * L + min over nstep + 1 trial scales."""
+    f = np.float32
+    n = x.shape[0]
+    lo = np.minimum(x.min(axis=0), f(0))
+    hi = x.max(axis=0)
+    flat = hi == lo
+    sum_w = _seq_sum(w[i] for i in range(n))
+    sum_x = _seq_sum(w[i] * x[i] for i in range(n))
+    rng = hi - lo
+    iscale = f(nmax) / rng
+    scale = f(1) / iscale
+    L = np.clip(_rint(iscale * (x - lo)), 0, nmax)
+    best = _seq_sum(w[i] * np.square(scale * L[i] + lo - x[i]) for i in range(n))
+    mn = lo.copy()
+    for step in range(nstep + 1):
+        iscale = (f(rmin) + f(rdelta) * f(step) + f(nmax)) / rng
+        la = np.clip(_rint(iscale * (x - lo)), 0, nmax)
+        wl = w * la
+        sum_l = _seq_sum(wl[i] for i in range(n))
+        sum_l2 = _seq_sum(wl[i] * la[i] for i in range(n))
+        sum_xl = _seq_sum(wl[i] * x[i] for i in range(n))
+        D = sum_w * sum_l2 - sum_l * sum_l
+        this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
+        this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
+        pos = this_min > 0
+        this_min = np.where(pos, f(0), this_min)
+        this_scale = np.where(pos, sum_xl / sum_l2, this_scale)
+        err = _seq_sum(w[i] * np.square(this_scale * la[i] + this_min - x[i]) for i in range(n))
+        better = (D > 0) & (err < best)
+        L = np.where(better, la, L)
+        best = np.where(better, err, best)
+        scale = np.where(better, this_scale, scale)
+        mn = np.where(better, this_min, mn)
+    L = np.where(flat, f(0), L)
+    return np.where(flat, f(0), scale), -mn, L
+
+
+def _make_qx(x: np.ndarray, nmax: int):
+    """ggml's make_qx_quants with rmse_type 1 (weights x^2), every sub-block at once: x is (n, m). Returns
+    (scale (m,), L (n, m) float32 levels 0..2*nmax-1) for w ~ scale * (L - nmax)."""
+    f = np.float32
+    n, m = x.shape
+    amax_i = np.abs(x).argmax(axis=0)                 # first index of the largest |x|, as ggml's strict >
+    mx = x[amax_i, np.arange(m)]
+    zero = np.abs(mx) < _GROUP_MAX_EPS
+    w = x * x
+
+    def trial(iscale):
+        lv = np.clip(_rint(iscale * x), -nmax, nmax - 1)
+        sumlx = _seq_sum(w[i] * x[i] * lv[i] for i in range(n))
+        suml2 = _seq_sum(w[i] * lv[i] * lv[i] for i in range(n))
+        return lv, sumlx, suml2
+
+    lv, sumlx, suml2 = trial(f(-nmax) / mx)
+    L = lv + f(nmax)
+    scale = np.where(suml2 != 0, sumlx / suml2, f(0))
+    best = scale * sumlx
+    for step in range(-9, 10):
+        if step == 0:
+            continue
+        lv, sumlx, suml2 = trial(-(f(nmax) + f(0.1) * f(step)) / mx)
+        better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
+        L = np.where(better, lv + f(nmax), L)
+        scale = np.where(better, sumlx / suml2, scale)
+        best = np.where(better, scale * sumlx, best)
+    return np.where(zero, f(0), scale), np.where(zero, f(0), L)
+
+
+def _superblocks(x, name: str) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float32)
+    if x.ndim == 0 or x.shape[-1] % QK_K:
+        raise ValueError(f"{name}: the last dimension of x (shape {x.shape}) must be a multiple of {QK_K}")
+    return np.ascontiguousarray(x).reshape(-1, QK_K)
+
+
+_CHUNK = 4096      # super-blocks quantized at a time: the (weights, sub-blocks) temporaries stay in cache
+
+
+def _by_chunks(kernel, x, name: str, sub: int) -> np.ndarray:
+    """kernel(super-blocks (nb, 256), their sub-blocks of ``sub`` weights as (sub, nb * 256 / sub) columns)
+    over chunks of the super-blocks of x."""
+    sb = _superblocks(x, name)
+    out = []
+    # flat and all-zero sub-blocks divide by zero in lanes whose results are then discarded (np.where)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        for i in range(0, len(sb), _CHUNK):
+            chunk = sb[i:i + _CHUNK]
+            out.append(kernel(chunk, np.ascontiguousarray(chunk.reshape(-1, sub).T)))
+    return np.concatenate(out).reshape(-1)
+
+
+def quantize_q4_k(x) -> np.ndarray:
+    """float array (last dim a multiple of 256) -> raw Q4_K bytes (144 per 256 weights)."""
+    return _by_chunks(_q4_k, x, "quantize_q4_k", 32)
+
+
+def _q4_k(sb: np.ndarray, xs: np.ndarray) -> np.ndarray:
+    f = np.float32
+    nb = sb.shape[0]
+    av = np.sqrt(_seq_sum(xs[i] * xs[i] for i in range(32)) / f(32))
+    scales, mins, L = _make_qkx2(xs, av + np.abs(xs), 15, -1.0, 0.1, 20)
+    scales, mins = scales.reshape(nb, 8), mins.reshape(nb, 8)
+    max_scale = np.maximum(scales.max(axis=1), f(0))
+    max_min = np.maximum(mins.max(axis=1), f(0))
+    inv_scale = np.where(max_scale > 0, f(63) / max_scale, f(0))
+    inv_min = np.where(max_min > 0, f(63) / max_min, f(0))
+    # (uint8_t) of the int, then MIN(63, .)
+    ls = np.minimum(_rint(inv_scale[:, None] * scales).astype(np.int64) & 255, 63).astype(np.uint8)
+    lm = np.minimum(_rint(inv_min[:, None] * mins).astype(np.int64) & 255, 63).astype(np.uint8)
+    packed = np.empty((nb, 12), np.uint8)
+    packed[:, 0:4] = ls[:, :4] | ((ls[:, 4:] >> 4) << 6)
+    packed[:, 4:8] = lm[:, :4] | ((lm[:, 4:] >> 4) << 6)
+    packed[:, 8:12] = (ls[:, 4:] & 15) | ((lm[:, 4:] & 15) << 4)
+    d16 = (max_scale / f(63)).astype("<f2")
+    dmin16 = (max_min / f(63)).astype("<f2")
+    d = d16.astype(np.float32)[:, None] * ls.astype(np.float32)            # (nb, 8)
+    dm = dmin16.astype(np.float32)[:, None] * lm.astype(np.float32)
+    x3 = sb.reshape(nb, 8, 32)
+    requant = np.clip(_rint((x3 + dm[:, :, None]) / d[:, :, None]), 0, 15)
+    L = np.where((d == 0)[:, :, None], L.T.reshape(nb, 8, 32), requant).astype(np.uint8).reshape(nb, 4, 2, 32)
+    out = np.empty((nb, 144), np.uint8)
+    out[:, 0:2] = d16.view(np.uint8).reshape(nb, 2)
+    out[:, 2:4] = dmin16.view(np.uint8).reshape(nb, 2)
+    out[:, 4:16] = packed
+    out[:, 16:] = (L[:, :, 0] | (L[:, :, 1] << 4)).reshape(nb, 128)
+    return out
+
+
+def quantize_q6_k(x) -> np.ndarray:
+    """float array (last dim a multiple of 256) -> raw Q6_K bytes (210 per 256 weights)."""
+    return _by_chunks(_q6_k, x, "quantize_q6_k", 16)
+
+
+def _q6_k(sb: np.ndarray, xs: np.ndarray) -> np.ndarray:
+    f = np.float32
+    nb = sb.shape[0]
+    scales, L = _make_qx(xs, 32)
+    scales = scales.reshape(nb, 16)
+    pick = np.abs(scales).argmax(axis=1)
+    max_scale = scales[np.arange(nb), pick]
+    zero = np.abs(max_scale) < _GROUP_MAX_EPS
+    iscale = f(-128) / max_scale
+    d16 = np.where(zero, f(0), f(1) / iscale).astype("<f2")
+    sc = np.minimum(_rint(iscale[:, None] * scales), 127)
+    sc = np.where(zero[:, None], f(0), sc).astype(np.int8)
+    d = d16.astype(np.float32)[:, None] * sc.astype(np.float32)            # (nb, 16)
+    x3 = sb.reshape(nb, 16, 16)
+    requant = np.clip(_rint(x3 / d[:, :, None]), -32, 31) + f(32)
+    L = np.where((d == 0)[:, :, None], L.T.reshape(nb, 16, 16), requant)
+    L = np.where(zero[:, None, None], f(0), L).astype(np.uint8).reshape(nb, 2, 4, 32)   # 128-weight halves
+    out = np.empty((nb, 210), np.uint8)
+    ql = out[:, :128].reshape(nb, 2, 2, 32)
+    ql[:, :, 0] = (L[:, :, 0] & 15) | ((L[:, :, 2] & 15) << 4)
+    ql[:, :, 1] = (L[:, :, 1] & 15) | ((L[:, :, 3] & 15) << 4)
+    h = L >> 4
+    out[:, 128:192] = (h[:, :, 0] | (h[:, :, 1] << 2) | (h[:, :, 2] << 4) | (h[:, :, 3] << 6)).reshape(nb, 64)
+    out[:, 192:208] = sc.view(np.uint8)
+    out[:, 208:210] = d16.view(np.uint8).reshape(nb, 2)
+    return out

@@ -7,8 +7,9 @@ runner (engine/step_plan.py) has already turned the batch's block tables into an
               in place for a lone sequence whose blocks are consecutive);
   QueryRun    a sequence with many new tokens (a prompt or a chunk), attended alone, plain or tiled (flash).
 One plan per kind of layer: Gemma's sliding-window layers read only the blocks of their window.
-``kv`` is the paged cache (engine/kv_cache.py): ``read(layer, keys, k_out, v_out)`` and ``gather_blocks(layer,
-blocks, k_out, v_out)``; ``scratch`` has the fields k_ctx, v_ctx, k_batch, v_batch and scores.
+``kv`` is the paged cache (engine/kv_cache.py): ``read(layer, start, n, k_out, v_out)``, ``gather`` and
+``gather_blocks(layer, blocks, k_out, v_out)`` (float32 views or converted rows, whatever the cache stores);
+``scratch`` has the fields k_ctx, v_ctx, k_batch, v_batch and scores.
 """
 from __future__ import annotations
 
@@ -71,8 +72,8 @@ def group_attention(layer: int, q: np.ndarray, kv, group: QueryGroup, out: np.nd
     G, nb = group.blocks.shape
     bs = kv.block_size
     n = G * nb * bs
-    if group.start is not None:
-        k, v = kv.slots_view(layer, group.start, n)
+    if group.start is not None:                 # zero-copy for float32 storage, else converted into scratch
+        k, v = kv.read(layer, group.start, n, scratch.k_batch, scratch.v_batch)
     else:
         k, v = kv.gather_blocks(layer, group.blocks, scratch.k_batch[:n], scratch.v_batch[:n])
     shape = (G, nb * bs) + k.shape[-2:]
@@ -90,7 +91,7 @@ def group_attention(layer: int, q: np.ndarray, kv, group: QueryGroup, out: np.nd
 def run_attention(layer: int, q: np.ndarray, kv, run: QueryRun, out: np.ndarray, scratch, scale: float,
                   window: int | None) -> None:
     """One QueryRun: plain softmax, or tiled flash attention for long queries."""
-    k, v = kv.read(layer, run.keys, scratch.k_ctx, scratch.v_ctx)
+    k, v = run.keys.kv(kv, layer, scratch.k_ctx, scratch.v_ctx)
     qs, o = q[run.rows], out[run.rows]
     if run.flash:
         flash_attention(qs, k, v, offset=run.offset, scale=scale, tile=tuning.FLASH_TILE,

@@ -1,0 +1,214 @@
+"""`pyengine bench kv` (S08): where the error of fewer bits lands, and what the bits buy, in one run.
+
+Table 1, per KV cache dtype (auto = float32, fp16, q8_0, q4_0), per model:
+  bytes/token    K+V bytes of one token over all layers
+  blocks         KV blocks the default budget holds (ModelRunner's DEFAULT_KV_BUDGET_BYTES, 16-token blocks)
+  2k seqs        2048-token sequences those blocks hold at once
+  PPL, KL        perplexity on the sample text (pyengine.bench.corpus: Genesis, KJV) and the mean KL
+                 divergence / top-1 agreement against the float32 cache's run on the same windows
+  decode 512 / 2048   single-stream decode tok/s with that many tokens of context
+  32 x ctx       aggregate decode tok/s of 32 sequences with ``--batch-context`` tokens each
+The decode timings fill the cache with random K/V instead of a prefill (the time of a step depends on the
+context length, not on what it holds) so that 32 long sequences take seconds, not minutes.
+
+Table 2, per weight format written by `pyengine quantize` from the model file: size, PPL and KL against the
+original file (float32 KV), single-stream decode tok/s in the resident and lean weight modes.
+Ratios against the first row are measured in the same run; absolute figures drift with the shared machine.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+HELP = "KV cache dtypes and weight formats: bytes, sequences per budget, PPL / KL, decode speed"
+KV_DTYPES = ("auto", "fp16", "q8_0", "q4_0")
+WEIGHT_TYPES = ("Q8_0", "Q6_K", "Q4_K", "Q4_1", "Q4_0")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", action="append", default=None, metavar="PATH",
+                   help="GGUF file (repeatable; default: SmolLM2-135M and, if assembled, Gemma 3 270M)")
+    p.add_argument("--quick", action="store_true", help="fewer windows and steps (about a minute per table)")
+    p.add_argument("--only", choices=("kv", "weights"), default=None, help="one table only")
+    p.add_argument("--ctx", type=int, default=None, help="perplexity window (default 512; --quick 256)")
+    p.add_argument("--windows", type=int, default=None, help="perplexity windows (default 8; --quick 2)")
+    p.add_argument("--steps", type=int, default=None, help="timed decode steps (default 16; --quick 4)")
+    p.add_argument("--batch-context", type=int, default=None,
+                   help="context of each of the 32 sequences (default 2048; --quick 512)")
+    p.add_argument("--dtypes", default=",".join(KV_DTYPES))
+    p.add_argument("--types", default=",".join(WEIGHT_TYPES), help="weight formats of table 2")
+
+
+def _models(args) -> list[str]:
+    from pyengine.model_files import resolve_model
+    if args.model:
+        return [resolve_model(m) for m in args.model]
+    out = [resolve_model(None)]
+    gemma = os.path.join(os.path.dirname(__file__), "..", "..", ".cache", "models", "gemma-3-270m-q4_k_m.gguf")
+    if os.path.isfile(gemma):
+        out.append(os.path.abspath(gemma))
+    return out
+
+
+def _text_windows(runner, ctx: int, n: int) -> list[np.ndarray]:
+    from pyengine import perplexity as P
+    from pyengine.bench.corpus import sample_text
+    tok = runner.tokenizer
+    ids = tok.encode(sample_text(), add_special_tokens=True, parse_special=False)
+    return P.windows(ids, ctx, tok.bos_token_id if tok.add_bos_token else None)[:n]
+
+
+def _ppl_kl(runner, wins, base_path: str | None, base_out: str | None):
+    """(PPL, KL summary or None): with ``base_out`` the log-probs are saved there (this is the base run)."""
+    from pyengine import perplexity as P
+    if base_out is not None:
+        with open(base_out, "wb") as f:
+            writer = P.KLBaseWriter(f, wins, runner.config.vocab_size)
+            return P.perplexity(runner, wins, on_logits=writer.add).ppl, None
+    with open(base_path, "rb") as f:
+        s = P.kl_divergence(runner, P.KLBase(f))
+    return s["ppl"], s
+
+
+def _fill_random(kv, n_slots: int, rng) -> None:
+    """Random K/V in the first n_slots slots of every layer (in chunks: quantized writes take temporaries)."""
+    step = 4096
+    for layer in range(kv.n_layers):
+        for s in range(0, n_slots, step):
+            slots = np.arange(s, min(n_slots, s + step))
+            k = rng.standard_normal((len(slots), kv.n_kv_heads, kv.head_dim), dtype=np.float32)
+            kv.write(layer, slots, k, k)
+
+
+def _decode_rate(runner, n_seqs: int, context: int, steps: int, rng) -> float:
+    """Aggregate decode tok/s of n_seqs sequences with ``context`` tokens each (consecutive block runs)."""
+    from pyengine.engine.forward_batch import ForwardBatch
+    bs = runner.block_size
+    nb = -(-(context + steps) // bs)
+    _fill_random(runner.kv_cache, n_seqs * nb * bs, rng)
+    tables = [np.arange(s * nb, (s + 1) * nb, dtype=np.int32) for s in range(n_seqs)]
+    tokens = rng.integers(100, 20000, size=n_seqs)
+
+    def step(i):
+        ctx = context + i
+        runner.run(ForwardBatch(tokens, np.full(n_seqs, ctx), [1] * n_seqs, [ctx + 1] * n_seqs, tables,
+                                np.arange(n_seqs)))
+    step(0)                                                  # warm-up (first touch of the scratch)
+    t = time.perf_counter()
+    for i in range(1, steps + 1):
+        step(i)
+    return n_seqs * steps / (time.perf_counter() - t)
+
+
+def _fmt(v, spec=".2f"):
+    return "-" if v is None else format(v, spec)
+
+
+def kv_table(path: str, args, tmp: str) -> None:
+    from pyengine.config import ModelConfig
+    from pyengine.engine.kv_cache import PagedKVCache
+    from pyengine.engine.model_runner import DEFAULT_KV_BUDGET_BYTES, ModelRunner
+    from pyengine.gguf.reader import GGUFFile
+
+    g = GGUFFile(path)
+    c = ModelConfig.from_gguf(g)
+    print(f"\n== KV cache dtypes: {os.path.basename(path)} ({c.n_layers} layers, {c.n_kv_heads} KV heads x "
+          f"{c.head_dim}); PPL over {args.windows} windows of {args.ctx}; decode {args.steps} steps ==")
+    try:
+        ModelRunner(g, max_model_len=64, num_blocks=8, max_num_seqs=1, max_num_batched_tokens=64)
+    except ValueError as exc:
+        print(f"  skipped: {exc}")
+        return
+    base = os.path.join(tmp, "kv_base.kld")
+    head = (f"  {'dtype':6} {'bytes/tok':>9} {'blocks':>7} {'2k seqs':>7} {'PPL':>8} {'dPPL%':>7} {'KL':>9} "
+            f"{'top1%':>6} {'tok/s@512':>9} {'tok/s@2048':>10} {f'32x{args.batch_context}':>9}")
+    print(head)
+    rows, first = [], None
+    rng = np.random.default_rng(0)
+    seqs_max = 32
+    nb_seq = -(-(args.batch_context + args.steps + 1) // 16)
+    for dtype in args.dtypes:
+        per_block = PagedKVCache.bytes_per_block(c.n_layers, 16, c.n_kv_heads, c.head_dim, dtype)
+        blocks = DEFAULT_KV_BUDGET_BYTES // per_block                  # the runner's default, before its floor
+        longest = max(2048, args.ctx) + args.steps + 1
+        runner = ModelRunner(g, max_model_len=longest, max_num_batched_tokens=args.ctx, max_num_seqs=seqs_max,
+                             num_blocks=max(seqs_max * nb_seq, -(-longest // 16)), max_logits=args.ctx // 2,
+                             kv_cache_dtype=dtype)
+        wins = _text_windows(runner, args.ctx, args.windows)
+        ppl, kl = _ppl_kl(runner, wins, base, base if first is None else None)
+        d512 = _decode_rate(runner, 1, 512, args.steps, rng)
+        d2048 = _decode_rate(runner, 1, 2048, args.steps, rng)
+        dbatch = _decode_rate(runner, seqs_max, args.batch_context, max(2, args.steps // 2), rng)
+        del runner
+        row = dict(dtype=dtype, bpt=per_block // 16, blocks=blocks, seqs=blocks * 16 // 2048, ppl=ppl,
+                   kl=kl and kl["kl_mean"], top=kl and 100 * kl["same_top"], d512=d512, d2048=d2048, dbatch=dbatch)
+        first = first or row
+        row["dppl"] = 100 * (ppl / first["ppl"] - 1)
+        rows.append(row)
+        print(f"  {dtype:6} {row['bpt']:9d} {blocks:7d} {row['seqs']:7d} {ppl:8.4f} {row['dppl']:+7.3f} "
+              f"{_fmt(row['kl'], '.6f'):>9} {_fmt(row['top'], '.2f'):>6} {d512:9.1f} {d2048:10.1f} {dbatch:9.1f}",
+              flush=True)
+    print("  ratios to the first row (same run):")
+    for r in rows[1:]:
+        print(f"    {r['dtype']:6} blocks x{r['blocks'] / first['blocks']:.2f}  PPL {r['dppl']:+.3f}%  "
+              f"decode@512 x{r['d512'] / first['d512']:.2f}  @2048 x{r['d2048'] / first['d2048']:.2f}  "
+              f"32x{args.batch_context} x{r['dbatch'] / first['dbatch']:.2f}")
+
+
+def weights_table(path: str, args, tmp: str) -> None:
+    from pyengine.cli.quantize import quantize_model
+    from pyengine.engine.model_runner import ModelRunner
+
+    print(f"\n== weight formats by `pyengine quantize` from {os.path.basename(path)}: PPL over {args.windows} "
+          f"windows of {args.ctx}, KL vs the original file, decode at 128 tokens of context ==")
+    print(f"  {'weights':10} {'MiB':>7} {'PPL':>8} {'dPPL%':>7} {'KL':>9} {'top1%':>6} {'resident':>9} {'lean':>7}")
+    base = os.path.join(tmp, "w_base.kld")
+    rng = np.random.default_rng(1)
+    files = [("original", path)]
+    for t in args.types:
+        out = os.path.join(tmp, f"w-{t}.gguf")
+        t0 = time.perf_counter()
+        quantize_model(path, out, t)
+        print(f"  (quantized {t} in {time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
+        files.append((t, out))
+    first = None
+    for name, f in files:
+        rates = {}
+        for mode in ("resident", "lean"):
+            runner = ModelRunner(f, max_model_len=max(args.ctx, 256), max_num_batched_tokens=args.ctx,
+                                 max_num_seqs=1, max_logits=args.ctx // 2, weights_mode=mode)
+            if mode == "resident":
+                wins = _text_windows(runner, args.ctx, args.windows)
+                ppl, kl = _ppl_kl(runner, wins, base, base if first is None else None)
+            rates[mode] = _decode_rate(runner, 1, 128, args.steps, rng)
+            del runner
+        first = first or ppl
+        print(f"  {name:10} {os.path.getsize(f) / 2**20:7.1f} {ppl:8.4f} {100 * (ppl / first - 1):+7.3f} "
+              f"{_fmt(kl and kl['kl_mean'], '.6f'):>9} {_fmt(kl and 100 * kl['same_top'], '.2f'):>6} "
+              f"{rates['resident']:9.1f} {rates['lean']:7.1f}", flush=True)
+
+
+def run(args) -> int:
+    args.ctx = args.ctx or (256 if args.quick else 512)
+    args.windows = args.windows or (2 if args.quick else 8)
+    args.steps = args.steps or (4 if args.quick else 16)
+    args.batch_context = args.batch_context or (512 if args.quick else 2048)
+    args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    args.types = [t.strip().upper() for t in args.types.split(",") if t.strip()]
+    bad = [d for d in args.dtypes if d not in KV_DTYPES] + [t for t in args.types if t not in WEIGHT_TYPES]
+    if bad:
+        raise ValueError(f"unknown KV dtype / weight type: {', '.join(bad)}")
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="pyengine-bench-kv-") as tmp:
+        models = _models(args)
+        if args.only != "weights":
+            for m in models:
+                kv_table(m, args, tmp)
+        if args.only != "kv":
+            weights_table(models[0], args, tmp)
+    print(f"\n(total {time.perf_counter() - t0:.0f} s)")
+    return 0

@@ -117,6 +117,11 @@ MUTATIONS = [
     ("quants-high-nibble-shift-3", "pyengine/gguf/quants.py",
      "np.right_shift(qs, 4, out=q[:, 1], casting=\"unsafe\")", "np.right_shift(qs, 3, out=q[:, 1], casting=\"unsafe\")",
      ["tests/test_quants_formats.py"]),
+    # --- server (OpenAI logprobs)
+    ("server-top-logprobs-carry-the-sampled-value", "pyengine/server/protocol.py",
+     "alts.setdefault(_token_text(tokenizer, aid)[0], _safe_lp(alp))",
+     "alts.setdefault(_token_text(tokenizer, aid)[0], _safe_lp(lp))",
+     ["tests/test_server_openai.py::test_completion_logprobs_match_transformers"]),
     # --- sampling params
     ("sampling-params-top-p-zero-accepted", "pyengine/sampling_params.py",
      "if not 0.0 < self.top_p <= 1.0:", "if not 0.0 <= self.top_p <= 1.0:", ["tests/test_sampling_params.py"]),

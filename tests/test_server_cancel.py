@@ -2,8 +2,9 @@
 
 200 streaming clients (raw httpx) hang up at random points - before the response, right after the
 headers, or after a few tokens - and afterwards the engine holds no request and no KV block, and still
-serves a normal request. A single disconnect frees its blocks within a step or two. A burst larger than
-the bounded waiting queue gets 429s, and every accepted request ends with a full completion.
+serves a normal request. A single disconnect aborts its request (counted as an abort, its blocks freed,
+far fewer tokens generated than asked). A burst larger than the bounded waiting queue gets 429s, and every
+accepted request ends with a full completion. Assertions count events (steps, tokens, aborts), never time.
 """
 from __future__ import annotations
 
@@ -105,8 +106,10 @@ def test_200_random_disconnects_free_everything(server):
     assert aborted and float(aborted[0].split()[1]) >= sum(1 for s in seen if s > 0)
 
 
-def test_disconnect_frees_blocks_within_a_step(server):
+def test_disconnect_aborts_and_frees_blocks(server):
     wait_idle(server.engine)
+    counters = server.engine.counters
+    aborted, generated = counters["aborted_requests"], counters["generation_tokens"]
     body = {"model": "smol", "prompt": "Count slowly: one, two, three,", "max_tokens": 400, "ignore_eos": True,
             "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
@@ -116,14 +119,11 @@ def test_disconnect_frees_blocks_within_a_step(server):
                 n += 1
                 if n == 3:
                     assert server.engine.num_used_blocks() > 0
-                    steps_at_close = server.loop.steps
                     break
-    deadline = time.monotonic() + 30
-    while server.engine.num_used_blocks() and time.monotonic() < deadline:
-        time.sleep(0.005)
+    wait_idle(server.engine)
     assert server.engine.num_used_blocks() == 0 and not server.engine.has_unfinished_requests()
-    # the step running when the client hung up may finish; the abort lands before the next one
-    assert server.loop.steps - steps_at_close <= 2
+    assert counters["aborted_requests"] == aborted + 1          # ended by the hang-up, not by its length
+    assert 3 <= counters["generation_tokens"] - generated < 400
 
 
 def test_nonstreaming_disconnect_aborts_too(server):

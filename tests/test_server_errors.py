@@ -320,28 +320,32 @@ def test_engine_failure_is_500_and_server_recovers():
         assert httpx.get(srv.url + "/health").json() == {"status": "ok"}
 
 
-class SlowEngine(FakeEngine):
-    in_step = False
+class BlockedEngine(FakeEngine):
+    """Its first step does not return until the test says so: a long step (a big prefill, say), made
+    deterministic by an event instead of a sleep."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.in_step, self.release = threading.Event(), threading.Event()
 
     def step(self):
-        import time
-        self.in_step = True
-        time.sleep(1.0)      # a long step (a big prefill, say): it runs in a worker thread
-        self.in_step = False
+        self.in_step.set()
+        assert self.release.wait(timeout=120), "the test never released the step"
         return super().step()
 
 
 def test_event_loop_keeps_serving_during_a_step():
-    engine = SlowEngine()
+    engine = BlockedEngine()
     with ServerThread(create_app(engine, model_id="m")) as srv:
         async def go():
-            async with httpx.AsyncClient(base_url=srv.url, timeout=30) as c:
+            async with httpx.AsyncClient(base_url=srv.url, timeout=60) as c:
                 gen = asyncio.ensure_future(c.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2}))
-                while not engine.in_step:
+                while not engine.in_step.is_set():
                     await asyncio.sleep(0.005)
-                health = await c.get("/health")
-                answered_during_step = engine.in_step
-                return health.status_code, answered_during_step, (await gen).json()
+                health = await c.get("/health")         # step() is still blocked: it runs in a worker thread
+                still_in_step = not engine.release.is_set()
+                engine.release.set()
+                return health.status_code, still_in_step, (await gen).json()
         status, during, body = asyncio.run(go())
     assert status == 200 and during       # /health answered while step() was still running
     assert body["choices"][0]["text"] == "ab"

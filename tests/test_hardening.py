@@ -290,11 +290,13 @@ def test_connection_cap():
     limits = ServerLimits(max_connections=2, header_timeout=30)
     with ServerThread(create_app(FakeEngine(), model_id="m", limits=limits)) as srv:
         idle = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(2)]
-        time.sleep(0.2)
+        while len(srv.server.server_state.connections) < 2:   # both accepted
+            time.sleep(0.01)
         assert httpx.post(srv.url + "/v1/completions", json=COMP, timeout=30).status_code == 503
         for s in idle:
             s.close()
-        time.sleep(0.2)
+        while srv.server.server_state.connections:             # both gone
+            time.sleep(0.01)
         assert httpx.post(srv.url + "/v1/completions", json=COMP, timeout=30).status_code == 200
 
 
@@ -322,7 +324,8 @@ def test_waiting_bound_counts_sequences_and_tokens():
                 over_seqs = await c.post("/v1/completions", json={**COMP, "n": 3})            # 2 + 3 > 4
                 over_tokens = await c.post("/v1/completions", json={**COMP, "prompt": "x" * 60})  # 10 + 60 > 60
                 fits = asyncio.ensure_future(c.post("/v1/completions", json={**COMP, "n": 2}))  # 2 + 2 = 4
-                await asyncio.sleep(0.2)
+                while len(engine.requests) < 2:      # admitted while the first one still waits
+                    await asyncio.sleep(0.01)
                 engine.gate.set()
                 return over_seqs, over_tokens, await first, await fits
         over_seqs, over_tokens, first, fits = asyncio.run(go())

@@ -315,7 +315,9 @@ class GatedEngine(FakeEngine):
 def test_waiting_bound_counts_sequences_and_tokens():
     engine = GatedEngine(max_model_len=512, max_num_seqs=8)
     limits = ServerLimits(max_waiting=4, max_waiting_tokens=60)
-    with ServerThread(create_app(engine, model_id="m", limits=limits)) as srv:
+    app = create_app(engine, model_id="m", limits=limits)
+    admission = app.state.server.admission
+    with ServerThread(app) as srv:
         async def go():
             async with httpx.AsyncClient(base_url=srv.url, timeout=30) as c:
                 first = asyncio.ensure_future(c.post("/v1/completions", json={**COMP, "n": 2}))   # 2 seqs, 10 tok
@@ -324,7 +326,7 @@ def test_waiting_bound_counts_sequences_and_tokens():
                 over_seqs = await c.post("/v1/completions", json={**COMP, "n": 3})            # 2 + 3 > 4
                 over_tokens = await c.post("/v1/completions", json={**COMP, "prompt": "x" * 60})  # 10 + 60 > 60
                 fits = asyncio.ensure_future(c.post("/v1/completions", json={**COMP, "n": 2}))  # 2 + 2 = 4
-                while len(engine.requests) < 2:      # admitted while the first one still waits
+                while admission.seqs < 4:            # admitted while the first one still waits
                     await asyncio.sleep(0.01)
                 engine.gate.set()
                 return over_seqs, over_tokens, await first, await fits

@@ -63,6 +63,42 @@ class RealTokenizerEngine(FakeEngine):
         self.tok.encoded_chars = self.encoded_chars = []
 
 
+class RunningStream:
+    """A stream kept running (restarted when it ends) in a thread; `worst` is the longest gap between two
+    of its tokens once `tokens` reached 20 (the start-up is not counted)."""
+
+    def __init__(self, url: str, max_tokens: int):
+        self.url, self.max_tokens = url, max_tokens
+        self.worst, self.tokens, self.stop = 0.0, 0, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        body = {"prompt": "Once upon a time", "max_tokens": self.max_tokens, "stream": True}
+        with httpx.Client(base_url=self.url, timeout=60) as c:
+            while not self.stop.is_set():
+                last = None
+                with c.stream("POST", "/v1/completions", json=body) as r:
+                    for line in r.iter_lines():
+                        if line.startswith("data: {"):
+                            now = time.perf_counter()
+                            if last is not None and self.tokens >= 20:
+                                self.worst = max(self.worst, now - last)
+                            self.tokens += 1
+                            last = now
+                        if self.stop.is_set():
+                            break
+
+    def __enter__(self) -> "RunningStream":
+        self.thread.start()
+        while self.tokens < 20:
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(30)
+
+
 def rss_mib() -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -75,29 +111,7 @@ def test_dos_one_word_prompts_leave_memory_flat_and_streams_flowing(smol_tokeniz
     """72 distinct ~900 KB one-word prompts (all 400) while a stream runs. Before: +540 MiB of RSS and a
     1.7 s gap in the stream (scripts/dos_repro.py); each prompt was tokenized in full."""
     engine = RealTokenizerEngine(smol_tokenizer, max_model_len=2048, max_num_seqs=4)
-    with ServerThread(create_app(engine, model_id="m")) as srv:
-        worst, stop, tokens = [0.0], threading.Event(), [0]
-
-        def streamer():
-            with httpx.Client(base_url=srv.url, timeout=60) as c:
-                while not stop.is_set():
-                    last = None
-                    body = {"prompt": "Once upon a time", "max_tokens": 1500, "stream": True}
-                    with c.stream("POST", "/v1/completions", json=body) as r:
-                        for line in r.iter_lines():
-                            if line.startswith("data: {"):
-                                now = time.perf_counter()
-                                if last is not None:
-                                    worst[0] = max(worst[0], now - last)
-                                    tokens[0] += 1
-                                last = now
-                            if stop.is_set():
-                                break
-
-        t = threading.Thread(target=streamer, daemon=True)
-        t.start()
-        while tokens[0] < 20:
-            time.sleep(0.01)
+    with ServerThread(create_app(engine, model_id="m")) as srv, RunningStream(srv.url, 1500) as stream:
         before = rss_mib()
         calls_before = len(engine.encoded_chars)
         rng = random.Random(13)
@@ -109,12 +123,10 @@ def test_dos_one_word_prompts_leave_memory_flat_and_streams_flowing(smol_tokeniz
                 assert err["code"] == "context_length_exceeded" and "2048" in err["message"]
                 del word
         growth = rss_mib() - before
-        stop.set()
-        t.join(30)
     long_calls = [n for n in engine.encoded_chars[calls_before:] if n > 10_000]
     assert long_calls == []                    # refused from their byte length, never tokenized
     assert growth < 64, growth                 # MiB
-    assert worst[0] < 1.0, worst[0]            # seconds between two tokens of the running stream
+    assert stream.worst < 1.0, stream.worst    # seconds between two tokens of the running stream
     assert smol_tokenizer.model._cache.nbytes <= smol_tokenizer.model._cache.max_bytes
 
 
@@ -278,11 +290,13 @@ def test_connection_cap():
     limits = ServerLimits(max_connections=2, header_timeout=30)
     with ServerThread(create_app(FakeEngine(), model_id="m", limits=limits)) as srv:
         idle = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(2)]
-        time.sleep(0.2)
+        while len(srv.server.server_state.connections) < 2:   # both accepted
+            time.sleep(0.01)
         assert httpx.post(srv.url + "/v1/completions", json=COMP, timeout=30).status_code == 503
         for s in idle:
             s.close()
-        time.sleep(0.2)
+        while srv.server.server_state.connections:             # both gone
+            time.sleep(0.01)
         assert httpx.post(srv.url + "/v1/completions", json=COMP, timeout=30).status_code == 200
 
 
@@ -301,7 +315,9 @@ class GatedEngine(FakeEngine):
 def test_waiting_bound_counts_sequences_and_tokens():
     engine = GatedEngine(max_model_len=512, max_num_seqs=8)
     limits = ServerLimits(max_waiting=4, max_waiting_tokens=60)
-    with ServerThread(create_app(engine, model_id="m", limits=limits)) as srv:
+    app = create_app(engine, model_id="m", limits=limits)
+    admission = app.state.server.admission
+    with ServerThread(app) as srv:
         async def go():
             async with httpx.AsyncClient(base_url=srv.url, timeout=30) as c:
                 first = asyncio.ensure_future(c.post("/v1/completions", json={**COMP, "n": 2}))   # 2 seqs, 10 tok
@@ -310,7 +326,8 @@ def test_waiting_bound_counts_sequences_and_tokens():
                 over_seqs = await c.post("/v1/completions", json={**COMP, "n": 3})            # 2 + 3 > 4
                 over_tokens = await c.post("/v1/completions", json={**COMP, "prompt": "x" * 60})  # 10 + 60 > 60
                 fits = asyncio.ensure_future(c.post("/v1/completions", json={**COMP, "n": 2}))  # 2 + 2 = 4
-                await asyncio.sleep(0.2)
+                while admission.seqs < 4:            # admitted while the first one still waits
+                    await asyncio.sleep(0.01)
                 engine.gate.set()
                 return over_seqs, over_tokens, await first, await fits
         over_seqs, over_tokens, first, fits = asyncio.run(go())
@@ -588,34 +605,12 @@ def test_prompts_parsed_in_a_worker_process(smol_tokenizer):
         r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": FORGED, "max_tokens": 3}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == tok["count"]
         check_error(httpx.post(srv.url + "/v1/chat/completions", json={**CHAT, "n": 0}), 400, "n")  # errors cross
-        worst, stop, tokens = [0.0], threading.Event(), [0]
-
-        def streamer():
-            with httpx.Client(base_url=srv.url, timeout=60) as c:
-                while not stop.is_set():
-                    last = None
-                    with c.stream("POST", "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 3000,
-                                                                   "stream": True}) as resp:
-                        for line in resp.iter_lines():
-                            if line.startswith("data: {"):
-                                now = time.perf_counter()
-                                if last is not None:
-                                    worst[0] = max(worst[0], now - last)
-                                    tokens[0] += 1
-                                last = now
-                            if stop.is_set():
-                                break
-
-        t = threading.Thread(target=streamer, daemon=True)
-        t.start()
-        while tokens[0] < 20:
-            time.sleep(0.01)
-        rng = random.Random(5)
-        for _ in range(4):
-            word = "".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=150_000))
-            err = check_error(httpx.post(srv.url + "/v1/completions", json={"prompt": word}, timeout=120), 400, "prompt")
-            assert err["code"] == "context_length_exceeded"
-        stop.set()
-        t.join(30)
+        with RunningStream(srv.url, 3000) as stream:
+            rng = random.Random(5)
+            for _ in range(4):
+                word = "".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=150_000))
+                err = check_error(httpx.post(srv.url + "/v1/completions", json={"prompt": word}, timeout=120),
+                                  400, "prompt")
+                assert err["code"] == "context_length_exceeded"
     assert all(n < 10_000 for n in engine.encoded_chars)     # the server's own tokenizer never saw them
-    assert worst[0] < 1.0, worst[0]
+    assert stream.worst < 1.0, stream.worst

@@ -206,7 +206,11 @@ def run(args) -> int:
         prompt = {"prompt_token_ids": ids, "prompt": text}
     else:
         prompt = args.prompt
-        ids = tok.encode(prompt, limit=llm.max_model_len)
+        try:
+            ids = tok.encode(prompt, limit=llm.max_model_len)
+        except ValueError as exc:     # TooManyTokens: stopped early, the prompt alone is too long
+            raise ValueError(f"the prompt is too long ({exc}): "
+                             f"{context_hint(llm.max_model_len, getattr(llm, 'model_context', None))}") from None
     check_fits(llm, len(ids), params.max_tokens)
     start = time.perf_counter()
     stream = llm.stream(prompt, params)

@@ -5,6 +5,9 @@ engine_loop.py   the single task that steps the engine and routes outputs to per
 serving.py       one API request as engine requests: updates, streaming events, final bodies
 streaming.py     SSE over raw ASGI and client-disconnect detection (cancellation)
 metrics.py       Prometheus metrics on a per-app registry
-app.py           create_app(engine, ...): routes, auth, limits, errors, lifespan
-runner.py        uvicorn in a background thread (tests, benchmarks)
+guard.py         ServerLimits; Host check, CORS, auth on every route, 500s that close the connection
+tokenizer_process.py  prompt parsing in a worker process (its GIL is not the engine's)
+app.py           create_app(engine, ...): routes, body limits and timeouts, errors, lifespan, stats log
+runner.py        uvicorn with the limits applied (header deadline, connection cap), a port bound early,
+                 a background-thread server (tests, benchmarks)
 """

@@ -37,6 +37,7 @@ class _Request:
         self.rngs: list = []
         self.logprobs: list[list | None] = []
         self.cumulative_logprob: list[float | None] = []
+        self.matchers: list | None = None      # S15: one grammar matcher per sequence, or None
         self.metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids))
         self.admitted = False
 
@@ -89,6 +90,7 @@ class LLMEngine:
             stop_ids = [tok.eos_token_id] if getattr(tok, "eos_token_id", None) is not None else []
         self.eos_token_ids = {int(t) for t in stop_ids}
         self.vocab_size = int(getattr(tok, "vocab_size", 0) or runner.config.vocab_size)
+        self._structured = None                 # S15: built on the first constrained request
         self.requests: dict[str, _Request] = {}
         self._seq_owner: dict[int, _Request] = {}
         self._next_seq_id = 0
@@ -147,6 +149,8 @@ class LLMEngine:
 
         req = _Request(request_id, text, ids, params, priority,
                        time.monotonic() if arrival_time is None else arrival_time)
+        if params.structured_outputs is not None:
+            req.matchers = self._structured_outputs().matchers(params, params.n)
         for i in range(params.n):
             seq = Sequence(self._next_seq_id, request_id, i, ids, params, priority, max_tokens=max_tokens)
             self._next_seq_id += 1
@@ -161,6 +165,12 @@ class LLMEngine:
         self.requests[request_id] = req
         for seq in req.seqs:
             self.scheduler.add(seq)
+
+    def _structured_outputs(self):
+        if self._structured is None:
+            from pyengine.structured.processor import StructuredOutputs
+            self._structured = StructuredOutputs(self.tokenizer, self.eos_token_ids, self.vocab_size)
+        return self._structured
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free all its blocks; returns its final output (None if unknown)."""
@@ -238,9 +248,14 @@ class LLMEngine:
         deltas: dict[str, dict[int, tuple[int, str]]] = {}
         if sampled:
             reqs = [self._seq_owner[s.seq_id] for s in sampled]
+            allowed = None
+            if any(r.matchers is not None for r in reqs):
+                allowed = [r.matchers[s.index].allowed_mask() if r.matchers is not None else None
+                           for r, s in zip(reqs, sampled)]
             tokens, infos = self.sampler.sample(
                 logits, [r.params for r in reqs], [s.prompt_token_ids for s in sampled],
-                [s.output_token_ids for s in sampled], [r.rngs[s.index] for r, s in zip(reqs, sampled)])
+                [s.output_token_ids for s in sampled], [r.rngs[s.index] for r, s in zip(reqs, sampled)],
+                allowed=allowed)
             now = time.monotonic()
             for seq, req, tok, info in zip(sampled, reqs, tokens.tolist(), infos):
                 self._append_token(seq, req, int(tok), info, now, deltas)
@@ -256,6 +271,8 @@ class LLMEngine:
         return outputs
 
     def _append_token(self, seq: Sequence, req: _Request, tok: int, info, now: float, deltas: dict) -> None:
+        if req.matchers is not None and not req.matchers[seq.index].advance(tok):
+            raise RuntimeError(f"sampled token {tok} is outside the grammar of request {req.request_id!r}")
         seq.append_token(tok)
         self.counters["generation_tokens"] += 1
         m = req.metrics

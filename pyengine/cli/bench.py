@@ -15,6 +15,7 @@ BENCHMARKS = {
     "tokenizer": "pyengine.bench.tokenizer",  # S02: encode throughput
     "paging": "pyengine.bench.paging",        # S06/S07/S09/S11: KV waste, prefix cache TTFT, batching, chunking
     "serve": "pyengine.bench.serve",          # S20: Poisson load against an OpenAI-compatible server
+    "structured": "pyengine.bench.structured",  # S15: grammar compile/mask time, coverage, validity vs peers
 }
 
 

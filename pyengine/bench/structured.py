@@ -206,6 +206,7 @@ def run(args) -> int:
     print(f"{len(schemas)} schemas, vocabulary {vocab.size} tokens, walks of <= {args.tokens} tokens\n")
     results = {}
     for eng in engines:
+        t_engine = time.perf_counter()
         r = results[eng.name] = {"compiled": set(), "refused": {}, "compile": [], "mask": [], "finished": 0,
                                  "valid": 0}
         for k, (sname, schema) in enumerate(schemas):
@@ -228,6 +229,7 @@ def run(args) -> int:
                 except (UnicodeDecodeError, json.JSONDecodeError):
                     ok = False
                 r["valid"] += bool(ok)
+        print(f"  {eng.name}: {time.perf_counter() - t_engine:.1f} s", flush=True)
     print(f"{'engine':<14} {'compiled':>9} {'compile p50':>12} {'compile max':>12} {'mask p50':>9} {'mask p99':>9}"
           f" {'finished':>9} {'valid':>7}")
     for name, r in results.items():

@@ -102,3 +102,14 @@ def test_token_masks_equal_brute_force_walk(spec):
     for state in sorted(states)[:12]:
         got = g.automaton.token_mask(state, v)
         assert np.array_equal(got, _brute_mask(g.automaton, state, v)), (spec, state)
+
+
+def test_draft_acceptance_and_rollback_for_speculative_decoding():
+    tok = tokenizer()
+    g = compile_grammar(("regex", r"[0-9]{2}-[0-9]{2}"), vocab())
+    m = GrammarMatcher(g)
+    draft = tok.encode("12-3x4")
+    k = m.accept_draft(draft)
+    assert tok.decode(draft[:k]) in ("12-3", "12-", "12") and not m.is_complete()
+    m.rollback(k)
+    assert m.accept_draft(tok.encode("12-34")) == len(tok.encode("12-34")) and m.is_complete()

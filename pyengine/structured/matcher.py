@@ -122,12 +122,8 @@ class GrammarMatcher:
 
     def mask_logits(self, logits: np.ndarray) -> np.ndarray:
         """A copy of one logits row with -inf on the forbidden tokens."""
-        logits = np.asarray(logits)
-        mask = self.allowed_mask()
-        V = logits.shape[-1]
-        if len(mask) < V:
-            mask = np.concatenate([mask, np.zeros(V - len(mask), dtype=bool)])
-        return np.where(mask[:V], logits, -np.inf)
+        from pyengine.layers.sampler import apply_allowed_mask
+        return apply_allowed_mask(logits, self.allowed_mask())
 
     def advance(self, token_id: int) -> bool:
         """Consume a token; False (state unchanged) if the grammar does not allow it."""
@@ -141,14 +137,17 @@ class GrammarMatcher:
         if self.terminated:
             return False
         data = self.grammar.vocab.token_bytes[token_id] if token_id < len(self.grammar.vocab.token_bytes) else None
-        if data is None:
-            return False
-        nxt = self.grammar.automaton.step(self.state, data)
-        if not nxt:
-            return False
-        self.history.append(self.state)
-        self.state = nxt
-        return True
+        return data is not None and self.advance_bytes(data)
+
+    def accept_draft(self, token_ids) -> int:
+        """Advance through a speculative draft as far as the grammar allows; returns how many tokens were
+        accepted (the rest must be discarded; `rollback` undoes accepted ones the model then rejects)."""
+        n = 0
+        for t in token_ids:
+            if not self.advance(t):
+                break
+            n += 1
+        return n
 
     def advance_bytes(self, data: bytes) -> bool:
         nxt = self.grammar.automaton.step(self.state, data)

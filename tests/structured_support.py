@@ -159,6 +159,9 @@ def strict(schema):
         found = [t for t, kws in TYPE_KEYWORDS.items() if kws & set(out)]
         if found:
             out["type"] = found + (["integer"] if "number" in found else [])
+    items = out.get("items")
+    if out.get("uniqueItems") is True and not (isinstance(items, dict) and ("enum" in items or "const" in items)):
+        out["maxItems"] = min(out.get("maxItems", 1), 1)       # policy: such arrays hold at most one item
     is_object = out.get("type") in ("object", ["object"]) or "properties" in out or "required" in out
     if is_object and "additionalProperties" not in out and "$ref" not in out:
         out["additionalProperties"] = False
@@ -182,6 +185,11 @@ def serialize(value, schema, compiler) -> str:
         prefix = schema.get("prefixItems", []) if isinstance(schema, dict) else []
         if isinstance(items, list):
             prefix, items = items, schema.get("additionalItems", True)
+        if isinstance(schema, dict) and schema.get("uniqueItems") is True and isinstance(items, dict) \
+                and "enum" in items:                             # policy: distinct enum items in declared order
+            order = [json.dumps(v, sort_keys=True) for v in items["enum"]]
+            value = sorted(value, key=lambda v: order.index(json.dumps(v, sort_keys=True))
+                           if json.dumps(v, sort_keys=True) in order else len(order))
         return "[" + ",".join(serialize(x, prefix[i] if i < len(prefix) else items, compiler)
                               for i, x in enumerate(value)) + "]"
     props = schema.get("properties", {}) if isinstance(schema, dict) else {}

@@ -164,8 +164,9 @@ def _tokenizable(text: str) -> bool:
 def test_unsupported_keywords_are_errors():
     for schema, keyword in [({"type": "integer", "multipleOf": 3}, "multipleOf"),
                             ({"not": {"type": "string"}}, "not"),
-                            ({"type": "object", "patternProperties": {"^a": {}}}, "patternProperties"),
-                            ({"type": "array", "uniqueItems": True}, "uniqueItems"),
+                            ({"type": "object", "patternProperties": {"^a": {}}, "additionalProperties": True},
+                             "patternProperties"),
+                            ({"type": "array", "uniqueItems": True, "minItems": 2}, "uniqueItems"),
                             ({"type": "string", "format": "hostname"}, "format"),
                             ({"$ref": "http://example.com/s.json"}, "$ref"),
                             ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf"),

@@ -31,6 +31,9 @@ def add_arguments(p) -> None:
     p.add_argument("--suite", default=None, help="JSON Schema Test Suite tests/draft4 folder to add")
     p.add_argument("--engines", default="pyengine,llguidance,xgrammar,outlines-core")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=4.0,
+                   help="seconds per schema and engine for compile + walk (each runs in a forked process); "
+                        "past it the schema counts as not compiled (default 4)")
 
 
 def bench_schemas(suite: str | None = None) -> list[tuple[str, object]]:
@@ -183,6 +186,54 @@ def walk(mask_fn, advance_fn, vocab, rng, budget, closers):
     return times, None
 
 
+def _one(eng, schema, vocab, seed, budget, closers) -> dict:
+    t0 = time.perf_counter()
+    try:
+        mask_fn, advance_fn = eng.compile(schema)
+    except Exception as e:
+        return {"refused": getattr(e, "keyword", None) or str(e)[:60]}
+    compile_s = time.perf_counter() - t0
+    times, data = walk(mask_fn, advance_fn, vocab, np.random.default_rng(seed), budget, closers)
+    return {"compile": compile_s, "mask": times, "data": data}
+
+
+def _isolated(fn, timeout: float, *a) -> dict:
+    """fn(*a) in a forked child with a time limit (a native compiler cannot be interrupted otherwise)."""
+    import multiprocessing as mp
+    try:
+        ctx = mp.get_context("fork")
+    except ValueError:                      # no fork (Windows, Pyodide): run inline, no limit
+        return fn(*a)
+    recv, send = ctx.Pipe(duplex=False)
+
+    def child():
+        send.send(fn(*a))
+        send.close()
+
+    proc = ctx.Process(target=child, daemon=True)
+    proc.start()
+    send.close()
+    out = recv.recv() if recv.poll(timeout) else {"refused": f"timeout ({timeout:g} s)"}
+    proc.join(1.0)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+    return out
+
+
+def _valid(data: bytes, schema) -> bool:
+    try:
+        value = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    try:
+        import jsonschema
+    except ImportError:
+        return True                          # parsed; no validator to say more
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    return cls(schema, format_checker=cls.FORMAT_CHECKER).is_valid(value)
+
+
 def run(args) -> int:
     from pyengine.model_files import resolve_model
     from pyengine.structured import TokenVocabulary
@@ -193,10 +244,6 @@ def run(args) -> int:
     closers = np.array([i for i, b in enumerate(vocab.token_bytes) if b is not None and len(b) == 1
                         and b in [bytes([c]) for c in CLOSERS]])
     schemas = bench_schemas(args.suite)[:args.limit]
-    try:
-        import jsonschema
-    except ImportError:
-        jsonschema = None
     engines = []
     for name in args.engines.split(","):
         try:
@@ -210,25 +257,16 @@ def run(args) -> int:
         r = results[eng.name] = {"compiled": set(), "refused": {}, "compile": [], "mask": [], "finished": 0,
                                  "valid": 0}
         for k, (sname, schema) in enumerate(schemas):
-            t0 = time.perf_counter()
-            try:
-                mask_fn, advance_fn = eng.compile(schema)
-            except Exception as e:
-                r["refused"][sname] = getattr(e, "keyword", None) or str(e)[:60]
+            one = _isolated(_one, args.timeout, eng, schema, vocab, args.seed + k, args.tokens, closers)
+            if "refused" in one:
+                r["refused"][sname] = one["refused"]
                 continue
-            r["compile"].append(time.perf_counter() - t0)
+            r["compile"].append(one["compile"])
             r["compiled"].add(sname)
-            times, data = walk(mask_fn, advance_fn, vocab, np.random.default_rng(args.seed + k), args.tokens,
-                               closers)
-            r["mask"].extend(times)
-            if data is not None:
+            r["mask"].extend(one["mask"])
+            if one["data"] is not None:
                 r["finished"] += 1
-                try:
-                    value = json.loads(data.decode("utf-8"))
-                    ok = jsonschema is None or jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)(schema).is_valid(value)
-                except (UnicodeDecodeError, json.JSONDecodeError):
-                    ok = False
-                r["valid"] += bool(ok)
+                r["valid"] += _valid(one["data"], schema)
         print(f"  {eng.name}: {time.perf_counter() - t_engine:.1f} s", flush=True)
     print(f"{'engine':<14} {'compiled':>9} {'compile p50':>12} {'compile max':>12} {'mask p50':>9} {'mask p99':>9}"
           f" {'finished':>9} {'valid':>7}")

@@ -104,4 +104,10 @@ FEATURE_SCHEMAS = [
      "properties": {"c": {"type": "object", "properties": {"d": {"type": "integer"}}, "required": ["d"]}},
      "required": ["c"]}}, "required": ["b"]}}, "required": ["a"]},
     {"type": "object", "properties": {"text": {"type": "string", "pattern": "^[^\\\\\"]*$"}}, "required": ["text"]},
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10}},
+     "patternProperties": {"^x-[a-z]{1,5}$": {"type": "integer"}}},
+    {"type": "array", "items": {"enum": ["a", "b", "c"]}, "uniqueItems": True},
+    {"type": "array", "items": {"type": "string", "enum": ["red", "green", "blue"]}, "uniqueItems": True,
+     "minItems": 1},
+    {"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
 ]

@@ -32,15 +32,16 @@ ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", 
 SUPPORTED = {"type", "enum", "const", "properties", "required", "additionalProperties", "anyOf", "oneOf",
              "allOf", "$ref", "items", "prefixItems", "additionalItems", "minItems", "maxItems", "minLength",
              "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
-             "minProperties", "maxProperties", "uniqueItems"}
+             "minProperties", "maxProperties", "uniqueItems", "patternProperties"}
 # Validation keywords of the JSON Schema vocabularies this compiler does not enforce: always an error.
-UNSUPPORTED = {"not", "if", "then", "else", "multipleOf", "patternProperties", "propertyNames",
+UNSUPPORTED = {"not", "if", "then", "else", "multipleOf", "propertyNames",
                "dependencies", "dependentRequired", "dependentSchemas", "unevaluatedProperties",
                "unevaluatedItems", "contains", "minContains", "maxContains", "$dynamicRef", "$recursiveRef",
                "$dynamicAnchor", "$recursiveAnchor", "contentSchema", "extends", "disallow", "divisibleBy"}
 TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 TYPE_KEYWORDS = {
-    "object": {"properties", "required", "additionalProperties", "minProperties", "maxProperties"},
+    "object": {"properties", "required", "additionalProperties", "minProperties", "maxProperties",
+               "patternProperties"},
     "array": {"items", "prefixItems", "additionalItems", "minItems", "maxItems", "uniqueItems"},
     "string": {"minLength", "maxLength", "pattern", "format"},
     "number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"},
@@ -410,16 +411,20 @@ class SchemaCompiler:
         return alt(*[literal(dumps(v)) for v in values]) if values else ir.NOTHING
 
     def _check_exclusive(self, branches) -> None:
-        info = [(self._branch_types(b), self._branch_values(b), self._discriminators(b)) for b in branches]
+        info = [(self._branch_types(b), self._branch_values(b), self._discriminators(b), self._closed(b))
+                for b in branches]
         for i in range(len(info)):
             for j in range(i + 1, len(info)):
-                (ti, vi, di), (tj, vj, dj) = info[i], info[j]
+                (ti, vi, di, ci), (tj, vj, dj, cj) = info[i], info[j]
                 if not ti & tj:
                     continue
                 if vi is not None and vj is not None and not vi & vj:
                     continue
                 if any(k in dj and not di[k] & dj[k] for k in di):
                     continue
+                if ti & tj == {"object"} and ci and cj and \
+                        ((ci[1] - cj[0] and cj[2]) or (cj[1] - ci[0] and ci[2])):
+                    continue        # a property one branch requires, the other (closed) forbids
                 raise GrammarError("oneOf: branches are not provably mutually exclusive (anyOf would accept "
                                    "values matching several)", "oneOf")
 
@@ -451,6 +456,15 @@ class SchemaCompiler:
         if isinstance(b, dict) and ("enum" in b or "const" in b):
             return {_canon(v) for v in b.get("enum", [b.get("const")])}
         return None
+
+    def _closed(self, b):
+        """(listed properties, required properties, closed?) of an object branch, closed meaning the
+        schema itself says additionalProperties: false; None if not a plain object schema."""
+        b = self.deref(b)
+        if not isinstance(b, dict) or any(k in b for k in ("anyOf", "oneOf", "allOf", "patternProperties")):
+            return None
+        props = set(b.get("properties", {}))
+        return props, set(b.get("required", [])), b.get("additionalProperties") is False
 
     def _discriminators(self, b) -> dict:
         """Required properties whose value is fixed by enum/const: {name: canonical values}."""
@@ -525,9 +539,11 @@ class SchemaCompiler:
     def _array(self, s) -> ir.GrammarNode:
         lo = _count(s, "minItems", 0)
         hi = _count(s, "maxItems", None)
-        if s.get("uniqueItems") is True and (hi is None or hi > 1):
-            raise GrammarError("uniqueItems is not supported", "uniqueItems")
         prefix = s.get("prefixItems")
+        if s.get("uniqueItems") is True and (hi is None or hi > 1):
+            unique = self._unique_array(s, lo, hi)
+            if unique is not None:
+                return unique
         items = s.get("items", True)
         if isinstance(items, list):              # draft 4-7 tuple form
             if prefix is not None:
@@ -561,6 +577,68 @@ class SchemaCompiler:
                 options.append(seq(_joined(p_nodes, comma), rep(seq(comma, rest), rlo, rhi)))
         return seq(literal("["), alt(*options) if options else ir.NOTHING, literal("]"))
 
+    def _pattern_member(self, s, names, addl):
+        """``"key":value`` members for patternProperties, or None. Enforced when every pattern shares one
+        schema, no listed property matches a pattern (its value would have to satisfy both) and
+        additionalProperties is false or absent (keys outside the patterns are then not written)."""
+        pp = s.get("patternProperties")
+        if not pp:
+            return None
+        import re
+        if not isinstance(pp, dict):
+            raise GrammarError("patternProperties must be an object", "patternProperties")
+        if addl is not False:
+            raise GrammarError("patternProperties together with additionalProperties is not supported",
+                               "patternProperties")
+        schemas = list(pp.values())
+        if any(_canon(x) != _canon(schemas[0]) for x in schemas[1:]):
+            raise GrammarError("patternProperties with different schemas per pattern is not supported",
+                               "patternProperties")
+        keys = []
+        for pattern in pp:
+            try:
+                rx = re.compile(pattern)
+            except re.error as e:
+                raise GrammarError(f"patternProperties: bad pattern {pattern!r}: {e}", "patternProperties") from None
+            if any(rx.search(n) for n in names):
+                raise GrammarError(f"patternProperties: pattern {pattern!r} matches a listed property",
+                                   "patternProperties")
+            try:
+                keys.append(regex_to_ir(pattern, json_char_class, search=True))
+            except GrammarError as e:
+                raise GrammarError(f"patternProperties: {e}", "patternProperties") from None
+        value = self.node(schemas[0])
+        if value == ir.NOTHING:
+            return None
+        return seq(literal('"'), alt(*keys), literal('"'), literal(":"), value)
+
+    def _unique_array(self, s, lo, hi):
+        """uniqueItems: items from a finite enum are written as distinct values in declared order (a
+        `list` of optional items); any other array with uniqueItems holds at most one item."""
+        items = self.deref(s.get("items", True))
+        if s.get("prefixItems") or isinstance(items, list):
+            raise GrammarError("uniqueItems with tuple items is not supported", "uniqueItems")
+        values = None
+        if isinstance(items, dict) and ("enum" in items or "const" in items) and \
+                not [k for k in items if k in SUPPORTED and k not in ("enum", "const", "type")]:
+            values = list({_canon(v): v for v in (items["enum"] if "enum" in items else [items["const"]])}.values())
+        if values is None or len(values) > 64:
+            if lo > 1:
+                raise GrammarError("uniqueItems with minItems above 1 is only supported for enum items",
+                                   "uniqueItems")
+            return self._array({**{k: v for k, v in s.items() if k != "uniqueItems"}, "maxItems": 1})
+        nodes = [self._enum({**items, "enum": [v]}) for v in values]
+        nodes = [n for n in nodes if n != ir.NOTHING]
+        if lo > len(nodes):
+            return ir.NOTHING
+        if (hi is not None and hi < len(nodes)) or lo > 1:
+            raise GrammarError("uniqueItems over enum items with these minItems/maxItems is not supported",
+                               "uniqueItems")
+        if lo == 0:
+            return seq(literal("["), ("list", tuple(nodes), (False,) * len(nodes), literal(",")), literal("]"))
+        firsts = [seq(nodes[i], *[opt(seq(literal(","), n)) for n in nodes[i + 1:]]) for i in range(len(nodes))]
+        return seq(literal("["), alt(*firsts), literal("]"))
+
     def _object(self, s) -> ir.GrammarNode:
         props = s.get("properties", {})
         if not isinstance(props, dict):
@@ -587,7 +665,12 @@ class SchemaCompiler:
             members.append(seq(literal(dumps(name)), literal(":"), value))
             flags.append(name in required)
         n_extra_max = None
-        if addl is not False:
+        pattern_member = self._pattern_member(s, names, addl)
+        if pattern_member is not None:
+            members.append(seq(pattern_member, rep(seq(literal(","), pattern_member), 0, None)))
+            flags.append(False)
+            n_extra_max = None
+        elif addl is not False:
             value = self.node(addl)
             if value != ir.NOTHING:
                 extra = seq(_string_not_in(names), literal(":"), value)

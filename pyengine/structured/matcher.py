@@ -28,6 +28,7 @@ from .vocab import TokenVocabulary
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 COMPILE_CACHE_SIZE = 64
 MASK_CACHE_STATES = 8192        # packed masks kept per grammar (49152 tokens -> 6 KiB each)
+RECENT_STATES = 32              # unpacked (48 KiB each): a JSON string's states repeat token after token
 
 
 def grammar_rules(kind: str, spec) -> tuple[dict, str]:
@@ -58,6 +59,7 @@ class CompiledGrammar:
         self.automaton = automaton
         self.vocab = vocab
         self._masks: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._recent: OrderedDict[int, np.ndarray] = OrderedDict()   # unpacked masks of recent states
         self._eos = np.asarray(vocab.eos_token_ids, dtype=np.int64)
 
     @property
@@ -77,11 +79,20 @@ class CompiledGrammar:
         return np.unpackbits(packed, count=self.vocab.size).view(bool)
 
     def allowed(self, state: int) -> np.ndarray:
-        """Bool (vocab.size,): the grammar's tokens plus EOS when the output can end here."""
+        """Bool (vocab.size,): the grammar's tokens plus EOS when the output can end here (read-only;
+        the last RECENT_STATES states keep theirs unpacked)."""
+        mask = self._recent.get(state)
+        if mask is not None:
+            self._recent.move_to_end(state)
+            return mask
         mask = self.token_mask(state)
         if self.automaton.is_accepting(state) or not mask.any():
             mask = mask.copy()
             mask[self._eos[self._eos < len(mask)]] = True
+        mask.flags.writeable = False
+        self._recent[state] = mask
+        if len(self._recent) > RECENT_STATES:
+            self._recent.popitem(last=False)
         return mask
 
 

@@ -46,36 +46,46 @@ class TokenVocabulary:
     # --- DFA masks: vectorized walk ----------------------------------------------------------------
     def dfa_mask(self, flat_table: np.ndarray, state: int) -> np.ndarray:
         """Tokens whose bytes all have a transition from ``state`` (flat (n, 256) table, 0 = dead)."""
-        cur = np.full(len(self.order), state, dtype=np.int32)
-        for j, col in enumerate(self.columns):
-            k = len(col)
-            sub = cur[:k]
-            sub[:] = flat_table[sub * 256 + col]
-            if j % 4 == 3 and not sub.any():     # every remaining token is dead: stop early
-                break
+        alive, _ = self._walk(flat_table, state, None)
         mask = np.zeros(self.size, dtype=bool)
-        mask[self.order[cur != 0]] = True
+        mask[alive] = True
         return mask
 
     def frame_walk(self, flat_table: np.ndarray, state: int, escapable: np.ndarray):
         """The vectorized walk inside one rule of a pushdown matcher: (tokens the rule's DFA reads whole,
         token ids that died after passing a state where the rule could return or call: those need the
         full pushdown step)."""
-        n = len(self.order)
-        cur = np.full(n, state, dtype=np.int32)
-        passed = np.zeros(n, dtype=bool)
-        died = np.zeros(n, dtype=bool)
+        return self._walk(flat_table, state, escapable)
+
+    def _walk(self, flat_table, state, escapable):
+        """Step every token's bytes through the table, one byte position at a time, keeping only the
+        tokens still alive (rows are sorted longest first, so the ones long enough for position j are a
+        prefix of the alive rows): after the first byte usually few are left."""
+        rows = np.arange(len(self.order))                      # alive tokens (rows of the sorted layout)
+        cur = np.full(len(rows), state, dtype=np.int32)
+        passed = np.zeros(len(rows), dtype=bool) if escapable is not None else None
+        died = []
         for j, col in enumerate(self.columns):
-            k = len(col)
-            sub = cur[:k]
-            if j:
-                passed[:k] |= escapable[sub]
-            nxt = flat_table[sub * 256 + col]
-            died[:k] |= (nxt == 0) & (sub != 0) & passed[:k]
-            sub[:] = nxt
-            if j % 4 == 3 and not sub.any():
+            m = int(np.searchsorted(rows, len(col)))           # alive rows with a byte at position j
+            if m == 0:
                 break
-        return self.order[cur != 0], self.order[died]
+            sub = cur[:m]
+            if passed is not None and j:
+                passed[:m] |= escapable[sub]
+            nxt = flat_table[sub * 256 + col[rows[:m]]]
+            dead = nxt == 0
+            if dead.any():
+                if passed is not None:
+                    died.append(rows[:m][dead & passed[:m]])
+                keep = np.concatenate([np.flatnonzero(~dead), np.arange(m, len(rows))])
+                nxt_full = np.concatenate([nxt, cur[m:]])
+                rows, cur = rows[keep], nxt_full[keep]
+                if passed is not None:
+                    passed = passed[keep]
+            else:
+                cur[:m] = nxt
+        slow = self.order[np.concatenate(died)] if died else np.zeros(0, dtype=np.int64)
+        return self.order[rows], slow
 
     # --- pushdown masks: trie walk -----------------------------------------------------------------
     def _build_trie(self):

@@ -4,10 +4,10 @@ A grammar reads bytes; a model emits tokens. `TokenVocabulary` holds every token
 ``tokenizer.token_bytes``), leaving out control tokens (they are never grammar text) and empty tokens, and
 keeps two layouts of them:
 
-- a byte matrix, tokens sorted by length (longest first): a DFA mask is one gather per byte position
-  over all still-running tokens, ``state = table[state * 256 + byte]``, so the work is NumPy's, not Python's;
-- a byte trie, for the pushdown matcher: a depth-first walk steps each shared prefix once and prunes a
-  whole subtree as soon as the grammar rejects its prefix.
+- the byte trie laid out level by level (all distinct 1-byte prefixes, then 2-byte ones, ...): a mask is
+  one gather per level, ``state[node] = table[state[parent] * 256 + byte]``, so the work is NumPy's, not
+  Python's, and each prefix shared by many tokens is stepped once;
+- the same trie as nested lists for a depth-first walk in Python (the reference the tests compare with).
 
 Masks are boolean arrays of length ``size`` (the model's vocabulary, which may exceed the tokenizer's).
 """
@@ -26,12 +26,7 @@ class TokenVocabulary:
         self.order = np.asarray(ids, dtype=np.int64)
         lens = np.array([len(self.token_bytes[i]) for i in ids], dtype=np.int64)
         self.max_len = int(lens.max()) if len(lens) else 0
-        mat = np.zeros((len(ids), max(self.max_len, 1)), dtype=np.int32)
-        for row, i in enumerate(ids):
-            b = self.token_bytes[i]
-            mat[row, :len(b)] = np.frombuffer(b, dtype=np.uint8)
-        self.columns = [np.ascontiguousarray(mat[:int(np.count_nonzero(lens > j)), j])
-                        for j in range(self.max_len)]
+        self._build_levels()
         self._trie = None
         self.key = (self.size, len(ids), hash(tuple(self.token_bytes)))
 
@@ -57,35 +52,69 @@ class TokenVocabulary:
         full pushdown step)."""
         return self._walk(flat_table, state, escapable)
 
+    def _build_levels(self) -> None:
+        """The byte trie of the vocabulary laid out level by level: node k of level j is one distinct
+        (j+1)-byte token prefix, with its parent's index in level j-1 and its last byte. SmolLM2's
+        332k token bytes share 100k prefixes, so a walk steps each shared prefix once."""
+        index: list[dict] = []
+        self.levels: list[tuple[np.ndarray, np.ndarray]] = []     # (parent index, byte) per level
+        ends = []
+        for i in self.order.tolist():
+            b = self.token_bytes[i]
+            parent = 0
+            for j in range(len(b)):
+                if j == len(index):
+                    index.append({})
+                key = b[:j + 1]
+                node = index[j].get(key)
+                if node is None:
+                    node = index[j][key] = len(index[j])
+                parent = node
+            ends.append((len(b) - 1, parent))
+        for j, level in enumerate(index):
+            par = np.zeros(len(level), dtype=np.int32)       # int32: half the memory traffic of int64
+            byt = np.zeros(len(level), dtype=np.int32)
+            for key, node in level.items():
+                byt[node] = key[-1]
+                if j:
+                    par[node] = index[j - 1][key[:-1]]
+            self.levels.append((par, byt))
+        offsets = np.cumsum([0] + [len(lv) for lv in index])
+        self._level_offsets = offsets
+        self._token_node = np.array([offsets[j] + n for j, n in ends], dtype=np.int64)   # per sorted row
+        self._n_nodes = int(offsets[-1])
+
     def _walk(self, flat_table, state, escapable):
-        """Step every token's bytes through the table, one byte position at a time, keeping only the
-        tokens still alive (rows are sorted longest first, so the ones long enough for position j are a
-        prefix of the alive rows): after the first byte usually few are left."""
-        rows = np.arange(len(self.order))                      # alive tokens (rows of the sorted layout)
-        cur = np.full(len(rows), state, dtype=np.int32)
-        passed = np.zeros(len(rows), dtype=bool) if escapable is not None else None
-        died = []
-        for j, col in enumerate(self.columns):
-            m = int(np.searchsorted(rows, len(col)))           # alive rows with a byte at position j
-            if m == 0:
-                break
-            sub = cur[:m]
-            if passed is not None and j:
-                passed[:m] |= escapable[sub]
-            nxt = flat_table[sub * 256 + col[rows[:m]]]
-            dead = nxt == 0
-            if dead.any():
-                if passed is not None:
-                    died.append(rows[:m][dead & passed[:m]])
-                keep = np.concatenate([np.flatnonzero(~dead), np.arange(m, len(rows))])
-                nxt_full = np.concatenate([nxt, cur[m:]])
-                rows, cur = rows[keep], nxt_full[keep]
-                if passed is not None:
-                    passed = passed[keep]
+        """Step every trie node from its parent's state, level by level (dead stays dead: row 0 of the
+        table is all zeros). Returns (alive token ids, token ids that died after passing an escapable
+        state) — the second only when ``escapable`` is given."""
+        st = np.zeros(self._n_nodes, dtype=np.int32)
+        slow = np.zeros(self._n_nodes, dtype=bool) if escapable is not None else None
+        passed = np.zeros(self._n_nodes, dtype=bool) if escapable is not None else None
+        off = self._level_offsets
+        prev = None
+        for j, (par, byt) in enumerate(self.levels):
+            lo, hi = off[j], off[j + 1]
+            if j == 0:
+                parent_state = np.full(len(par), state, dtype=np.int32)
             else:
-                cur[:m] = nxt
-        slow = self.order[np.concatenate(died)] if died else np.zeros(0, dtype=np.int64)
-        return self.order[rows], slow
+                parent_state = prev[par]
+                if not parent_state.any():                       # the whole level is dead
+                    if slow is None or not slow[off[j - 1]:lo].any():
+                        break
+                    slow[lo:hi] = slow[off[j - 1] + par]        # only the slow marks still flow down
+                    prev = parent_state
+                    continue
+            cur = flat_table[parent_state * 256 + byt]
+            st[lo:hi] = cur
+            if escapable is not None and j:
+                p_lo = off[j - 1]
+                passed[lo:hi] = passed[p_lo + par] | escapable[parent_state]
+                slow[lo:hi] = slow[p_lo + par] | ((cur == 0) & (parent_state != 0) & passed[lo:hi])
+            prev = cur
+        alive = st[self._token_node] != 0
+        out_slow = self.order[slow[self._token_node] & ~alive] if slow is not None else None
+        return self.order[alive], out_slow
 
     # --- pushdown masks: trie walk -----------------------------------------------------------------
     def _build_trie(self):

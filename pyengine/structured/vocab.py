@@ -71,49 +71,81 @@ class TokenVocabulary:
                     node = index[j][key] = len(index[j])
                 parent = node
             ends.append((len(b) - 1, parent))
+        remap = None                                    # old -> new node ids of the previous level
+        self._child_start: list[np.ndarray | None] = []
+        new_ids = []
         for j, level in enumerate(index):
             par = np.zeros(len(level), dtype=np.int32)       # int32: half the memory traffic of int64
             byt = np.zeros(len(level), dtype=np.int32)
             for key, node in level.items():
                 byt[node] = key[-1]
                 if j:
-                    par[node] = index[j - 1][key[:-1]]
+                    par[node] = remap[index[j - 1][key[:-1]]]
+            # renumber this level by parent, so the children of a node are one contiguous range
+            perm = np.argsort(par, kind="stable")
+            remap = np.empty(len(level), dtype=np.int64)
+            remap[perm] = np.arange(len(level))
+            new_ids.append(remap)
+            par, byt = par[perm], byt[perm]
             self.levels.append((par, byt))
+            if j:
+                n_parents = len(index[j - 1])
+                self._child_start.append(np.searchsorted(par, np.arange(n_parents + 1)).astype(np.int64))
+            else:
+                self._child_start.append(None)
         offsets = np.cumsum([0] + [len(lv) for lv in index])
         self._level_offsets = offsets
-        self._token_node = np.array([offsets[j] + n for j, n in ends], dtype=np.int64)   # per sorted row
+        self._token_node = np.array([offsets[j] + new_ids[j][n] for j, n in ends], dtype=np.int64)  # per row
         self._n_nodes = int(offsets[-1])
 
     def _walk(self, flat_table, state, escapable):
         """Step every trie node from its parent's state, level by level (dead stays dead: row 0 of the
-        table is all zeros). Returns (alive token ids, token ids that died after passing an escapable
-        state) — the second only when ``escapable`` is given."""
+        table is all zeros). A level whose parents are mostly dead steps only the children of the live
+        ones (a contiguous range each). Returns (alive token ids, token ids that died after passing an
+        escapable state) — the second only when ``escapable`` is given."""
         st = np.zeros(self._n_nodes, dtype=np.int32)
-        slow = np.zeros(self._n_nodes, dtype=bool) if escapable is not None else None
-        passed = np.zeros(self._n_nodes, dtype=bool) if escapable is not None else None
+        flags = escapable is not None
+        slow = np.zeros(self._n_nodes, dtype=bool) if flags else None
+        passed = np.zeros(self._n_nodes, dtype=bool) if flags else None
         off = self._level_offsets
         prev = None
         for j, (par, byt) in enumerate(self.levels):
             lo, hi = off[j], off[j + 1]
             if j == 0:
-                parent_state = np.full(len(par), state, dtype=np.int32)
+                st[lo:hi] = prev = flat_table[state * 256 + byt]
+                continue
+            p_lo = off[j - 1]
+            active = prev != 0
+            if flags:
+                active |= slow[p_lo:lo]                      # slow marks flow down through dead nodes
+            n_active = int(np.count_nonzero(active))
+            if n_active == 0:
+                break
+            if len(prev) > 2048 and n_active * 16 < len(prev):  # sparse: only the live parents' children
+                idx = np.flatnonzero(active)
+                starts = self._child_start[j][idx]
+                counts = self._child_start[j][idx + 1] - starts
+                total = int(counts.sum())
+                if total == 0:
+                    break
+                ch = np.repeat(starts - (np.cumsum(counts) - counts), counts) + np.arange(total)
             else:
-                parent_state = prev[par]
-                if not parent_state.any():                       # the whole level is dead
-                    if slow is None or not slow[off[j - 1]:lo].any():
-                        break
-                    slow[lo:hi] = slow[off[j - 1] + par]        # only the slow marks still flow down
-                    prev = parent_state
-                    continue
-            cur = flat_table[parent_state * 256 + byt]
-            st[lo:hi] = cur
-            if escapable is not None and j:
-                p_lo = off[j - 1]
-                passed[lo:hi] = passed[p_lo + par] | escapable[parent_state]
-                slow[lo:hi] = slow[p_lo + par] | ((cur == 0) & (parent_state != 0) & passed[lo:hi])
-            prev = cur
+                ch = None
+            sub_par = par if ch is None else par[ch]
+            parent_state = prev[sub_par]
+            cur = flat_table[parent_state * 256 + (byt if ch is None else byt[ch])]
+            nodes = slice(lo, hi) if ch is None else lo + ch
+            st[nodes] = cur
+            if flags:
+                passed[nodes] = passed[p_lo + sub_par] | escapable[parent_state]
+                slow[nodes] = slow[p_lo + sub_par] | ((cur == 0) & (parent_state != 0) & passed[nodes])
+            if ch is None:
+                prev = cur
+            else:
+                prev = np.zeros(hi - lo, dtype=np.int32)
+                prev[ch] = cur
         alive = st[self._token_node] != 0
-        out_slow = self.order[slow[self._token_node] & ~alive] if slow is not None else None
+        out_slow = self.order[slow[self._token_node] & ~alive] if flags else None
         return self.order[alive], out_slow
 
     # --- pushdown masks: trie walk -----------------------------------------------------------------

@@ -163,3 +163,24 @@ def test_corrupt_file_shows_error_and_page_keeps_working(loaded, server):
             {engine, prompt: 'The capital of France is', maxTokens: 4, temperature: 0})""", name)
         assert len(r["tokenIds"]) == 4, (name, r)
     assert not log.errors(), str(log)
+
+
+def test_json_toggle_constrains_the_python_engine(loaded):
+    """S15 in the browser: the JSON toggle shows the schema box; a JSON Schema sent with generate makes the
+    Pyodide engine's output valid against it (checked here with jsonschema) and the page says so."""
+    import json
+
+    import jsonschema
+    page, log, _ = loaded
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"},
+              "n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["ok", "n"]}
+    assert page.is_hidden("#json-schema-row")
+    page.check("#json-mode")
+    assert page.is_visible("#json-schema-row")
+    page.uncheck("#json-mode")
+    result = _js(page, """async (schema) => window.pyengineDemo.generate(
+        {engine: "python", prompt: "Answer in JSON:", maxTokens: 16, temperature: 0, jsonSchema: schema})""",
+                 json.dumps(schema))
+    assert result["finishReason"] == "stop" and result["json"] == "valid", (result, log)
+    jsonschema.validate(json.loads(result["text"]), schema)
+    assert "JSON valid" in page.text_content("#engine-python [data-role=stats]")

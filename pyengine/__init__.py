@@ -15,6 +15,7 @@ _EXPORTS = {
     "Tokenizer": "pyengine.tokenizer",
     "ModelConfig": "pyengine.config",
     "SamplingParams": "pyengine.sampling_params",
+    "StructuredOutputsParams": "pyengine.sampling_params",
     "LLM": "pyengine.llm",
     "LLMEngine": "pyengine.engine.llm_engine",
     "RequestOutput": "pyengine.engine.outputs",

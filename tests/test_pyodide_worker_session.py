@@ -86,3 +86,24 @@ def test_no_model_yet():
     assert not s.has_model() and not s.has_work()
     with pytest.raises(ValueError, match="no model loaded"):
         s.start("x", "hi")
+
+
+def test_json_schema_toggle_constrains_and_reports(session):
+    """S15 through the worker's Python half: a JSON Schema constrains the output (checked with jsonschema),
+    an empty schema means any JSON object, and a refused keyword is a readable error."""
+    import json
+
+    import jsonschema
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+              "size": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["city", "size"]}
+    session.start("j1", "A city:", max_tokens=30, temperature=1.0, seed=3, json_schema=json.dumps(schema))
+    done = [e for e in run_all(session) if e["type"] == "done"][0]
+    assert done["finishReason"] == "stop" and done["json"] == "valid"
+    jsonschema.validate(json.loads(done["text"]), schema)
+    session.start("j2", "Data:", max_tokens=3, temperature=0.0, json_schema="")
+    done = [e for e in run_all(session) if e["type"] == "done"][0]
+    assert done["text"].startswith("{") and done["json"] in ("incomplete", "valid")
+    with pytest.raises(ValueError, match="multipleOf"):
+        session.start("j3", "x", json_schema='{"type": "integer", "multipleOf": 2}')
+    with pytest.raises(ValueError, match="not valid JSON"):
+        session.start("j4", "x", json_schema='{"type": ')

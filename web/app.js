@@ -105,9 +105,10 @@ class EngineClient {
         this.role("output").textContent = msg.text;
         const tps = msg.tokensPerSecond || 0;
         this.role("stats").textContent = `${msg.tokenIds.length} tokens, ${tps.toFixed(2)} tok/s` +
-          (msg.ttftMs != null ? `, first token ${msg.ttftMs.toFixed(0)} ms` : "") + ` (${msg.finishReason})`;
+          (msg.ttftMs != null ? `, first token ${msg.ttftMs.toFixed(0)} ms` : "") + ` (${msg.finishReason})` +
+          (msg.json ? ` — JSON ${msg.json === "valid" ? "valid \u2713" : msg.json}` : "");
         r.resolve({ tokenIds: msg.tokenIds, text: msg.text, tokensPerSecond: tps, finishReason: msg.finishReason,
-                    ttftMs: msg.ttftMs ?? null, tokenMs: r.ms });
+                    ttftMs: msg.ttftMs ?? null, tokenMs: r.ms, json: msg.json ?? null });
         updateButtons();
         break;
       }
@@ -174,6 +175,7 @@ class EngineClient {
       temperature: opts.temperature ?? 0, topP: opts.topP ?? 1, topK: opts.topK ?? -1, chat: !!opts.chat,
     };
     if (opts.seed != null) msg.seed = opts.seed;     // no seed: leave the field out (engines pick one)
+    if (opts.jsonSchema != null && this.name === "python") msg.jsonSchema = opts.jsonSchema;  // S15 JSON mode
     this.worker.postMessage(msg);
     updateButtons();
     return done;
@@ -315,7 +317,7 @@ function sampling() {
   const num = (id) => Number($(id).value);
   return { prompt: $("prompt").value, maxTokens: num("max-tokens"), temperature: num("temperature"),
            topP: num("top-p"), topK: num("top-k"), seed: $("seed").value === "" ? null : num("seed"),
-           chat: $("chat").checked };
+           chat: $("chat").checked, jsonSchema: $("json-mode").checked ? $("json-schema").value : null };
 }
 
 function init() {
@@ -348,6 +350,7 @@ function init() {
     for (const e of Object.values(engines)) if (e.status === "ready") guarded(e.generate(opts));
   });
   $("stop").addEventListener("click", () => Object.values(engines).forEach((e) => e.cancel()));
+  $("json-mode").addEventListener("change", () => { $("json-schema-row").hidden = !$("json-mode").checked; });
   plot.draw();
   updateButtons();
   if (query.get("model")) guarded(loadModel(abs(query.get("model"))));

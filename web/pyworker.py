@@ -8,6 +8,7 @@ Each method returns plain dicts/lists that JavaScript posts as protocol messages
 """
 from __future__ import annotations
 
+import json
 import time
 
 # One tab generates for one user: a small batch keeps the KV cache and the activation arena small (the
@@ -77,19 +78,34 @@ class WorkerSession:
 
     # generate ---------------------------------------------------------------------------------------
     def start(self, req_id: str, prompt: str, max_tokens: int = 64, temperature: float = 1.0,
-              top_p: float = 1.0, top_k: int = -1, seed=None, chat: bool = False) -> int:
-        """Queue a request; returns its prompt length in tokens. ValueError for bad parameters."""
-        from pyengine import SamplingParams
+              top_p: float = 1.0, top_k: int = -1, seed=None, chat: bool = False, json_schema=None) -> int:
+        """Queue a request; returns its prompt length in tokens. ValueError for bad parameters.
+        ``json_schema`` (S15, the page's JSON toggle): a JSON Schema as JSON text (or a dict) constrains the
+        output to it; "" or "{}" means any JSON object; None leaves the output free. A schema the grammar
+        compiler refuses is a ValueError naming the keyword."""
+        from pyengine import SamplingParams, StructuredOutputsParams
 
         if self.engine is None:
             raise ValueError("no model loaded: load a GGUF file first")
         if chat:
             prompt = self.engine.get_tokenizer().apply_chat_template(
                 [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+        structured = None
+        if json_schema is not None:
+            if isinstance(json_schema, str) and json_schema.strip() in ("", "{}"):
+                structured = StructuredOutputsParams(json_object=True)
+            else:
+                if isinstance(json_schema, str):
+                    try:
+                        json_schema = json.loads(json_schema)
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+                structured = StructuredOutputsParams(json=json_schema)
         params = SamplingParams(max_tokens=int(max_tokens), temperature=float(temperature), top_p=float(top_p),
-                                top_k=int(top_k), seed=None if seed is None else int(seed))
+                                top_k=int(top_k), seed=None if seed is None else int(seed),
+                                structured_outputs=structured)
         self.engine.add_request(req_id, prompt, params)
-        self.requests[req_id] = {"t0": time.perf_counter(), "t_first": None, "n": 0}
+        self.requests[req_id] = {"t0": time.perf_counter(), "t_first": None, "n": 0, "json": structured is not None}
         return len(self.engine.requests[req_id].prompt_token_ids)
 
     def has_model(self) -> bool:
@@ -140,10 +156,18 @@ class WorkerSession:
         end = time.perf_counter()
         n = len(comp.token_ids)
         decode_s = end - state["t_first"] if state["t_first"] is not None else 0.0
-        return {"type": "done", "id": out.request_id, "tokenIds": [int(t) for t in comp.token_ids],
+        event = {"type": "done", "id": out.request_id, "tokenIds": [int(t) for t in comp.token_ids],
                 "text": comp.text, "finishReason": comp.finish_reason,
                 "tokensPerSecond": (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
                 "ttftMs": None if state["t_first"] is None else (state["t_first"] - state["t0"]) * 1e3,
                 "promptTokens": len(out.prompt_token_ids or []),
                 "numDraftTokens": out.metrics.num_draft_tokens if out.metrics else 0,
                 "numAcceptedTokens": out.metrics.num_accepted_tokens if out.metrics else 0}
+        if state.get("json"):
+            # S15: the grammar ended the text (finish "stop") and json.loads reads it back
+            try:
+                json.loads(comp.text)
+                event["json"] = "valid" if comp.finish_reason == "stop" else "incomplete"
+            except json.JSONDecodeError:
+                event["json"] = "incomplete" if comp.finish_reason != "stop" else "invalid"
+        return event

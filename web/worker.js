@@ -1,7 +1,9 @@
 // Pyodide web worker (module worker): runs the unchanged pyengine wheel on NumPy-in-WebAssembly.
 // Protocol (docs/architecture.md, shared with the TypeScript worker):
-//   in:  {type:"load", model: ArrayBuffer, mode?, speculative?}  {type:"generate", id, prompt, maxTokens, temperature, topP,
-//        topK, seed, chat}  {type:"cancel", id}
+//   in:  {type:"load", model: ArrayBuffer, mode?, speculative?, kvCacheDtype?}  {type:"generate", id, prompt,
+//        maxTokens, temperature, topP, topK, seed, chat, jsonSchema?}  {type:"cancel", id}
+//        (jsonSchema, S15: JSON Schema text constraining the output; "" = any JSON object; `done` then has
+//        json: "valid" | "incomplete" | "invalid")
 //   out: {type:"progress", stage, loaded, total}  {type:"ready", info}  {type:"token", id, tokenId, text, ms}
 //        {type:"done", id, tokenIds, text, tokensPerSecond, finishReason}  {type:"error", id?, message}
 // Worker URL parameters: pyodide=<base URL of pyodide.mjs> (default ./vendor/pyodide/, or e.g. the jsDelivr
@@ -137,7 +139,8 @@ async function pump() {
 async function generate(msg) {
   await booting;
   session.start(String(msg.id), String(msg.prompt ?? ""), msg.maxTokens ?? 64, msg.temperature ?? 1.0,
-                msg.topP ?? 1.0, msg.topK ?? -1, msg.seed ?? undefined, !!msg.chat);  // undefined -> None (null is JsNull)
+                msg.topP ?? 1.0, msg.topK ?? -1, msg.seed ?? undefined, !!msg.chat,
+                msg.jsonSchema ?? undefined);  // undefined -> None (null is JsNull)
   pump();
 }
 

@@ -18,6 +18,7 @@ BENCHMARKS = {
     "tuning": "pyengine.bench.tuning",        # sweep one constant of pyengine/tuning.py
     "spec": "pyengine.bench.spec",            # S14: speculative decoding, ngram / draft model vs plain decode
     "kv": "pyengine.bench.kv",                # S08: KV cache dtypes and weight formats: memory, PPL/KL, speed
+    "structured": "pyengine.bench.structured",  # S15: grammar compile/mask time, coverage, validity vs peers
 }
 
 

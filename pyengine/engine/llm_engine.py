@@ -42,6 +42,7 @@ class _Request:
         self.rngs: list = []
         self.logprobs: list[list | None] = []
         self.cumulative_logprob: list[float | None] = []
+        self.matchers: list | None = None      # S15: one grammar matcher per sequence, or None
         self.metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids))
         self.admitted = False
 
@@ -105,6 +106,7 @@ class LLMEngine:
             from pyengine.engine.spec_decode import make_speculative_decoder
             self.spec = make_speculative_decoder(speculative_config, max_model_len, runner,
                                                  draft_runner=draft_runner, max_num_seqs=max_num_seqs)
+        self._structured = None                 # S15: built on the first constrained request
         self.requests: dict[str, _Request] = {}
         self._seq_owner: dict[int, _Request] = {}
         self._next_seq_id = 0
@@ -163,6 +165,8 @@ class LLMEngine:
 
         req = _Request(request_id, text, ids, params, priority,
                        time.monotonic() if arrival_time is None else arrival_time)
+        if params.structured_outputs is not None:
+            req.matchers = self._structured_outputs().matchers(params, params.n)
         for i in range(params.n):
             seq = Sequence(self._next_seq_id, request_id, i, ids, params, priority, max_tokens=max_tokens)
             self._next_seq_id += 1
@@ -177,6 +181,12 @@ class LLMEngine:
         self.requests[request_id] = req
         for seq in req.seqs:
             self.scheduler.add(seq)
+
+    def _structured_outputs(self):
+        if self._structured is None:
+            from pyengine.structured.processor import StructuredOutputs
+            self._structured = StructuredOutputs(self.tokenizer, self.eos_token_ids, self.vocab_size)
+        return self._structured
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free all its blocks; returns its final output (None if unknown)."""
@@ -233,7 +243,9 @@ class LLMEngine:
         seqs, rngs = [], []
         for seq in self.scheduler.running:
             seq.spec_token_ids, seq.spec_draft_probs = [], None
-            if seq.num_tokens - seq.num_computed_tokens == 1 and seq.params.speculative:
+            # S15: constrained sequences are not speculated on (their drafts would need the grammar's check)
+            if (seq.num_tokens - seq.num_computed_tokens == 1 and seq.params.speculative
+                    and self._seq_owner[seq.seq_id].matchers is None):
                 seqs.append(seq)
                 rngs.append(self._seq_owner[seq.seq_id].rngs[seq.index])
         if seqs:
@@ -298,9 +310,14 @@ class LLMEngine:
         results: list = [None] * len(sampled)
         if plain:
             sel = logits if len(plain) == len(logits) else logits[[rows[i] for i in plain]]
+            allowed = None                      # S15: the grammar's token mask of each constrained row
+            if any(reqs[i].matchers is not None for i in plain):
+                allowed = [reqs[i].matchers[sampled[i].index].allowed_mask() if reqs[i].matchers is not None
+                           else None for i in plain]
             tokens, infos = self.sampler.sample(
                 sel, [reqs[i].params for i in plain], [sampled[i].prompt_token_ids for i in plain],
-                [sampled[i].output_token_ids for i in plain], [reqs[i].rngs[sampled[i].index] for i in plain])
+                [sampled[i].output_token_ids for i in plain], [reqs[i].rngs[sampled[i].index] for i in plain],
+                allowed=allowed)
             for i, tok, info in zip(plain, tokens.tolist(), infos):
                 results[i] = ([int(tok)], [info])
         for i, seq in enumerate(sampled):
@@ -334,6 +351,8 @@ class LLMEngine:
         return toks, infos
 
     def _append_token(self, seq: Sequence, req: _Request, tok: int, info, now: float, deltas: dict) -> None:
+        if req.matchers is not None and not req.matchers[seq.index].advance(tok):
+            raise RuntimeError(f"sampled token {tok} is outside the grammar of request {req.request_id!r}")
         seq.append_token(tok)
         self.counters["generation_tokens"] += 1
         m = req.metrics

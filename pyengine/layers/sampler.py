@@ -127,6 +127,16 @@ def apply_min_p(logits: np.ndarray, min_p: float) -> np.ndarray:
     return np.where(x >= floor, x, NEG_INF)
 
 
+def apply_allowed_mask(logits: np.ndarray, allowed: np.ndarray) -> np.ndarray:
+    """S15 grammar constraint: -inf on every token whose ``allowed`` entry is False (a boolean mask over
+    the vocabulary; logits columns past its end are padding and are removed too)."""
+    x = np.asarray(logits, dtype=np.float64)
+    V = x.shape[-1]
+    if len(allowed) < V:
+        allowed = np.concatenate([allowed, np.zeros(V - len(allowed), dtype=bool)])
+    return np.where(allowed[:V], x, NEG_INF)
+
+
 def sample_from_logits(logits: np.ndarray, rng: np.random.Generator) -> int:
     """Draw one index of a 1-D logits vector by inverting the CDF with a single uniform number."""
     probs = softmax(logits)
@@ -232,9 +242,11 @@ class Sampler:
     """Samples one token per row of a (B, V) logits batch, each row with its own params and rng."""
 
     def sample(self, logits: np.ndarray, params: list[SamplingParams], prompt_ids: list,
-               output_ids: list, rngs: list) -> tuple[np.ndarray, list[SampleLogprobs | None]]:
+               output_ids: list, rngs: list, allowed: list | None = None) -> tuple[np.ndarray, list[SampleLogprobs | None]]:
         """Returns token ids (B,) int64 and per row a `SampleLogprobs` (when params.logprobs is not
-        None) or None. `rngs[i]` may be None for greedy rows; the logits are only read."""
+        None) or None. `rngs[i]` may be None for greedy rows; the logits are only read. ``allowed[i]``
+        (S15): a boolean token mask from the row's grammar, or None for an unconstrained row (only the
+        constrained rows pay for masking)."""
         logits = np.asarray(logits)
         if logits.ndim != 2:
             raise ValueError(f"logits must be (batch, vocab), got shape {logits.shape}")
@@ -245,7 +257,11 @@ class Sampler:
                 raise ValueError(f"{name} has {len(seq)} entries for a batch of {B} logits rows")
         tokens = np.empty(B, dtype=np.int64)
         # Plain greedy rows (no bias/penalties) need no copy: one argmax over all of them.
-        plain = [i for i, p in enumerate(params) if p.greedy and not p.logit_bias and not p.has_penalties]
+        if allowed is not None and len(allowed) != B:
+            raise ValueError(f"allowed has {len(allowed)} entries for a batch of {B} logits rows")
+        masks = allowed if allowed is not None else [None] * B
+        plain = [i for i, p in enumerate(params)
+                 if p.greedy and not p.logit_bias and not p.has_penalties and masks[i] is None]
         if len(plain) == B:
             tokens[:] = np.argmax(logits, axis=-1)              # all greedy: no (B, V) copy (out= needs intp:
                                                                 # int32 on wasm32)
@@ -254,7 +270,8 @@ class Sampler:
         plain_set = set(plain)
         for i, p in enumerate(params):
             if i not in plain_set:
-                tokens[i] = sample_row(logits[i], p, rngs[i], prompt_ids[i], output_ids[i])
+                row = logits[i] if masks[i] is None else apply_allowed_mask(logits[i], masks[i])
+                tokens[i] = sample_row(row, p, rngs[i], prompt_ids[i], output_ids[i])
         infos: list[SampleLogprobs | None] = [
             token_logprobs(logits[i], int(tokens[i]), p.logprobs) if p.logprobs is not None else None
             for i, p in enumerate(params)]

@@ -190,10 +190,12 @@ class ParsedRequest:
     logprobs: int | None            # top-k alternatives per token (0: only the sampled token); None: off
     echo: bool = False
     user: str | None = None
+    tool_plan: object = None        # S15: how a reply to a request with tools is read (server/structured.py)
 
 
-def _common(body: dict, vocab_size: int) -> dict:
+def _common(body: dict, vocab_size: int, chat: bool = False) -> dict:
     """Sampling fields shared by both endpoints, validated with OpenAI's ranges and names."""
+    from pyengine.server.structured import parse_structured
     n = _int(body, "n", 1, MAX_N)
     best_of = _int(body, "best_of", 1, MAX_N)
     if best_of is not None and best_of != (n or 1):
@@ -201,12 +203,10 @@ def _common(body: dict, vocab_size: int) -> dict:
     max_completion = _int(body, "max_completion_tokens", 1)
     max_tokens = _int(body, "max_tokens", 1)
     seed = _int(body, "seed", -(1 << 63), (1 << 64) - 1)
-    for unsupported in ("tools", "functions", "suffix"):
+    for unsupported in ("functions", "suffix") + (() if chat else ("tools",)):
         if body.get(unsupported):
             raise bad_param(unsupported, f"{unsupported} is not supported by this server")
-    rf = body.get("response_format")
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-        raise bad_param("response_format", "only response_format {\"type\": \"text\"} is supported")
+    structured, tool_plan = parse_structured(body, chat)
     top_k = _int(body, "top_k", -1, vocab_size)
     kw = dict(
         n=n or 1,
@@ -225,6 +225,7 @@ def _common(body: dict, vocab_size: int) -> dict:
         include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
         skip_special_tokens=_bool(body, "skip_special_tokens", True),
         speculative=_bool(body, "speculative", True),    # extension: false opts out of speculative decoding
+        structured_outputs=structured,
     )
     stream = _bool(body, "stream")
     so = body.get("stream_options")
@@ -238,7 +239,8 @@ def _common(body: dict, vocab_size: int) -> dict:
     if user is not None and not isinstance(user, str):
         raise bad_param("user", "user must be a string")
     budget_param = "max_completion_tokens" if max_completion is not None else "max_tokens"
-    return dict(kw=kw, n=n or 1, stream=stream, include_usage=include_usage, user=user, budget_param=budget_param)
+    return dict(kw=kw, n=n or 1, stream=stream, include_usage=include_usage, user=user, budget_param=budget_param,
+                tool_plan=tool_plan)
 
 
 def _make_params(kw: dict, defaults=()) -> SamplingParams:
@@ -370,7 +372,7 @@ def _finish(kind, body, common, prompts, prompt_texts, tokenizer, limits, logpro
     return ParsedRequest(kind=kind, model=_check_model(body), prompts=prompts, prompt_texts=prompt_texts,
                          params=params, n=common["n"], stream=common["stream"],
                          include_usage=common["include_usage"], logprobs=logprobs, echo=echo,
-                         user=common["user"])
+                         user=common["user"], tool_plan=common["tool_plan"])
 
 
 def encode_messages(tokenizer, messages: list[dict], limits: RequestPolicy, add_generation_prompt: bool = True,
@@ -396,9 +398,12 @@ def parse_chat(body: dict, tokenizer, limits: RequestPolicy | int) -> ParsedRequ
     """POST /v1/chat/completions body -> ParsedRequest (prompt rendered with the model's chat template).
     `limits`: a RequestPolicy, or just max_model_len."""
     limits = _limits(limits)
+    from pyengine.server.structured import prepare_chat
     _check_model(body)
-    messages = _messages(body)
-    common = _common(body, tokenizer.vocab_size)
+    messages = _messages(prepare_chat(body, None))
+    common = _common(body, tokenizer.vocab_size, chat=True)
+    if common["tool_plan"] is not None:
+        messages = _messages(prepare_chat(body, common["tool_plan"]))
     logprobs = None
     if _bool(body, "logprobs"):
         logprobs = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0

@@ -236,6 +236,8 @@ async def collect(gen: Generation, tokenizer, model_id: str, created: int) -> di
         if p.kind == "chat":
             lp = P.chat_logprobs(tokenizer, ids[c], lps[c], p.logprobs) if p.logprobs is not None else None
             choices.append(P.chat_choice(c, gen.texts[c], reason, lp))
+            if p.tool_plan is not None:     # S15: a reply that is a call becomes tool_calls
+                choices[-1]["message"], choices[-1]["finish_reason"] = p.tool_plan.message(gen.texts[c], reason)
         else:
             prefix = p.prompt_texts[c // p.n] if p.echo else ""
             lp = (P.completion_logprobs(tokenizer, ids[c], lps[c], p.logprobs, 0)
@@ -251,6 +253,11 @@ async def stream(gen: Generation, tokenizer, model_id: str, created: int) -> Asy
     optionally a usage chunk, then [DONE]."""
     p = gen.parsed
     chat = p.kind == "chat"
+    if chat and p.tool_plan is not None:     # S15: tool calls stream as delta.tool_calls
+        from pyengine.server.structured import stream_tool_calls
+        async for event in stream_tool_calls(gen, model_id, created):
+            yield event
+        return
     chunk = P.chat_chunk if chat else P.completion_chunk
     offsets = [0] * gen.n_choices
 

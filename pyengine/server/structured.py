@@ -1,0 +1,284 @@
+"""S15 structured output on the wire: ``response_format``, vLLM's ``structured_outputs`` and ``tools``.
+
+Request side (`parse_structured`, `prepare_chat`): the body's constraint becomes the request's
+`StructuredOutputsParams`:
+
+    response_format {"type": "json_object"}                      -> any JSON object
+    response_format {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}
+    structured_outputs {"json" | "regex" | "choice" | "grammar" | "json_object"}   (vLLM's extra body;
+                                                                   guided_json & co. are read too)
+    tools + tool_choice "required"      -> a JSON array of {"name", "arguments"} calls, one schema per
+                                          function (one call at most when parallel_tool_calls is false)
+    tools + tool_choice {"type": "function", "function": {"name"}} -> the function's arguments object
+    tools + tool_choice "auto"          -> no constraint: the model decides; a reply that is a valid call
+                                          ({"name", "arguments"} or a list of them) becomes tool_calls
+    tool_choice "none"                  -> tools are not shown and no call is made
+
+SmolLM2's chat template has no notion of tools (it renders role + content only), so the server presents
+them itself in the system message, as JSON with the reply format; a model whose template does know tools
+would get them the same way (the core's template renderer takes no ``tools=``). Assistant turns that
+carried ``tool_calls`` are replayed as that JSON; ``tool`` turns keep their role.
+
+Response side (`ToolPlan.message`, `stream_tool_calls`): the generated JSON becomes OpenAI ``tool_calls``
+(ids ``call_<hex>``, arguments as JSON text validated by the grammar) with finish_reason ``tool_calls``.
+Streaming sends the calls as ``delta.tool_calls`` chunks the official client assembles: with a named
+function the arguments stream as they are generated; with required/auto the calls are sent once the
+reply is complete (only then is it known to be a call).
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+
+from pyengine.sampling_params import StructuredOutputsParams
+
+MAX_TOOLS = 128
+_VLLM_ALIASES = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+
+
+def _bad(param: str, message: str):
+    from pyengine.server.protocol import bad_param
+    return bad_param(param, message)
+
+
+@dataclass
+class ToolPlan:
+    """How the reply of a request with tools is read back."""
+    choice: str                                   # "auto" | "required" | "named"
+    names: list[str]
+    named: str | None = None
+    parallel: bool = True
+    parameters: dict = field(default_factory=dict)
+
+    def calls(self, text: str) -> list[dict] | None:
+        """The tool calls a complete reply spells, or None if it is not a call."""
+        if self.choice == "named":
+            try:
+                json.loads(text)
+            except json.JSONDecodeError:
+                return None
+            return [_call(self.named, text)]
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        items = value if isinstance(value, list) else [value]
+        out = []
+        for it in items:
+            if not (isinstance(it, dict) and set(it) == {"name", "arguments"} and it["name"] in self.names
+                    and isinstance(it["arguments"], dict)):
+                return None
+            if self.choice == "auto" and not _valid(it["arguments"], self.parameters.get(it["name"])):
+                return None
+            out.append(_call(it["name"], json.dumps(it["arguments"], ensure_ascii=False)))
+        if not out or (not self.parallel and len(out) > 1):
+            return None
+        return out
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """(the choice's message, finish_reason) for a non-streamed reply."""
+        calls = self.calls(text) if finish_reason == "stop" else None
+        if calls is None:
+            return {"role": "assistant", "content": text, "refusal": None}, finish_reason
+        return {"role": "assistant", "content": None, "refusal": None, "tool_calls": calls}, "tool_calls"
+
+
+def _valid(args: dict, schema) -> bool:
+    """For "auto" (no grammar): check a call's arguments with the grammar's own matcher-free test — the
+    schema compiled to rules and matched byte by byte."""
+    if schema is None:
+        return True
+    from pyengine.structured.automaton import compile_rules
+    from pyengine.structured.json_schema import compile_json_schema, dumps
+    try:
+        automaton = compile_rules(*compile_json_schema(schema))
+    except ValueError:
+        return False
+    state = automaton.step(automaton.initial(), dumps(args).encode())
+    return bool(state) and automaton.is_accepting(state)
+
+
+def _call(name: str, arguments: str) -> dict:
+    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def _tools(body: dict) -> tuple[list[dict], dict]:
+    tools = body.get("tools")
+    if not isinstance(tools, list) or not tools or len(tools) > MAX_TOOLS:
+        raise _bad("tools", f"tools must be a non-empty list of at most {MAX_TOOLS} function tools")
+    out, params = [], {}
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict):
+            raise _bad("tools", f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise _bad("tools", f"tools[{i}].function.name must be a non-empty string")
+        if name in params:
+            raise _bad("tools", f"tools[{i}]: function {name!r} is defined twice")
+        schema = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(schema, dict):
+            raise _bad("tools", f"tools[{i}].function.parameters must be a JSON Schema object")
+        params[name] = schema
+        out.append({"name": name, "description": fn.get("description", ""), "parameters": schema})
+    return out, params
+
+
+def parse_structured(body: dict, chat: bool) -> tuple[StructuredOutputsParams | None, ToolPlan | None]:
+    """The constraint (and, for chat with tools, the tool plan) a request body asks for."""
+    found = []
+    rf = body.get("response_format")
+    if rf is not None:
+        if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+            raise _bad("response_format", "response_format.type must be text, json_object or json_schema")
+        if rf["type"] == "json_object":
+            found.append(("response_format", StructuredOutputsParams(json_object=True)))
+        elif rf["type"] == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict) or not isinstance(js.get("schema", {}), (dict, bool)):
+                raise _bad("response_format", "response_format.json_schema must be {name, schema, strict}")
+            if "name" in js and not isinstance(js["name"], str):
+                raise _bad("response_format", "response_format.json_schema.name must be a string")
+            found.append(("response_format", StructuredOutputsParams(json=js.get("schema", {}))))
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise _bad("structured_outputs", "structured_outputs must be an object")
+        known = {"json", "regex", "choice", "grammar", "json_object"}
+        extra = set(so) - known - {"whitespace_pattern", "disable_fallback", "disable_any_whitespace",
+                                   "disable_additional_properties", "backend"}
+        if extra:
+            raise _bad("structured_outputs", f"structured_outputs: unknown field {sorted(extra)[0]!r}")
+        found.append(("structured_outputs", _so(so, "structured_outputs", {k: so[k] for k in known if k in so})))
+    for alias, kind in _VLLM_ALIASES.items():
+        if body.get(alias) is not None:
+            found.append((alias, _so(body, alias, {kind: body[alias]})))
+    plan = None
+    if body.get("tools") and chat:
+        tools, params = _tools(body)
+        names = [t["name"] for t in tools]
+        tc = body.get("tool_choice", "auto")
+        parallel = body.get("parallel_tool_calls", True)
+        if not isinstance(parallel, bool):
+            raise _bad("parallel_tool_calls", "parallel_tool_calls must be a boolean")
+        if isinstance(tc, dict):
+            fn = tc.get("function") if tc.get("type") == "function" else None
+            name = fn.get("name") if isinstance(fn, dict) else None
+            if name not in params:
+                raise _bad("tool_choice", f"tool_choice names no function of tools: {tc!r}")
+            plan = ToolPlan("named", names, name, parallel, params)
+            found.append(("tool_choice", StructuredOutputsParams(json=params[name])))
+        elif tc == "required":
+            call = [{"type": "object", "properties": {"name": {"const": n}, "arguments": params[n]},
+                     "required": ["name", "arguments"], "additionalProperties": False} for n in names]
+            schema = {"type": "array", "items": call[0] if len(call) == 1 else {"anyOf": call}, "minItems": 1}
+            if not parallel:
+                schema["maxItems"] = 1
+            plan = ToolPlan("required", names, None, parallel, params)
+            found.append(("tool_choice", StructuredOutputsParams(json=schema)))
+        elif tc == "auto":
+            plan = ToolPlan("auto", names, None, parallel, params)
+        elif tc != "none":
+            raise _bad("tool_choice", "tool_choice must be none, auto, required or {\"type\": \"function\", ...}")
+    elif body.get("tool_choice") not in (None, "none", "auto") and not body.get("tools"):
+        raise _bad("tool_choice", "tool_choice needs tools")
+    if len(found) > 1:
+        raise _bad(found[1][0], f"{found[0][0]} and {found[1][0]} both constrain the output: send one")
+    return (found[0][1] if found else None), plan
+
+
+def _so(holder: dict, param: str, fields: dict) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams(**fields)
+    except (TypeError, ValueError) as e:
+        raise _bad(param, str(e)) from None
+
+
+def prepare_chat(body: dict, plan: ToolPlan | None) -> dict:
+    """The body with tools presented in the system message and past tool calls replayed as JSON text."""
+    msgs = body.get("messages")
+    if not isinstance(msgs, list):
+        return body
+    out = []
+    for m in msgs:
+        if isinstance(m, dict) and m.get("role") == "assistant" and m.get("tool_calls"):
+            calls = []
+            for c in m["tool_calls"]:
+                fn = c.get("function", {}) if isinstance(c, dict) else {}
+                try:
+                    args = json.loads(fn.get("arguments") or "{}")
+                except (TypeError, json.JSONDecodeError):
+                    args = fn.get("arguments")
+                calls.append({"name": fn.get("name"), "arguments": args})
+            m = {"role": "assistant", "content": json.dumps(calls if len(calls) > 1 else calls[0])}
+        out.append(m)
+    if plan is not None:
+        tools = [{"name": n, "parameters": plan.parameters[n]} for n in plan.names]
+        for t, src in zip(tools, body.get("tools", [])):
+            t["description"] = src.get("function", {}).get("description", "")
+        if plan.choice == "named":
+            how = f"Reply with the JSON arguments of a call to {plan.named}."
+        else:
+            how = ('To call a function, reply with JSON only: {"name": <function name>, "arguments": {...}}'
+                   + (" (or a list of such calls)" if plan.parallel else "") + ".")
+        text = "You can call these functions:\n" + json.dumps(tools, ensure_ascii=False) + "\n" + how
+        if out and isinstance(out[0], dict) and out[0].get("role") in ("system", "developer") \
+                and isinstance(out[0].get("content"), str):
+            out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + text}
+        else:
+            out.insert(0, {"role": "system", "content": text})
+    return {**body, "messages": out}
+
+
+# --- streaming -------------------------------------------------------------------------------------
+async def stream_tool_calls(gen, model_id: str, created: int):
+    """SSE events of a chat request with a tool plan (see the module docstring)."""
+    from pyengine.server import protocol as P
+    from pyengine.server.serving import _failure_error
+    from pyengine.server.streaming import DONE, sse
+
+    p = gen.parsed
+    plan: ToolPlan = p.tool_plan
+
+    def event(choices):
+        return sse(P.chat_chunk(gen.api_id, created, model_id, choices, p.include_usage))
+
+    for c in range(gen.n_choices):
+        yield event([P.chat_delta(c, {"role": "assistant", "content": None})])
+    ids = {}
+    if plan.choice == "named":
+        for c in range(gen.n_choices):
+            ids[c] = "call_" + uuid.uuid4().hex[:24]
+            yield event([P.chat_delta(c, {"tool_calls": [{"index": 0, "id": ids[c], "type": "function",
+                                                          "function": {"name": plan.named, "arguments": ""}}]})])
+    async for u in gen.updates():
+        reason = P.openai_finish_reason(u.finish_reason)
+        if plan.choice == "named":
+            if u.delta:
+                yield event([P.chat_delta(u.choice, {"tool_calls": [{"index": 0, "function": {"arguments": u.delta}}]})])
+            if reason:
+                yield event([P.chat_delta(u.choice, {}, "tool_calls" if reason == "stop" else reason)])
+            continue
+        if not reason:
+            continue
+        text = gen.texts[u.choice]
+        calls = plan.calls(text) if reason == "stop" else None
+        if calls is None:
+            if text:
+                yield event([P.chat_delta(u.choice, {"content": text})])
+            yield event([P.chat_delta(u.choice, {}, reason)])
+            continue
+        for k, call in enumerate(calls):
+            yield event([P.chat_delta(u.choice, {"tool_calls": [{"index": k, **call}]})])
+        yield event([P.chat_delta(u.choice, {}, "tool_calls")])
+    err = _failure_error(gen)
+    if err is not None:
+        yield sse(err.body())
+    elif p.include_usage:
+        final = P.chat_chunk(gen.api_id, created, model_id, [], False)
+        final["usage"] = P.usage(gen.prompt_tokens, gen.completion_tokens)
+        yield sse(final)
+    yield DONE

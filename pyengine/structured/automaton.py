@@ -1,0 +1,570 @@
+"""S15 automata over bytes: the IR compiled to a DFA (regular grammars) or a pushdown matcher (recursion).
+
+`compile_rules(rules, root)` finds the rules that take part in recursion (cycles of ``ref``); every other
+rule is inlined where it is used. With no recursion left the whole grammar is one NFA (Thompson
+construction), determinized by subset construction over byte classes and minimized (Moore): a `ByteDFA`,
+whose state is one int and whose token mask is one vectorized walk of the vocabulary (`vocab.py`).
+
+With recursion, each recursive rule gets its own DFA over bytes plus "call rule q" edges, and the state of
+the `PushdownMatcher` is a *set of stacks* of (rule, DFA state) frames, advanced one byte at a time (a
+deterministic view of a nondeterministic pushdown automaton, as llama.cpp's GBNF sampler does). Calls in
+tail position replace the caller's frame, so right recursion (``list ::= item list?``) stays flat; left
+recursion is refused. Stack sets are interned to ints so masks and byte steps can be cached per state.
+
+State 0 is the dead state in both: no continuation is possible.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .ir import GrammarError
+
+MAX_NFA_STATES = 200_000
+MAX_DFA_STATES = 20_000          # past this a regular grammar is compiled rule by rule (pushdown) instead
+MAX_STACK_DEPTH = 64             # nesting of recursive rules (JSON depth); deeper outputs are not allowed
+MAX_STACKS = 4096                # stacks in one pushdown state (ambiguous grammars multiply them)
+
+
+class _TooLarge(GrammarError):
+    """An automaton past the size limits."""
+
+
+# --- NFA (Thompson construction) ---------------------------------------------------------------------
+class _NFA:
+    def __init__(self, rules: dict, inline: set):
+        self.rules, self.inline = rules, inline
+        self.eps: list[list[int]] = []
+        self.edges: list[list[tuple[int, int]]] = []     # (byte mask, target)
+        self.calls: list[list[tuple[str, int]]] = []     # (rule name, target)
+        self._inlining: list[str] = []
+
+    def new(self) -> int:
+        if len(self.eps) >= MAX_NFA_STATES:
+            raise _TooLarge(f"grammar too large (more than {MAX_NFA_STATES} automaton states)")
+        self.eps.append([])
+        self.edges.append([])
+        self.calls.append([])
+        return len(self.eps) - 1
+
+    def build(self, node, a: int, b: int) -> None:
+        """Add paths a -> b matching ``node``."""
+        kind = node[0]
+        if kind == "b":
+            if node[1]:
+                self.edges[a].append((node[1], b))
+        elif kind == "seq":
+            items = node[1]
+            if not items:
+                self.eps[a].append(b)
+                return
+            cur = a
+            for n in items[:-1]:
+                nxt = self.new()
+                self.build(n, cur, nxt)
+                cur = nxt
+            self.build(items[-1], cur, b)
+        elif kind == "alt":
+            for n in node[1]:
+                x, y = self.new(), self.new()
+                self.eps[a].append(x)
+                self.build(n, x, y)
+                self.eps[y].append(b)
+        elif kind == "rep":
+            _, sub, lo, hi = node
+            cur = a
+            for _ in range(lo):
+                nxt = self.new()
+                self.build(sub, cur, nxt)
+                cur = nxt
+            if hi is None:
+                x, y = self.new(), self.new()
+                self.eps[cur].append(x)
+                self.build(sub, x, y)
+                self.eps[y].append(x)
+                self.eps[x].append(b)
+            else:
+                for _ in range(hi - lo):
+                    self.eps[cur].append(b)
+                    nxt = self.new()
+                    self.build(sub, cur, nxt)
+                    cur = nxt
+                self.eps[cur].append(b)
+        elif kind == "ref":
+            name = node[1]
+            if name not in self.rules:
+                raise GrammarError(f"undefined rule {name!r}")
+            if name in self.inline:
+                if name in self._inlining:
+                    raise GrammarError(f"rule {name!r} is recursive")   # cannot happen: SCCs are not inlined
+                self._inlining.append(name)
+                x, y = self.new(), self.new()
+                self.eps[a].append(x)
+                self.build(self.rules[name], x, y)
+                self.eps[y].append(b)
+                self._inlining.pop()
+            else:
+                self.calls[a].append((name, b))
+        elif kind == "list":
+            _, items, required, sep = node
+            if not items:
+                self.eps[a].append(b)
+                return
+            # none[i]: no item written yet before item i; some[i]: at least one written
+            none = [a] + [self.new() for _ in items]
+            some = [None] + [self.new() for _ in items]
+            for i, (item, req) in enumerate(zip(items, required)):
+                self.build(item, none[i], some[i + 1])
+                if some[i] is not None:
+                    mid = self.new()
+                    self.build(sep, some[i], mid)
+                    self.build(item, mid, some[i + 1])
+                if not req:
+                    self.eps[none[i]].append(none[i + 1])
+                    if some[i] is not None:
+                        self.eps[some[i]].append(some[i + 1])
+            self.eps[some[-1]].append(b)
+            if not any(required):
+                self.eps[none[-1]].append(b)
+        else:
+            raise GrammarError(f"unknown grammar node {kind!r}")
+
+    def closure(self, states) -> frozenset:
+        seen = set(states)
+        work = list(states)
+        eps = self.eps
+        while work:
+            s = work.pop()
+            for t in eps[s]:
+                if t not in seen:
+                    seen.add(t)
+                    work.append(t)
+        return frozenset(seen)
+
+
+def _byte_classes(masks) -> tuple[np.ndarray, list[int]]:
+    """Partition 0..255 into classes no mask splits: class id per byte and a representative byte each."""
+    sig = [0] * 256
+    for k, m in enumerate(masks):
+        bit = 1 << k
+        while m:
+            low = m & -m
+            sig[low.bit_length() - 1] |= bit
+            m ^= low
+    ids: dict[int, int] = {}
+    cls = np.empty(256, dtype=np.int32)
+    reps = []
+    for b in range(256):
+        c = ids.get(sig[b])
+        if c is None:
+            c = ids[sig[b]] = len(reps)
+            reps.append(b)
+        cls[b] = c
+    return cls, reps
+
+
+def _determinize(nfa: _NFA, start: int, final: int):
+    """Subset construction. Returns (byte table (n, 256) with 0 = dead, accepting (n,), calls per state
+    {rule: target}) for DFA states 1..n-1, state 1 the start."""
+    masks = sorted({m for es in nfa.edges for m, _ in es})
+    cls, reps = _byte_classes(masks)
+    covers = {m: [c for c, r in enumerate(reps) if m >> r & 1] for m in masks}
+    n_cls = len(reps)
+    index: dict[frozenset, int] = {frozenset(): 0}
+    sets = [frozenset()]
+    rows: list[list[int]] = [[0] * n_cls]
+    calls: list[dict] = [{}]
+    s0 = nfa.closure([start])
+    index[s0] = 1
+    sets.append(s0)
+    todo = [1]
+    rows.append(None)
+    calls.append(None)
+    while todo:
+        d = todo.pop()
+        nxt: list[set | None] = [None] * n_cls
+        call_targets: dict[str, set] = {}
+        for s in sets[d]:
+            for m, t in nfa.edges[s]:
+                for c in covers[m]:
+                    if nxt[c] is None:
+                        nxt[c] = set()
+                    nxt[c].add(t)
+            for name, t in nfa.calls[s]:
+                call_targets.setdefault(name, set()).add(t)
+        row = [0] * n_cls
+        memo: dict[frozenset, int] = {}
+        for c in range(n_cls):
+            if nxt[c] is None:
+                continue
+            key = frozenset(nxt[c])
+            j = memo.get(key)
+            if j is None:
+                j = memo[key] = _intern(nfa, key, index, sets, rows, calls, todo)
+            row[c] = j
+        rows[d] = row
+        calls[d] = {name: _intern(nfa, frozenset(ts), index, sets, rows, calls, todo)
+                    for name, ts in call_targets.items()}
+    table = np.asarray(rows, dtype=np.int32)        # (states, byte classes)
+    accepting = np.array([final in s for s in sets], dtype=bool)
+    return table, cls, accepting, calls
+
+
+def _intern(nfa, key, index, sets, rows, calls, todo) -> int:
+    closed = nfa.closure(key)
+    j = index.get(closed)
+    if j is None:
+        j = index[closed] = len(sets)
+        if j > MAX_DFA_STATES:
+            raise _TooLarge(f"grammar too large (more than {MAX_DFA_STATES} DFA states)")
+        sets.append(closed)
+        rows.append(None)
+        calls.append(None)
+        todo.append(j)
+    return j
+
+
+def _rows_id(sig: np.ndarray) -> np.ndarray:
+    """Equal rows -> equal small ints (np.unique over the rows' bytes)."""
+    sig = np.ascontiguousarray(sig)
+    view = sig.view(np.dtype((np.void, sig.dtype.itemsize * sig.shape[1]))).reshape(-1)
+    _, inv = np.unique(view, return_inverse=True)
+    return inv.reshape(-1)
+
+
+def _minimize(table: np.ndarray, accepting: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Moore's partition refinement over the (states, byte classes) table; the dead state stays 0 and
+    the start state becomes 1."""
+    n = table.shape[0]
+    part = accepting.astype(np.int32)
+    part[0] = -1                                   # dead is its own class
+    _, part = np.unique(part, return_inverse=True)
+    part = part.astype(np.int32)
+    while True:
+        new = _rows_id(np.concatenate([part[:, None], part[table]], axis=1)).astype(np.int32)
+        if new.max() == part.max():
+            break
+        part = new
+    # renumber: dead -> 0, start -> 1, others in first-seen order
+    order = {int(part[0]): 0}
+    order.setdefault(int(part[1]), 1)
+    for p in part.tolist():
+        if p not in order:
+            order[p] = len(order)
+    remap = np.array([order[p] for p in range(int(part.max()) + 1)], dtype=np.int32)
+    m = len(order)
+    new_acc = np.zeros(m, dtype=bool)
+    reps = np.zeros(m, dtype=np.int64)
+    reps[remap[part]] = np.arange(n)
+    new_table = remap[part[table[reps]]].astype(np.int32)
+    new_acc[:] = accepting[reps]
+    new_table[0] = 0
+    return new_table, new_acc
+
+
+class ByteDFA:
+    """A deterministic automaton over bytes: ``table[state, byte] -> state``; 0 is dead, 1 the start."""
+
+    kind = "dfa"
+
+    def __init__(self, table: np.ndarray, accepting: np.ndarray):
+        self.table = np.ascontiguousarray(table, dtype=np.int32)
+        self.flat = self.table.reshape(-1)
+        self.accepting = accepting
+        self.live = self.table.any(axis=1)          # some byte leads on (not a final-only state)
+        self.num_states = self.table.shape[0]
+
+    def initial(self) -> int:
+        return 1
+
+    def step(self, state: int, data: bytes) -> int:
+        t = self.table
+        for b in data:
+            state = int(t[state, b])
+            if not state:
+                return 0
+        return state
+
+    def is_accepting(self, state: int) -> bool:
+        return bool(self.accepting[state])
+
+    def can_continue(self, state: int) -> bool:
+        return bool(self.live[state])
+
+    def token_mask(self, state: int, vocab) -> np.ndarray:
+        return vocab.dfa_mask(self.flat, state)
+
+
+class _RuleDFA:
+    def __init__(self, table, accepting, calls):
+        self.rows = table.tolist()                  # python lists: the byte-at-a-time walk is scalar
+        self.flat = np.ascontiguousarray(table, dtype=np.int32).reshape(-1)
+        # where the rule may hand over to a callee or back to its caller: a token passing such a state
+        # and then leaving the rule's own transitions needs the full pushdown step
+        self.escapable = np.array([a or bool(c) for a, c in zip(accepting.tolist(), calls)], dtype=bool)
+        self.accepting = accepting.tolist()
+        self.calls = [list(c.items()) for c in calls]
+        self.has_bytes = table.any(axis=1).tolist()
+        # a state that can only end the rule: a call from it to q can replace the frame (tail call)
+        self.final_only = [a and not hb and not c for a, hb, c in zip(self.accepting, self.has_bytes, self.calls)]
+
+
+class PushdownMatcher:
+    """Recursive rules as DFAs with call edges; the state is an interned set of stacks."""
+
+    kind = "pda"
+
+    def __init__(self, rule_dfas: dict[str, _RuleDFA], root: str):
+        self.rules = rule_dfas
+        self.root = root
+        self._sets: list[frozenset] = [frozenset()]
+        self._ids: dict[frozenset, int] = {frozenset(): 0}
+        self._steps: dict[int, int] = {}            # state * 256 + byte -> state
+        self._accepting: dict[int, bool] = {0: False}
+        self.start = self._intern(self._closure([((root, 1),)]))
+
+    @property
+    def num_states(self) -> int:
+        return len(self._sets)
+
+    def _closure(self, stacks) -> frozenset:
+        rules = self.rules
+        seen = set()
+        work = list(stacks)
+        keep = set()
+        while work:
+            st = work.pop()
+            if st in seen:
+                continue
+            seen.add(st)
+            if len(seen) > MAX_STACKS * 4:
+                raise GrammarError("grammar is too ambiguous (too many parse stacks)")
+            name, s = st[-1]
+            r = rules[name]
+            if r.has_bytes[s]:
+                keep.add(st)
+            if r.accepting[s]:
+                if len(st) == 1:
+                    keep.add(st)
+                else:
+                    work.append(st[:-1])
+            for q, t in r.calls[s]:
+                if r.final_only[t]:
+                    work.append(st[:-1] + ((q, 1),))      # tail call: nothing left to do after q
+                elif len(st) < MAX_STACK_DEPTH:
+                    work.append(st[:-1] + ((name, t), (q, 1)))
+        return frozenset(keep)
+
+    def _intern(self, stacks: frozenset) -> int:
+        i = self._ids.get(stacks)
+        if i is None:
+            if len(stacks) > MAX_STACKS:
+                raise GrammarError("grammar is too ambiguous (too many parse stacks)")
+            i = self._ids[stacks] = len(self._sets)
+            self._sets.append(stacks)
+            self._accepting[i] = any(len(st) == 1 and self.rules[st[0][0]].accepting[st[0][1]] for st in stacks)
+        return i
+
+    def initial(self) -> int:
+        return self.start
+
+    def step_byte(self, state: int, b: int) -> int:
+        key = state * 256 + b
+        nxt = self._steps.get(key)
+        if nxt is None:
+            rules = self.rules
+            moved = []
+            for st in self._sets[state]:
+                name, s = st[-1]
+                t = rules[name].rows[s][b]
+                if t:
+                    moved.append(st[:-1] + ((name, t),))
+            nxt = self._intern(self._closure(moved)) if moved else 0
+            self._steps[key] = nxt
+        return nxt
+
+    def step(self, state: int, data: bytes) -> int:
+        for b in data:
+            state = self.step_byte(state, b)
+            if not state:
+                return 0
+        return state
+
+    def is_accepting(self, state: int) -> bool:
+        return self._accepting[state]
+
+    def can_continue(self, state: int) -> bool:
+        return any(self.rules[st[-1][0]].has_bytes[st[-1][1]] for st in self._sets[state])
+
+    def token_mask(self, state: int, vocab) -> np.ndarray:
+        """Per distinct top frame, a vectorized walk inside its rule; the few tokens that leave the rule
+        part-way are checked with the full pushdown step."""
+        mask = np.zeros(vocab.size, dtype=bool)
+        slow = []
+        for name, s in {st[-1] for st in self._sets[state]}:
+            r = self.rules[name]
+            ok, maybe = vocab.frame_walk(r.flat, s, r.escapable)
+            mask[ok] = True
+            slow.append(maybe)
+        if slow:
+            tb = vocab.token_bytes
+            for tid in np.unique(np.concatenate(slow)).tolist():
+                if not mask[tid] and self.step(state, tb[tid]):
+                    mask[tid] = True
+        return mask
+
+    def trie_mask(self, state: int, vocab) -> np.ndarray:
+        """The same mask by walking the vocabulary trie byte by byte (the reference for token_mask)."""
+        return vocab.trie_mask(self.step_byte, state)
+
+
+# --- compilation -------------------------------------------------------------------------------------
+def _refs(node, out: set) -> set:
+    kind = node[0]
+    if kind == "ref":
+        out.add(node[1])
+    elif kind in ("seq", "alt"):
+        for n in node[1]:
+            _refs(n, out)
+    elif kind == "rep":
+        _refs(node[1], out)
+    elif kind == "list":
+        for n in node[1]:
+            _refs(n, out)
+        _refs(node[3], out)
+    return out
+
+
+def recursive_rules(rules: dict, root: str) -> set:
+    """Rules on a cycle of references reachable from ``root`` (Tarjan's SCCs, iteratively)."""
+    graph = {}
+    todo = [root]
+    while todo:
+        r = todo.pop()
+        if r in graph:
+            continue
+        if r not in rules:
+            raise GrammarError(f"undefined rule {r!r}")
+        graph[r] = sorted(_refs(rules[r], set()))
+        todo.extend(graph[r])
+    index, low, on, stack, out = {}, {}, set(), [], set()
+    counter = [0]
+    for v0 in graph:
+        if v0 in index:
+            continue
+        work = [(v0, 0)]
+        while work:
+            v, i = work.pop()
+            if i == 0:
+                index[v] = low[v] = counter[0]
+                counter[0] += 1
+                stack.append(v)
+                on.add(v)
+            recurse = False
+            for j in range(i, len(graph[v])):
+                w = graph[v][j]
+                if w not in index:
+                    work.append((v, j + 1))
+                    work.append((w, 0))
+                    recurse = True
+                    break
+                if w in on:
+                    low[v] = min(low[v], index[w])
+            if recurse:
+                continue
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1 or v in graph[v]:
+                    out.update(comp)
+            if work:
+                u = work[-1][0]
+                low[u] = min(low[u], low[v])
+    return out
+
+
+def compile_rules(rules: dict, root: str):
+    """IR rules -> `ByteDFA` (no recursion) or `PushdownMatcher`. A grammar whose automaton would be too
+    large (a big rule inlined at many places) is compiled as a pushdown matcher with every rule its own
+    small DFA instead."""
+    rec = recursive_rules(rules, root)
+    inline = set(rules) - rec
+    try:
+        if rec:
+            return _pushdown(rules, root, rec, inline)
+        nfa = _NFA(rules, inline)
+        s, f = nfa.new(), nfa.new()
+        nfa.build(rules[root], s, f)
+        table, cls, acc, _ = _determinize(nfa, s, f)
+    except _TooLarge:
+        return _pushdown(rules, root, reachable_rules(rules, root), set())
+    table, acc = _minimize(table, acc)
+    return ByteDFA(table[:, cls], acc)
+
+
+def reachable_rules(rules: dict, root: str) -> set:
+    seen, todo = set(), [root]
+    while todo:
+        r = todo.pop()
+        if r not in seen:
+            seen.add(r)
+            todo.extend(_refs(rules[r], set()))
+    return seen
+
+
+def _pushdown(rules, root, rec, inline):
+    names = set(rec) | {root}
+    dfas = {}
+    for name in names:
+        nfa = _NFA(rules, inline - {name})
+        s, f = nfa.new(), nfa.new()
+        nfa.build(rules[name], s, f)
+        table, cls, acc, calls = _determinize(nfa, s, f)
+        dfas[name] = _RuleDFA(table[:, cls], acc, calls)
+    _check_left_recursion(dfas)
+    return PushdownMatcher(dfas, root)
+
+
+def _check_left_recursion(dfas: dict) -> None:
+    """Refuse rules that can call themselves before reading a byte (the stack would grow forever)."""
+    nullable = {n: d.accepting[1] for n, d in dfas.items()}
+    changed = True
+    while changed:          # a rule is nullable if an accepting state is reachable through nullable calls
+        changed = False
+        for n, d in dfas.items():
+            if nullable[n]:
+                continue
+            seen, work = {1}, [1]
+            while work:
+                s = work.pop()
+                if d.accepting[s]:
+                    nullable[n] = changed = True
+                    break
+                for q, t in d.calls[s]:
+                    if nullable[q] and t not in seen:
+                        seen.add(t)
+                        work.append(t)
+    first: dict[str, set] = {}
+    for n, d in dfas.items():
+        seen, work, calls = {1}, [1], set()
+        while work:
+            s = work.pop()
+            for q, t in d.calls[s]:
+                calls.add(q)
+                if nullable[q] and t not in seen:
+                    seen.add(t)
+                    work.append(t)
+        first[n] = calls
+    for n in dfas:
+        seen, work = set(), list(first[n])
+        while work:
+            q = work.pop()
+            if q == n:
+                raise GrammarError(f"rule {n!r} is left-recursive (it can call itself before reading a byte)")
+            if q not in seen:
+                seen.add(q)
+                work.extend(first.get(q, ()))

@@ -1,0 +1,153 @@
+"""S15 the grammar IR: every input (regex, JSON Schema, choice, GBNF) becomes rules over *bytes*.
+
+A node is a plain tuple, so rules can be built, compared and hashed cheaply:
+
+    ("b", mask)                 one byte whose value is a set bit of the 256-bit int ``mask``
+    ("seq", (n1, n2, ...))      concatenation (the empty sequence matches the empty string)
+    ("alt", (n1, n2, ...))      alternation (the empty alternation matches nothing)
+    ("rep", node, lo, hi)       node repeated lo..hi times (hi None: unbounded)
+    ("ref", name)               the rule ``name`` of the grammar (may be recursive)
+    ("list", items, required, sep)
+                                the items in order, each present or (when not required) left out, with
+                                ``sep`` between consecutive present ones: JSON object members. Kept as one
+                                node because spelling it with seq/alt needs quadratic size.
+
+Text is matched as UTF-8: a character class (code point ranges) becomes an alternation of byte-range
+sequences (`char_class`), so a token may end in the middle of a character.
+"""
+from __future__ import annotations
+
+GrammarNode = tuple
+EMPTY: GrammarNode = ("seq", ())
+NOTHING: GrammarNode = ("alt", ())
+MAX_UNICODE = 0x10FFFF
+
+
+class GrammarError(ValueError):
+    """A grammar, schema or regex that cannot be compiled; the message names the construct (a JSON
+    Schema error names the keyword, in ``keyword``)."""
+
+    def __init__(self, message: str, keyword: str | None = None):
+        super().__init__(message)
+        self.keyword = keyword
+
+
+def byte_set(lo: int, hi: int) -> GrammarNode:
+    """One byte in [lo, hi]."""
+    return ("b", ((1 << (hi + 1)) - 1) ^ ((1 << lo) - 1))
+
+
+def seq(*nodes) -> GrammarNode:
+    out = []
+    for n in nodes:
+        if n[0] == "seq":
+            out.extend(n[1])
+        else:
+            out.append(n)
+    return out[0] if len(out) == 1 else ("seq", tuple(out))
+
+
+def alt(*nodes) -> GrammarNode:
+    out = []
+    for n in nodes:
+        items = n[1] if n[0] == "alt" else (n,)
+        for m in items:
+            if m not in out:
+                out.append(m)
+    return out[0] if len(out) == 1 else ("alt", tuple(out))
+
+
+def rep(node: GrammarNode, lo: int, hi: int | None) -> GrammarNode:
+    if hi is not None and hi < lo:
+        return NOTHING
+    if hi == 1 and lo == 1:
+        return node
+    return ("rep", node, lo, hi)
+
+
+def opt(node: GrammarNode) -> GrammarNode:
+    return rep(node, 0, 1)
+
+
+def literal(text: str | bytes) -> GrammarNode:
+    data = text.encode("utf-8") if isinstance(text, str) else text
+    return seq(*[("b", 1 << b) for b in data]) if data else EMPTY
+
+
+def ref(name: str) -> GrammarNode:
+    return ("ref", name)
+
+
+# --- code point ranges -> UTF-8 byte sequences ------------------------------------------------------
+def normalize_ranges(ranges) -> list[tuple[int, int]]:
+    """Sorted, merged, clipped to Unicode scalar values (no surrogates: UTF-8 cannot spell them)."""
+    out: list[list[int]] = []
+    for lo, hi in sorted(ranges):
+        lo, hi = max(lo, 0), min(hi, MAX_UNICODE)
+        if lo > hi:
+            continue
+        if out and lo <= out[-1][1] + 1:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    clipped = []
+    for lo, hi in out:          # drop the surrogate block D800..DFFF
+        if hi < 0xD800 or lo > 0xDFFF:
+            clipped.append((lo, hi))
+        else:
+            if lo < 0xD800:
+                clipped.append((lo, 0xD7FF))
+            if hi > 0xDFFF:
+                clipped.append((0xE000, hi))
+    return clipped
+
+
+def negate_ranges(ranges) -> list[tuple[int, int]]:
+    out, nxt = [], 0
+    for lo, hi in normalize_ranges(ranges):
+        if lo > nxt:
+            out.append((nxt, lo - 1))
+        nxt = hi + 1
+    if nxt <= MAX_UNICODE:
+        out.append((nxt, MAX_UNICODE))
+    return normalize_ranges(out)
+
+
+_UTF8_BOUNDS = ((0, 0x7F), (0x80, 0x7FF), (0x800, 0xFFFF), (0x10000, MAX_UNICODE))
+
+
+def _utf8_split(lo: int, hi: int, n: int, out: list) -> None:
+    """Split [lo, hi] (all of UTF-8 length n) until every byte position is a plain byte range."""
+    for i in range(1, n):
+        m = (1 << (6 * i)) - 1
+        if lo & ~m != hi & ~m:
+            if lo & m:
+                _utf8_split(lo, lo | m, n, out)
+                _utf8_split((lo | m) + 1, hi, n, out)
+                return
+            if hi & m != m:
+                _utf8_split(lo, (hi & ~m) - 1, n, out)
+                _utf8_split(hi & ~m, hi, n, out)
+                return
+    a, b = chr(lo).encode("utf-8"), chr(hi).encode("utf-8")
+    out.append(tuple(zip(a, b)))
+
+
+def char_class(ranges) -> GrammarNode:
+    """One character whose code point is in one of ``ranges`` [(lo, hi), ...], as UTF-8 bytes."""
+    seqs: list = []
+    for lo, hi in normalize_ranges(ranges):
+        for n, (blo, bhi) in enumerate(_UTF8_BOUNDS, start=1):
+            a, b = max(lo, blo), min(hi, bhi)
+            if a <= b:
+                _utf8_split(a, b, n, seqs)
+    # merge single-byte ranges into one byte set
+    single = 0
+    multi = []
+    for s in seqs:
+        if len(s) == 1:
+            single |= byte_set(*s[0])[1]
+        else:
+            multi.append(seq(*[byte_set(a, b) for a, b in s]))
+    parts = ([("b", single)] if single else []) + multi
+    return alt(*parts) if parts else NOTHING

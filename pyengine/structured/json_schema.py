@@ -1,0 +1,869 @@
+"""S15 JSON Schema -> byte-level grammar rules (compact JSON: no whitespace, properties in declared order).
+
+The compiler enforces a schema or refuses it: every validation keyword it meets is either compiled into
+the grammar or raises `GrammarError` naming the keyword (the server turns it into HTTP 400). Unknown
+keywords are annotations in JSON Schema (they never fail validation) and are ignored, like ``title``.
+
+Policy (the same as OpenAI's strict mode and XGrammar's default): an object admits only the properties its
+schema lists unless ``additionalProperties`` says otherwise; listed properties appear in declared order;
+integers are written without exponent or fraction; numbers with bounds without exponent.
+
+Covered: type (and unions), enum, const, properties / required / additionalProperties (false, true, schema),
+anyOf, oneOf (when the branches are provably exclusive), allOf (merged), local $ref (incl. recursion),
+items / prefixItems / additionalItems / minItems / maxItems, minLength / maxLength, pattern, format
+(date, time, date-time, uuid, email, ipv4, ipv6, uri), minimum / maximum / exclusiveMinimum /
+exclusiveMaximum (integer-valued bounds for numbers, any bounds for integers), min/maxProperties when
+they follow from the rest.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+from urllib.parse import unquote
+
+from . import ir
+from .ir import GrammarError, alt, literal, opt, ref, rep, seq
+from .regex import MAX_REPEAT, regex_to_ir
+
+ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
+               "readOnly", "writeOnly", "definitions", "$defs", "contentEncoding", "contentMediaType",
+               "$anchor", "$vocabulary", "discriminator", "nullable_annotation"}
+SUPPORTED = {"type", "enum", "const", "properties", "required", "additionalProperties", "anyOf", "oneOf",
+             "allOf", "$ref", "items", "prefixItems", "additionalItems", "minItems", "maxItems", "minLength",
+             "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+             "minProperties", "maxProperties", "uniqueItems", "patternProperties"}
+# Validation keywords of the JSON Schema vocabularies this compiler does not enforce: always an error.
+UNSUPPORTED = {"not", "if", "then", "else", "multipleOf", "propertyNames",
+               "dependencies", "dependentRequired", "dependentSchemas", "unevaluatedProperties",
+               "unevaluatedItems", "contains", "minContains", "maxContains", "$dynamicRef", "$recursiveRef",
+               "$dynamicAnchor", "$recursiveAnchor", "contentSchema", "extends", "disallow", "divisibleBy"}
+TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
+TYPE_KEYWORDS = {
+    "object": {"properties", "required", "additionalProperties", "minProperties", "maxProperties",
+               "patternProperties"},
+    "array": {"items", "prefixItems", "additionalItems", "minItems", "maxItems", "uniqueItems"},
+    "string": {"minLength", "maxLength", "pattern", "format"},
+    "number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"},
+}
+DIGITS = ir.byte_set(0x30, 0x39)
+DIGITS19 = ir.byte_set(0x31, 0x39)
+
+_H = "[0-9a-fA-F]"
+_PCHAR = r"(?:[A-Za-z0-9\-._~!$&'()*+,;=:@]|%" + _H + _H + ")"
+_REGNAME = r"(?:[A-Za-z0-9\-._~!$&'()*+,;=]|%" + _H + _H + ")"
+_DATE = (r"[0-9]{4}-(?:(?:0[1-9]|1[0-2])-(?:0[1-9]|1[0-9]|2[0-8])|(?:0[13-9]|1[0-2])-(?:29|30)"
+         r"|(?:0[13578]|1[02])-31)")
+_TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,9})?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+_H4 = _H + "{1,4}"
+FORMATS = {
+    "date": _DATE,
+    "time": _TIME,
+    "date-time": _DATE + "T" + _TIME,
+    "uuid": f"{_H}{{8}}-{_H}{{4}}-{_H}{{4}}-{_H}{{4}}-{_H}{{12}}",
+    "email": r"[A-Za-z0-9._%+\-]{1,64}@[A-Za-z0-9\-]{1,63}(?:\.[A-Za-z0-9\-]{1,63}){1,4}",
+    "ipv4": r"(?:(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\.){3}(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])",
+    "ipv6": "|".join([
+        f"(?:{_H4}:){{7}}{_H4}", f"(?:{_H4}:){{1,7}}:", f"(?:{_H4}:){{1,6}}:{_H4}",
+        f"(?:{_H4}:){{1,5}}(?::{_H4}){{1,2}}", f"(?:{_H4}:){{1,4}}(?::{_H4}){{1,3}}",
+        f"(?:{_H4}:){{1,3}}(?::{_H4}){{1,4}}", f"(?:{_H4}:){{1,2}}(?::{_H4}){{1,5}}",
+        f"{_H4}:(?::{_H4}){{1,6}}", f":(?:(?::{_H4}){{1,7}}|:)"]),
+    "uri": (r"[A-Za-z][A-Za-z0-9+.\-]*:(?://(?:(?:" + _REGNAME[3:-1] + r"|:)*@)?" + _REGNAME + r"*(?::[0-9]*)?"
+            r"(?:/" + _PCHAR + r"*)*|/(?:" + _PCHAR + r"+(?:/" + _PCHAR + r"*)*)?|" + _PCHAR + r"+(?:/" + _PCHAR
+            + r"*)*)?(?:\?(?:" + _PCHAR + r"|[/?])*)?(?:#(?:" + _PCHAR + r"|[/?])*)?"),
+}
+
+
+# --- JSON text pieces ------------------------------------------------------------------------------
+_SHORT = {0x22: '\\"', 0x5C: "\\\\", 0x08: "\\b", 0x0C: "\\f", 0x0A: "\\n", 0x0D: "\\r", 0x09: "\\t"}
+_HEX = alt(ir.byte_set(0x30, 0x39), ir.byte_set(0x41, 0x46), ir.byte_set(0x61, 0x66))
+
+
+def _char_forms(c: int) -> ir.GrammarNode:
+    """Every spelling of character c inside a JSON string that this grammar allows."""
+    forms = []
+    if c in _SHORT:
+        forms.append(literal(_SHORT[c]))
+    if c < 0x20:
+        hi, lo = divmod(c, 16)
+        hexlo = alt(*{literal(ch) for ch in {f"{lo:x}", f"{lo:X}"}})
+        forms.append(seq(literal(f"\\u00{hi}"), hexlo))
+    return alt(*forms)
+
+
+def json_char_class(ranges) -> ir.GrammarNode:
+    """One character of ``ranges`` as it may be written inside a JSON string: raw UTF-8, except ``"``,
+    backslash and control characters, which are escaped (short escapes or ``\\u00XX``)."""
+    ranges = ir.normalize_ranges(ranges)
+    special = [c for c in list(range(0x20)) + [0x22, 0x5C] if any(lo <= c <= hi for lo, hi in ranges)]
+    raw = ir.normalize_ranges([r for lo, hi in ranges for r in _minus_special(lo, hi)])
+    parts = [ir.char_class(raw)] if raw else []
+    controls = [c for c in special if c < 0x20]
+    if len(controls) == 0x20:               # all of them: one compact \u00XX form plus the short escapes
+        parts.append(seq(literal("\\u00"), ir.byte_set(0x30, 0x31), _HEX))
+        parts.extend(literal(_SHORT[c]) for c in special if c in _SHORT)
+    else:
+        parts.extend(_char_forms(c) for c in special)
+    return alt(*parts) if parts else ir.NOTHING
+
+
+def _minus_special(lo: int, hi: int):
+    lo = max(lo, 0x20)
+    for a, b in ((lo, min(hi, 0x21)), (max(lo, 0x23), min(hi, 0x5B)), (max(lo, 0x5D), hi)):
+        if a <= b:
+            yield a, b
+
+
+JSON_CHAR = json_char_class([(0, ir.MAX_UNICODE)])
+JSON_STRING = seq(literal('"'), rep(JSON_CHAR, 0, None), literal('"'))
+INT_PART = alt(literal("0"), seq(DIGITS19, rep(DIGITS, 0, None)))
+JSON_INTEGER = seq(opt(literal("-")), INT_PART)
+FRACTION = seq(literal("."), rep(DIGITS, 1, None))
+EXPONENT = seq(alt(literal("e"), literal("E")), opt(alt(literal("+"), literal("-"))), rep(DIGITS, 1, None))
+JSON_NUMBER = seq(JSON_INTEGER, opt(FRACTION), opt(EXPONENT))
+
+
+def dumps(value) -> str:
+    """The compact serialisation this grammar writes (and the tests feed back)."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+def any_json_rules(rules: dict) -> None:
+    """Rules for any JSON value (recursive): json:value, json:object, json:array."""
+    member = seq(JSON_STRING, literal(":"), ref("json:value"))
+    rules["json:object"] = seq(literal("{"), opt(seq(member, rep(seq(literal(","), member), 0, None))),
+                               literal("}"))
+    rules["json:array"] = seq(literal("["), opt(seq(ref("json:value"), rep(seq(literal(","), ref("json:value")),
+                                                                              0, None))), literal("]"))
+    rules["json:value"] = alt(ref("json:object"), ref("json:array"), JSON_STRING, JSON_NUMBER, literal("true"),
+                              literal("false"), literal("null"))
+
+
+# --- integer ranges as digit strings ---------------------------------------------------------------
+def _digits_range(lo: str, hi: str) -> ir.GrammarNode:
+    """Digit strings of equal length n with lo <= s <= hi (lexicographic = numeric at equal length)."""
+    if not lo:
+        return ir.EMPTY
+    if lo == hi:
+        return literal(lo)
+    a, b = int(lo[0]), int(hi[0])
+    rest_lo, rest_hi = lo[1:], hi[1:]
+    n = len(rest_lo)
+    if a == b:
+        return seq(literal(lo[0]), _digits_range(rest_lo, rest_hi))
+    parts = [seq(literal(lo[0]), _digits_range(rest_lo, "9" * n))]
+    if b - a > 1:
+        parts.append(seq(ir.byte_set(0x30 + a + 1, 0x30 + b - 1), rep(DIGITS, n, n)))
+    parts.append(seq(literal(hi[0]), _digits_range("0" * n, rest_hi)))
+    return alt(*parts)
+
+
+def nat_range(lo: int, hi: int | None) -> ir.GrammarNode:
+    """Decimal spellings (no leading zeros) of the naturals lo..hi (hi None: unbounded)."""
+    lo = max(lo, 0)
+    if hi is not None and hi < lo:
+        return ir.NOTHING
+    parts = []
+    if lo == 0:
+        parts.append(literal("0"))
+        lo = 1
+    if hi is not None and hi < lo:
+        return alt(*parts)
+    n = len(str(lo))
+    while hi is None or n <= len(str(hi)):
+        top = 10 ** n - 1
+        if hi is None and lo == 10 ** (n - 1):      # every n-digit number and longer
+            parts.append(seq(DIGITS19, rep(DIGITS, n - 1, None)))
+            break
+        end = top if hi is None else min(top, hi)
+        parts.append(_digits_range(str(lo), str(end)))
+        if end == hi:
+            break
+        lo, n = top + 1, n + 1
+    return alt(*parts)
+
+
+def int_range(lo: int | None, hi: int | None) -> ir.GrammarNode:
+    """Integers lo..hi (None: unbounded) in JSON, with no ``-0``."""
+    parts = []
+    if hi is None or hi >= 0:
+        parts.append(nat_range(max(lo, 0) if lo is not None else 0, hi))
+    if lo is None or lo < 0:
+        neg_hi = None if lo is None else -lo
+        neg_lo = 1 if hi is None or hi >= 0 else -hi
+        parts.append(seq(literal("-"), nat_range(neg_lo, neg_hi)))
+    return alt(*parts)
+
+
+def _fraction_kind(pred_lo, pred_hi, i: int) -> str:
+    """Combine 'any' / 'zero' / 'nonzero' / 'none' fraction constraints for integer part i."""
+    kinds = {pred_lo(i), pred_hi(i)}
+    if "none" in kinds or kinds == {"zero", "nonzero"}:
+        return "none"
+    kinds.discard("any")
+    return kinds.pop() if kinds else "any"
+
+
+_FRAC = {"any": opt(FRACTION), "zero": opt(seq(literal("."), rep(literal("0"), 1, None))),
+         "nonzero": seq(literal("."), rep(DIGITS, 0, None), DIGITS19, rep(DIGITS, 0, None))}
+
+
+def _magnitude(lo, lo_excl, hi, hi_excl) -> ir.GrammarNode:
+    """Non-negative decimals y = I.F (no exponent) with lo <(=) y <(=) hi; bounds are ints or None."""
+    def pred_lo(i):
+        if lo is None or i > lo:
+            return "any"
+        if i < lo:
+            return "none"
+        return "nonzero" if lo_excl else "any"
+
+    def pred_hi(i):
+        if hi is None or i < hi:
+            return "any"
+        if i > hi:
+            return "none"
+        return "none" if hi_excl else "zero"
+
+    points = sorted({p for p in (lo, hi) if p is not None and p >= 0})
+    segments = []            # (first, last or None) of integer parts with constant predicates
+    start = 0
+    for p in points:
+        if p > start:
+            segments.append((start, p - 1))
+        segments.append((p, p))
+        start = p + 1
+    segments.append((start, None))
+    parts = []
+    for a, b in segments:
+        kind = _fraction_kind(pred_lo, pred_hi, a)
+        if kind != "none":
+            parts.append(seq(nat_range(a, b), _FRAC[kind]))
+    return alt(*parts)
+
+
+def number_range(lo, lo_excl: bool, hi, hi_excl: bool) -> ir.GrammarNode:
+    """JSON numbers (no exponent) within integer-valued bounds; negative zero is never written."""
+    pos = _magnitude(None if lo is None or lo < 0 else lo, lo_excl, hi, hi_excl) \
+        if hi is None or hi >= 0 else ir.NOTHING
+    parts = [pos] if pos != ir.NOTHING else []
+    if lo is None or lo < 0:
+        # x = -y with y > 0 and -hi <(=) y <(=) -lo
+        nlo, nlo_excl = (0, True) if hi is None or hi >= 0 else (-hi, hi_excl)
+        neg = _magnitude(nlo, nlo_excl, None if lo is None else -lo, lo_excl)
+        if neg != ir.NOTHING:
+            parts.append(seq(literal("-"), neg))
+    return alt(*parts) if parts else ir.NOTHING
+
+
+# --- the compiler ----------------------------------------------------------------------------------
+def _types_of(value) -> set:
+    if value is None:
+        return {"null"}
+    if isinstance(value, bool):
+        return {"boolean"}
+    if isinstance(value, int):
+        return {"integer", "number"}
+    if isinstance(value, float):
+        return {"number", "integer"} if value.is_integer() else {"number"}
+    if isinstance(value, str):
+        return {"string"}
+    if isinstance(value, list):
+        return {"array"}
+    return {"object"}
+
+
+def _canon(value) -> str:
+    def norm(v):
+        if isinstance(v, bool) or v is None or isinstance(v, str):
+            return v
+        if isinstance(v, (int, float)):
+            return float(v)
+        if isinstance(v, list):
+            return [norm(x) for x in v]
+        return {k: norm(x) for k, x in v.items()}
+    return json.dumps(norm(value), sort_keys=True)
+
+
+class SchemaCompiler:
+    def __init__(self, schema):
+        if not isinstance(schema, (dict, bool)):
+            raise GrammarError(f"a JSON Schema must be an object or a boolean, got {type(schema).__name__}")
+        self.schema = schema
+        self.rules: dict[str, ir.GrammarNode] = {}
+
+    def compile(self) -> tuple[dict, str]:
+        root = self._ref_rule("#")
+        if self.rules[root] == ir.NOTHING:
+            raise GrammarError("the schema admits no value")
+        return self.rules, root
+
+    # $ref ------------------------------------------------------------------------------------------
+    def resolve(self, pointer: str):
+        if not isinstance(pointer, str):
+            raise GrammarError("$ref must be a string", "$ref")
+        if not pointer.startswith("#"):
+            raise GrammarError(f"$ref {pointer!r}: only local references (#/...) are supported", "$ref")
+        if pointer not in ("#", "#/") and not pointer.startswith("#/"):
+            raise GrammarError(f"$ref {pointer!r}: anchors are not supported, only JSON pointers", "$ref")
+        node = self.schema
+        for part in pointer[2:].split("/") if len(pointer) > 2 else []:
+            part = unquote(part).replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                raise GrammarError(f"$ref {pointer!r} does not resolve", "$ref")
+        return node
+
+    def _ref_rule(self, pointer: str) -> str:
+        name = "ref:" + pointer
+        if name not in self.rules:
+            self.rules[name] = ir.NOTHING              # placeholder: recursion refers to the name
+            self.rules[name] = self.node(self.resolve(pointer))
+        return name
+
+    def deref(self, s):
+        """A schema with a top-level $ref (and no siblings) replaced by its target, for merging."""
+        seen = 0
+        while isinstance(s, dict) and "$ref" in s:
+            target = self.resolve(s["$ref"])
+            rest = {k: v for k, v in s.items() if k != "$ref"}
+            s = merge_schemas(target, rest) if _validating(rest) else target
+            seen += 1
+            if seen > 32:
+                raise GrammarError("$ref chain too deep or cyclic", "$ref")
+        return s
+
+    # schemas ---------------------------------------------------------------------------------------
+    def node(self, s) -> ir.GrammarNode:
+        if s is True or s == {}:
+            any_json_rules(self.rules)
+            return ref("json:value")
+        if s is False:
+            return ir.NOTHING
+        if not isinstance(s, dict):
+            raise GrammarError(f"a subschema must be an object or a boolean, got {s!r}")
+        for k in s:
+            if k in UNSUPPORTED:
+                raise GrammarError(f"JSON Schema keyword {k!r} is not supported", k)
+        if "$ref" in s:
+            rest = {k: v for k, v in s.items() if k != "$ref"}
+            if not _validating(rest):
+                return ref(self._ref_rule(s["$ref"]))
+            return self.node(merge_schemas(self.deref({"$ref": s["$ref"]}), rest))
+        if "allOf" in s:
+            subs = s["allOf"]
+            if not isinstance(subs, list) or not subs:
+                raise GrammarError("allOf must be a non-empty array", "allOf")
+            merged = {k: v for k, v in s.items() if k != "allOf"}
+            for sub in subs:
+                merged = merge_schemas(merged, self.deref(sub))
+            return self.node(merged)
+        for key in ("anyOf", "oneOf"):
+            if key in s:
+                subs = s[key]
+                if not isinstance(subs, list) or not subs:
+                    raise GrammarError(f"{key} must be a non-empty array", key)
+                rest = {k: v for k, v in s.items() if k != key}
+                branches = [merge_schemas(rest, self.deref(b)) if _validating(rest) else self.deref(b)
+                            for b in subs]
+                if key == "oneOf":
+                    self._check_exclusive(branches)
+                return alt(*[self.node(b) for b in branches])
+        if "enum" in s or "const" in s:
+            return self._enum(s)
+        types = self._types(s)
+        return alt(*[self._typed(t, s) for t in types])
+
+    def _types(self, s) -> list[str]:
+        t = s.get("type")
+        if t is None:
+            found = [name for name, kws in TYPE_KEYWORDS.items() if kws & set(s)]
+            if not found:
+                return list(TYPES)
+            if "number" in found:
+                found.append("integer")
+            return found
+        ts = [t] if isinstance(t, str) else t
+        if not isinstance(ts, list) or not all(x in TYPES for x in ts):
+            raise GrammarError(f"type must be one of {TYPES} or a list of them, got {t!r}", "type")
+        if "number" in ts and "integer" in ts:
+            ts = [x for x in ts if x != "integer"]
+        return list(dict.fromkeys(ts))
+
+    def _enum(self, s) -> ir.GrammarNode:
+        values = s["enum"] if "enum" in s else [s["const"]]
+        if "enum" in s and "const" in s:
+            values = [v for v in values if _canon(v) == _canon(s["const"])]
+        if not isinstance(values, list):
+            raise GrammarError("enum must be an array", "enum")
+        extra = [k for k in s if k in SUPPORTED and k not in ("enum", "const", "type")]
+        if extra:
+            raise GrammarError(f"enum/const combined with {extra[0]!r} is not supported", extra[0])
+        if "type" in s:
+            allowed = set(self._types(s)) | ({"integer"} if "number" in self._types(s) else set())
+            values = [v for v in values if _types_of(v) & allowed and
+                      not (isinstance(v, float) and not v.is_integer() and allowed == {"integer"})]
+        for v in values:
+            if isinstance(v, float) and not math.isfinite(v):
+                raise GrammarError("enum/const values must be finite numbers", "enum")
+        return alt(*[literal(dumps(v)) for v in values]) if values else ir.NOTHING
+
+    def _check_exclusive(self, branches) -> None:
+        info = [(self._branch_types(b), self._branch_values(b), self._discriminators(b), self._closed(b))
+                for b in branches]
+        for i in range(len(info)):
+            for j in range(i + 1, len(info)):
+                (ti, vi, di, ci), (tj, vj, dj, cj) = info[i], info[j]
+                if not ti & tj:
+                    continue
+                if vi is not None and vj is not None and not vi & vj:
+                    continue
+                if any(k in dj and not di[k] & dj[k] for k in di):
+                    continue
+                if ti & tj == {"object"} and ci and cj and \
+                        ((ci[1] - cj[0] and cj[2]) or (cj[1] - ci[0] and ci[2])):
+                    continue        # a property one branch requires, the other (closed) forbids
+                raise GrammarError("oneOf: branches are not provably mutually exclusive (anyOf would accept "
+                                   "values matching several)", "oneOf")
+
+    def _branch_types(self, b) -> set:
+        b = self.deref(b)
+        if b is True or not isinstance(b, dict):
+            return set(TYPES) if b is not False else set()
+        if "enum" in b or "const" in b:
+            vals = b.get("enum", [b.get("const")])
+            out = set()
+            for v in vals:
+                out |= _types_of(v)
+            return out
+        for key in ("anyOf", "oneOf"):
+            if key in b and isinstance(b[key], list):
+                out = set()
+                for sub in b[key]:
+                    out |= self._branch_types(sub)
+                return out
+        ts = set(self._types(b))
+        if "number" in ts:
+            ts.add("integer")
+        if "integer" in ts:
+            ts.add("number")
+        return ts
+
+    def _branch_values(self, b):
+        b = self.deref(b)
+        if isinstance(b, dict) and ("enum" in b or "const" in b):
+            return {_canon(v) for v in b.get("enum", [b.get("const")])}
+        return None
+
+    def _closed(self, b):
+        """(listed properties, required properties, closed?) of an object branch, closed meaning the
+        schema itself says additionalProperties: false; None if not a plain object schema."""
+        b = self.deref(b)
+        if not isinstance(b, dict) or any(k in b for k in ("anyOf", "oneOf", "allOf", "patternProperties")):
+            return None
+        props = set(b.get("properties", {}))
+        return props, set(b.get("required", [])), b.get("additionalProperties") is False
+
+    def _discriminators(self, b) -> dict:
+        """Required properties whose value is fixed by enum/const: {name: canonical values}."""
+        b = self.deref(b)
+        out = {}
+        if isinstance(b, dict):
+            props = b.get("properties", {})
+            for k in b.get("required", []):
+                sub = self.deref(props.get(k, True))
+                if isinstance(sub, dict) and ("enum" in sub or "const" in sub):
+                    out[k] = {_canon(v) for v in sub.get("enum", [sub.get("const")])}
+        return out
+
+    # one JSON type ---------------------------------------------------------------------------------
+    def _typed(self, t: str, s: dict) -> ir.GrammarNode:
+        if t == "null":
+            return literal("null")
+        if t == "boolean":
+            return alt(literal("true"), literal("false"))
+        if t == "string":
+            return self._string(s)
+        if t in ("integer", "number"):
+            return self._number(s, t == "integer")
+        if t == "array":
+            return self._array(s)
+        return self._object(s)
+
+    def _string(self, s) -> ir.GrammarNode:
+        lo = _count(s, "minLength", 0)
+        hi = _count(s, "maxLength", None)
+        fmt, pattern = s.get("format"), s.get("pattern")
+        if fmt is not None and fmt not in FORMATS:
+            raise GrammarError(f"format {fmt!r} is not supported (supported: {', '.join(FORMATS)})", "format")
+        regexes = [(r, False) for r in ([FORMATS[fmt]] if fmt else [])]
+        if pattern is not None:
+            if not isinstance(pattern, str):
+                raise GrammarError("pattern must be a string", "pattern")
+            regexes.append((pattern, True))
+        if regexes:
+            if len(regexes) > 1:
+                raise GrammarError("pattern combined with format is not supported", "pattern")
+            if lo or hi is not None:
+                raise GrammarError(f"{'pattern' if pattern is not None else 'format'} combined with "
+                                   "minLength/maxLength is not supported", "minLength" if lo else "maxLength")
+            try:
+                body = regex_to_ir(regexes[0][0], json_char_class, search=regexes[0][1])
+            except GrammarError as e:
+                raise GrammarError(f"pattern: {e}", "pattern") from None
+            return seq(literal('"'), body, literal('"'))
+        if hi is not None and hi > MAX_REPEAT:
+            raise GrammarError(f"maxLength above {MAX_REPEAT} is not supported", "maxLength")
+        if lo > MAX_REPEAT:
+            raise GrammarError(f"minLength above {MAX_REPEAT} is not supported", "minLength")
+        return seq(literal('"'), rep(JSON_CHAR, lo, hi), literal('"'))
+
+    def _number(self, s, integer: bool) -> ir.GrammarNode:
+        lo, lo_excl = _bound(s, "minimum", "exclusiveMinimum", lower=True)
+        hi, hi_excl = _bound(s, "maximum", "exclusiveMaximum", lower=False)
+        if lo is None and hi is None:
+            return JSON_INTEGER if integer else JSON_NUMBER
+        if integer:
+            ilo = None if lo is None else (math.floor(lo) + 1 if lo_excl and float(lo).is_integer()
+                                           else math.ceil(lo))
+            ihi = None if hi is None else (math.ceil(hi) - 1 if hi_excl and float(hi).is_integer()
+                                           else math.floor(hi))
+            return int_range(ilo, ihi)
+        for name, v in (("minimum", lo), ("maximum", hi)):
+            if v is not None and not float(v).is_integer():
+                raise GrammarError(f"{name}: non-integer bounds on numbers are not supported ({v})", name)
+        return number_range(None if lo is None else int(lo), lo_excl, None if hi is None else int(hi), hi_excl)
+
+    def _array(self, s) -> ir.GrammarNode:
+        lo = _count(s, "minItems", 0)
+        hi = _count(s, "maxItems", None)
+        prefix = s.get("prefixItems")
+        if s.get("uniqueItems") is True and (hi is None or hi > 1):
+            unique = self._unique_array(s, lo, hi)
+            if unique is not None:
+                return unique
+        items = s.get("items", True)
+        if isinstance(items, list):              # draft 4-7 tuple form
+            if prefix is not None:
+                raise GrammarError("items as an array together with prefixItems", "items")
+            prefix, items = items, s.get("additionalItems", True)
+        elif "additionalItems" in s and prefix is None:
+            pass                                 # additionalItems without a tuple has no effect
+        prefix = prefix or []
+        if not isinstance(prefix, list):
+            raise GrammarError("prefixItems must be an array", "prefixItems")
+        comma = literal(",")
+        p_nodes = [self.node(p) for p in prefix]
+        k = len(p_nodes)
+        options = []
+        for m in range(0, k):                    # shorter than the prefix: its first m items
+            if lo <= m and (hi is None or m <= hi):
+                options.append(_joined(p_nodes[:m], comma))
+        if hi is None or hi >= k:                # the whole prefix, then r more items
+            rest = self.node(items) if items is not False else ir.NOTHING
+            rlo, rhi = max(lo - k, 0), None if hi is None else hi - k
+            for name, v in (("minItems", rlo), ("maxItems", rhi or 0)):
+                if v > MAX_REPEAT:
+                    raise GrammarError(f"{name} above {MAX_REPEAT} is not supported", name)
+            if rest == ir.NOTHING or rhi == 0:
+                if rlo == 0:
+                    options.append(_joined(p_nodes, comma))
+            elif k == 0:
+                body = seq(rest, rep(seq(comma, rest), max(rlo - 1, 0), None if rhi is None else rhi - 1))
+                options.append(opt(body) if rlo == 0 else body)
+            else:
+                options.append(seq(_joined(p_nodes, comma), rep(seq(comma, rest), rlo, rhi)))
+        return seq(literal("["), alt(*options) if options else ir.NOTHING, literal("]"))
+
+    def _pattern_member(self, s, names, addl):
+        """``"key":value`` members for patternProperties, or None. Enforced when every pattern shares one
+        schema, no listed property matches a pattern (its value would have to satisfy both) and
+        additionalProperties is false or absent (keys outside the patterns are then not written)."""
+        pp = s.get("patternProperties")
+        if not pp:
+            return None
+        import re
+        if not isinstance(pp, dict):
+            raise GrammarError("patternProperties must be an object", "patternProperties")
+        if addl is not False:
+            raise GrammarError("patternProperties together with additionalProperties is not supported",
+                               "patternProperties")
+        schemas = list(pp.values())
+        if any(_canon(x) != _canon(schemas[0]) for x in schemas[1:]):
+            raise GrammarError("patternProperties with different schemas per pattern is not supported",
+                               "patternProperties")
+        keys = []
+        for pattern in pp:
+            try:
+                rx = re.compile(pattern)
+            except re.error as e:
+                raise GrammarError(f"patternProperties: bad pattern {pattern!r}: {e}", "patternProperties") from None
+            if any(rx.search(n) for n in names):
+                raise GrammarError(f"patternProperties: pattern {pattern!r} matches a listed property",
+                                   "patternProperties")
+            try:
+                keys.append(regex_to_ir(pattern, json_char_class, search=True))
+            except GrammarError as e:
+                raise GrammarError(f"patternProperties: {e}", "patternProperties") from None
+        value = self.node(schemas[0])
+        if value == ir.NOTHING:
+            return None
+        return seq(literal('"'), alt(*keys), literal('"'), literal(":"), value)
+
+    def _unique_array(self, s, lo, hi):
+        """uniqueItems: items from a finite enum are written as distinct values in declared order (a
+        `list` of optional items); any other array with uniqueItems holds at most one item."""
+        items = self.deref(s.get("items", True))
+        if s.get("prefixItems") or isinstance(items, list):
+            raise GrammarError("uniqueItems with tuple items is not supported", "uniqueItems")
+        values = None
+        if isinstance(items, dict) and ("enum" in items or "const" in items) and \
+                not [k for k in items if k in SUPPORTED and k not in ("enum", "const", "type")]:
+            values = list({_canon(v): v for v in (items["enum"] if "enum" in items else [items["const"]])}.values())
+        if values is None or len(values) > 64:
+            if lo > 1:
+                raise GrammarError("uniqueItems with minItems above 1 is only supported for enum items",
+                                   "uniqueItems")
+            return self._array({**{k: v for k, v in s.items() if k != "uniqueItems"}, "maxItems": 1})
+        nodes = [self._enum({**items, "enum": [v]}) for v in values]
+        nodes = [n for n in nodes if n != ir.NOTHING]
+        if lo > len(nodes):
+            return ir.NOTHING
+        if (hi is not None and hi < len(nodes)) or lo > 1:
+            raise GrammarError("uniqueItems over enum items with these minItems/maxItems is not supported",
+                               "uniqueItems")
+        if lo == 0:
+            return seq(literal("["), ("list", tuple(nodes), (False,) * len(nodes), literal(",")), literal("]"))
+        firsts = [seq(nodes[i], *[opt(seq(literal(","), n)) for n in nodes[i + 1:]]) for i in range(len(nodes))]
+        return seq(literal("["), alt(*firsts), literal("]"))
+
+    def _object(self, s) -> ir.GrammarNode:
+        props = s.get("properties", {})
+        if not isinstance(props, dict):
+            raise GrammarError("properties must be an object", "properties")
+        required = s.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise GrammarError("required must be an array of strings", "required")
+        addl = s.get("additionalProperties", False)      # policy: unlisted properties are not written
+        names = list(props)
+        for r in required:
+            if r not in props:
+                if addl is False:
+                    raise GrammarError(f"required property {r!r} is not in properties and additionalProperties "
+                                       "is false", "required")
+                names.append(r)
+        members, flags = [], []
+        for name in names:
+            sub = props.get(name, addl)
+            value = self.node(sub)
+            if value == ir.NOTHING:
+                if name in required:
+                    return ir.NOTHING
+                continue
+            members.append(seq(literal(dumps(name)), literal(":"), value))
+            flags.append(name in required)
+        n_extra_max = None
+        pattern_member = self._pattern_member(s, names, addl)
+        if pattern_member is not None:
+            members.append(seq(pattern_member, rep(seq(literal(","), pattern_member), 0, None)))
+            flags.append(False)
+            n_extra_max = None
+        elif addl is not False:
+            value = self.node(addl)
+            if value != ir.NOTHING:
+                extra = seq(_string_not_in(names), literal(":"), value)
+                members.append(seq(extra, rep(seq(literal(","), extra), 0, None)))
+                flags.append(False)
+            else:
+                n_extra_max = 0
+        else:
+            n_extra_max = 0
+        n_req = sum(flags)
+        lo_p = _count(s, "minProperties", 0)
+        hi_p = _count(s, "maxProperties", None)
+        if lo_p > n_req:
+            raise GrammarError("minProperties above the number of required properties is not supported",
+                               "minProperties")
+        if hi_p is not None and (n_extra_max is None or hi_p < len(members)):
+            raise GrammarError("maxProperties below the number of possible properties is not supported",
+                               "maxProperties")
+        return seq(literal("{"), ("list", tuple(members), tuple(flags), literal(",")), literal("}"))
+
+
+def _joined(nodes, sep) -> ir.GrammarNode:
+    out = []
+    for i, n in enumerate(nodes):
+        if i:
+            out.append(sep)
+        out.append(n)
+    return seq(*out) if out else ir.EMPTY
+
+
+def _string_not_in(names) -> ir.GrammarNode:
+    """A JSON string literal spelling none of ``names`` (a trie over their characters)."""
+    trie: dict = {}
+    for name in names:
+        node = trie
+        for ch in name:
+            node = node.setdefault(ch, {})
+        node[None] = True
+
+    any_tail = seq(rep(JSON_CHAR, 0, None), literal('"'))
+
+    def rest(node) -> ir.GrammarNode:
+        kids = sorted(c for c in node if c is not None)
+        parts = [] if None in node else [literal('"')]
+        others = json_char_class(ir.negate_ranges([(ord(c), ord(c)) for c in kids]))
+        parts.append(seq(others, any_tail))
+        for c in kids:
+            parts.append(seq(json_char_class([(ord(c), ord(c))]), rest(node[c])))
+        return alt(*parts)
+
+    return seq(literal('"'), rest(trie))
+
+
+def _count(s, key, default):
+    v = s.get(key, default)
+    if v is default:
+        return v
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise GrammarError(f"{key} must be a non-negative integer, got {v!r}", key)
+    return v
+
+
+def _bound(s, inclusive: str, exclusive: str, lower: bool):
+    """(value, exclusive?) of the tighter of the two bound keywords (draft 4 boolean form too)."""
+    best = None
+    v = s.get(inclusive)
+    ex = s.get(exclusive)
+    for key, val in ((inclusive, v), (exclusive, ex)):
+        if val is not None and not isinstance(val, bool) and not isinstance(val, (int, float)):
+            raise GrammarError(f"{key} must be a number", key)
+    if v is not None:
+        best = (v, ex is True)
+    if ex is not None and not isinstance(ex, bool):
+        if best is None or (ex >= best[0] if lower else ex <= best[0]):
+            best = (ex, True)
+    if best is not None and not math.isfinite(best[0]):
+        raise GrammarError(f"{inclusive} must be finite", inclusive)
+    return best if best is not None else (None, False)
+
+
+def _validating(s: dict) -> bool:
+    return any(k not in ANNOTATIONS for k in s) if isinstance(s, dict) else True
+
+
+def merge_schemas(a, b):
+    """A schema equivalent to allOf [a, b] (both without $ref at the top), or GrammarError."""
+    if a is False or b is False:
+        return False
+    if a is True or a == {}:
+        return copy.deepcopy(b) if isinstance(b, dict) else b
+    if b is True or b == {}:
+        return copy.deepcopy(a)
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        raise GrammarError("allOf: subschemas must be objects or booleans", "allOf")
+    for s in (a, b):
+        for k in s:
+            if k in UNSUPPORTED:
+                raise GrammarError(f"JSON Schema keyword {k!r} is not supported", k)
+        for k in ("$ref", "anyOf", "oneOf", "allOf"):
+            if k in s and k in a and k in b and a[k] != b[k]:
+                raise GrammarError(f"allOf: cannot combine two different {k!r}", k)
+    out = dict(a)
+    if any(k in a or k in b for k in TYPE_KEYWORDS["object"]):
+        out.update(_merge_objects(a, b))
+    for k, v in b.items():
+        if k in TYPE_KEYWORDS["object"]:
+            continue
+        if k not in out:
+            out[k] = v
+        elif k in ANNOTATIONS or out[k] == v or (k not in SUPPORTED and k not in UNSUPPORTED):
+            continue                             # annotations (known or unknown keywords): keep the first
+        elif k == "type":
+            ta, tb = set(_as_list(out[k])), set(_as_list(v))
+            both = (ta | ({"integer"} if "number" in ta else set())) & (tb | ({"integer"} if "number" in tb else set()))
+            if "number" in both:
+                both.discard("integer")
+            if not both:
+                return False
+            out[k] = sorted(both)
+        elif k in ("minimum", "minLength", "minItems"):
+            out[k] = max(out[k], v)
+        elif k in ("maximum", "maxLength", "maxItems"):
+            out[k] = min(out[k], v)
+        elif k in ("exclusiveMinimum", "exclusiveMaximum") and not isinstance(v, bool) \
+                and not isinstance(out[k], bool):
+            out[k] = max(out[k], v) if k == "exclusiveMinimum" else min(out[k], v)
+        elif k == "items" and isinstance(v, dict) and isinstance(out[k], dict):
+            out[k] = {"allOf": [out[k], v]}
+        elif k == "enum":
+            keep = {_canon(x) for x in v}
+            out[k] = [x for x in out[k] if _canon(x) in keep]
+        else:
+            raise GrammarError(f"allOf: cannot combine two different values of {k!r}", k)
+    return out
+
+
+def _as_list(t):
+    return [t] if isinstance(t, str) else list(t)
+
+
+def _merge_objects(a, b) -> dict:
+    """properties / required / additionalProperties of allOf [a, b]: a property unlisted by one side is
+    checked by that side's additionalProperties (false forbids it)."""
+    out = {}
+    pa, pb = a.get("properties", {}), b.get("properties", {})
+    aa, ab = a.get("additionalProperties"), b.get("additionalProperties")
+    props = {}
+    for name in list(pa) + [n for n in pb if n not in pa]:
+        sa = pa.get(name, True if aa is None else aa)
+        sb = pb.get(name, True if ab is None else ab)
+        if sa is False or sb is False:
+            continue
+        props[name] = sb if sa is True else sa if sb is True else {"allOf": [sa, sb]}
+    required = list(dict.fromkeys(list(a.get("required", [])) + list(b.get("required", []))))
+    if any(r not in props and (r in pa or r in pb) for r in required):
+        props = dict(props)
+        # a required property forbidden by one side: no value satisfies both
+        return {"properties": props, "required": required, "additionalProperties": False,
+                "minProperties": len(props) + 1}
+    if props or "properties" in a or "properties" in b:
+        out["properties"] = props
+    if required:
+        out["required"] = required
+    if aa is not None or ab is not None:
+        if aa is False or ab is False:
+            out["additionalProperties"] = False
+        elif aa is None or aa is True:
+            out["additionalProperties"] = ab
+        elif ab is None or ab is True:
+            out["additionalProperties"] = aa
+        else:
+            out["additionalProperties"] = {"allOf": [aa, ab]}
+    for k in ("minProperties", "maxProperties"):
+        vals = [s[k] for s in (a, b) if k in s]
+        if vals:
+            out[k] = max(vals) if k == "minProperties" else min(vals)
+    return out
+
+
+def compile_json_schema(schema) -> tuple[dict, str]:
+    """Schema (dict, bool or JSON text) -> (rules, root rule name)."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
+    return SchemaCompiler(schema).compile()
+
+
+def json_object_rules() -> tuple[dict, str]:
+    """OpenAI's ``{"type": "json_object"}``: any JSON object."""
+    rules: dict = {}
+    any_json_rules(rules)
+    return rules, "json:object"

@@ -1,0 +1,187 @@
+"""S15 the four verbs of a grammar-constrained decoder: compile, allowed-token mask, advance, is_complete.
+
+    grammar = compile_grammar(("json", schema), vocab)    # cached by (kind, spec, vocabulary)
+    m = GrammarMatcher(grammar)
+    logits = m.mask_logits(logits)                        # -inf on every token the grammar forbids
+    m.advance(token_id)                                   # False if the token was not allowed
+    m.is_complete()                                       # the output so far is a whole sentence
+
+EOS (any of the vocabulary's stop ids) is allowed exactly when the output so far is complete; when the
+grammar allows nothing more, EOS is the only token left. Masks are cached per automaton state as packed
+bits, so a state seen before costs an unpack, not a walk over the vocabulary.
+"""
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+
+import numpy as np
+
+from . import ir
+from .automaton import compile_rules
+from .gbnf import parse_gbnf
+from .ir import GrammarError
+from .json_schema import compile_json_schema, dumps, json_object_rules
+from .regex import regex_to_ir
+from .vocab import TokenVocabulary
+
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+COMPILE_CACHE_SIZE = 64
+MASK_CACHE_STATES = 8192        # packed masks kept per grammar (49152 tokens -> 6 KiB each)
+RECENT_STATES = 32              # unpacked (48 KiB each): a JSON string's states repeat token after token
+
+
+def grammar_rules(kind: str, spec) -> tuple[dict, str]:
+    """(rules, root) of one structured-output request."""
+    if kind == "json":
+        return compile_json_schema(spec)
+    if kind == "json_object":
+        return json_object_rules()
+    if kind == "regex":
+        return {"root": regex_to_ir(spec)}, "root"
+    if kind == "choice":
+        if not isinstance(spec, (list, tuple)) or not spec or not all(isinstance(c, str) for c in spec):
+            raise GrammarError("choice must be a non-empty list of strings")
+        return {"root": ir.alt(*[ir.literal(c) for c in spec])}, "root"
+    if kind == "grammar":
+        return parse_gbnf(spec)
+    raise GrammarError(f"unknown structured output kind {kind!r} (one of {', '.join(KINDS)})")
+
+
+def spec_key(kind: str, spec) -> str:
+    return kind + ":" + (spec if isinstance(spec, str) else json.dumps(spec, sort_keys=True))
+
+
+class CompiledGrammar:
+    """An automaton bound to a vocabulary, with the per-state mask cache."""
+
+    def __init__(self, automaton, vocab: TokenVocabulary):
+        self.automaton = automaton
+        self.vocab = vocab
+        self._masks: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._recent: OrderedDict[int, np.ndarray] = OrderedDict()   # unpacked masks of recent states
+        self._eos = np.asarray(vocab.eos_token_ids, dtype=np.int64)
+
+    @property
+    def kind(self) -> str:
+        return self.automaton.kind
+
+    def token_mask(self, state: int) -> np.ndarray:
+        """Bool (vocab.size,): tokens whose bytes the grammar accepts from ``state`` (EOS excluded)."""
+        packed = self._masks.get(state)
+        if packed is None:
+            mask = self.automaton.token_mask(state, self.vocab)
+            self._masks[state] = np.packbits(mask)
+            if len(self._masks) > MASK_CACHE_STATES:
+                self._masks.popitem(last=False)
+            return mask
+        self._masks.move_to_end(state)
+        return np.unpackbits(packed, count=self.vocab.size).view(bool)
+
+    def allowed(self, state: int) -> np.ndarray:
+        """Bool (vocab.size,): the grammar's tokens plus EOS when the output can end here (read-only;
+        the last RECENT_STATES states keep theirs unpacked)."""
+        mask = self._recent.get(state)
+        if mask is not None:
+            self._recent.move_to_end(state)
+            return mask
+        mask = self.token_mask(state)
+        if self.automaton.is_accepting(state) or not mask.any():
+            mask = mask.copy()
+            mask[self._eos[self._eos < len(mask)]] = True
+        mask.flags.writeable = False
+        self._recent[state] = mask
+        if len(self._recent) > RECENT_STATES:
+            self._recent.popitem(last=False)
+        return mask
+
+
+_cache: OrderedDict = OrderedDict()
+
+
+def compile_grammar(request, vocab: TokenVocabulary) -> CompiledGrammar:
+    """``request`` is (kind, spec). Compiled automata are cached by (kind, spec, vocabulary)."""
+    kind, spec = request
+    key = (spec_key(kind, spec), vocab.key)
+    hit = _cache.get(key)
+    if hit is not None:
+        _cache.move_to_end(key)
+        return hit
+    rules, root = grammar_rules(kind, spec)
+    compiled = CompiledGrammar(compile_rules(rules, root), vocab)
+    _cache[key] = compiled
+    if len(_cache) > COMPILE_CACHE_SIZE:
+        _cache.popitem(last=False)
+    return compiled
+
+
+class GrammarMatcher:
+    """The grammar state of one generated sequence (each of a request's n sequences has its own)."""
+
+    def __init__(self, grammar: CompiledGrammar):
+        self.grammar = grammar
+        self.state = grammar.automaton.initial()
+        self.history: list[int] = []          # states before each accepted token (for rollback)
+        self.terminated = False               # EOS accepted
+
+    def allowed_mask(self) -> np.ndarray:
+        if self.terminated:
+            mask = np.zeros(self.grammar.vocab.size, dtype=bool)
+            mask[self.grammar._eos] = True
+            return mask
+        return self.grammar.allowed(self.state)
+
+    def mask_logits(self, logits: np.ndarray) -> np.ndarray:
+        """A copy of one logits row with -inf on the forbidden tokens."""
+        from pyengine.layers.sampler import apply_allowed_mask
+        return apply_allowed_mask(logits, self.allowed_mask())
+
+    def advance(self, token_id: int) -> bool:
+        """Consume a token; False (state unchanged) if the grammar does not allow it."""
+        token_id = int(token_id)
+        if token_id in self.grammar.vocab.eos_token_ids:
+            if self.is_complete() or not self.grammar.token_mask(self.state).any():
+                self.history.append(self.state)
+                self.terminated = True
+                return True
+            return False
+        if self.terminated:
+            return False
+        data = self.grammar.vocab.token_bytes[token_id] if token_id < len(self.grammar.vocab.token_bytes) else None
+        return data is not None and self.advance_bytes(data)
+
+    def accept_draft(self, token_ids) -> int:
+        """Advance through a speculative draft as far as the grammar allows; returns how many tokens were
+        accepted (the rest must be discarded; `rollback` undoes accepted ones the model then rejects)."""
+        n = 0
+        for t in token_ids:
+            if not self.advance(t):
+                break
+            n += 1
+        return n
+
+    def advance_bytes(self, data: bytes) -> bool:
+        nxt = self.grammar.automaton.step(self.state, data)
+        if not nxt:
+            return False
+        self.history.append(self.state)
+        self.state = nxt
+        return True
+
+    def rollback(self, n: int = 1) -> None:
+        """Undo the last n accepted tokens (speculative drafts that were rejected)."""
+        if n > len(self.history):
+            raise ValueError(f"cannot roll back {n} tokens, only {len(self.history)} accepted")
+        for _ in range(n):
+            self.state = self.history.pop()
+        self.terminated = False
+
+    def is_complete(self) -> bool:
+        return self.terminated or self.grammar.automaton.is_accepting(self.state)
+
+    def can_continue(self) -> bool:
+        return not self.terminated and self.grammar.automaton.can_continue(self.state)
+
+
+__all__ = ["CompiledGrammar", "GrammarMatcher", "GrammarError", "TokenVocabulary", "compile_grammar",
+           "grammar_rules", "dumps", "KINDS"]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pyengine.structured import GrammarError, GrammarMatcher, compile_grammar
-from tests.structured_support import accepts_text, sample_random_model, vocab
+from structured_support import accepts_text, sample_random_model, vocab
 
 ARITH = r"""
 # integer arithmetic with precedence

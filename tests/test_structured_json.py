@@ -9,7 +9,7 @@ import pytest
 
 from pyengine.structured import GrammarError, compile_grammar
 from pyengine.structured.json_schema import SchemaCompiler, dumps
-from tests.structured_support import (FEATURE_SCHEMAS, accepts_text, default_validator, sample_random_model,
+from structured_support import (FEATURE_SCHEMAS, accepts_text, default_validator, sample_random_model,
                                       serialize, store_schemas, strict, suite_cases, vocab)
 
 
@@ -156,7 +156,7 @@ def test_completeness_hypothesis_instances(compiled):
 
 
 def _tokenizable(text: str) -> bool:
-    from tests.structured_support import tokenizer
+    from structured_support import tokenizer
     tok = tokenizer()
     return tok.decode(tok.encode(text)) == text
 

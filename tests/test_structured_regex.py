@@ -7,7 +7,7 @@ import pytest
 
 from pyengine.structured import GrammarError, GrammarMatcher, compile_grammar
 from pyengine.structured.regex import unicode_class
-from tests.structured_support import accepts_text, sample_random_model, tokenizer, vocab
+from structured_support import accepts_text, sample_random_model, tokenizer, vocab
 
 PATTERNS = [r"\d{3}-\d{4}", r"[a-z]+@[a-z]+\.(com|org)", r"(ab|cd)*e?", r"[^0-9\n]{2,5}", r"a{2,}b{0,3}",
             r"(?:yes|no|maybe)", r"\w+\s\w+", r"[A-F0-9]{4}(:[A-F0-9]{4}){0,3}", r"-?(0|[1-9][0-9]*)(\.[0-9]+)?",

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 VOCAB = 49152                 # SmolLM2's tokenizer
-COMMON = dict(d=64, heads=4, kv_heads=2, layers=3, experts=8, used=2, expert_ffn=64, ctx=512, eps=1e-6)
+COMMON = dict(d=64, heads=4, kv_heads=2, layers=3, experts=8, used=2, expert_ffn=64, ctx=4096, eps=1e-6)
 # variant -> GGUF architecture, its own shape and options
 VARIANTS = {
     "qwen3moe": dict(arch="qwen3moe", head_dim=32, ffn=128, theta=1e6, tied=True, qk_norm=True, norm=True),

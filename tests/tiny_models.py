@@ -56,8 +56,9 @@ def _arch_tensors(arch: str, rng) -> dict[str, np.ndarray]:
     return t
 
 
-def write_tiny(path: Path, variant: str, seed: int = 0) -> Path:
-    """A tiny random GGUF of ``variant`` (a key of ARCH_OF) at ``path``."""
+def write_tiny(path: Path, variant: str, seed: int = 0, extra_meta: dict | None = None, edit=None) -> Path:
+    """A tiny random GGUF of ``variant`` (a key of ARCH_OF) at ``path``; ``extra_meta``: more uint32 keys (bad
+    input tests), ``edit(tensors)``: changes the tensors before they are written."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -92,7 +93,12 @@ def write_tiny(path: Path, variant: str, seed: int = 0) -> Path:
     w.add_token_list([f"t{i}" for i in range(VOCAB)])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    for name, a in _arch_tensors(variant, rng).items():
+    for key, value in (extra_meta or {}).items():
+        w.add_uint32(key, value)
+    tensors = _arch_tensors(variant, rng)
+    if edit is not None:
+        edit(tensors)
+    for name, a in tensors.items():
         a = a.astype(np.float32)
         if a.ndim >= 2:
             q = gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0)

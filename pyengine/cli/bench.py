@@ -16,6 +16,7 @@ BENCHMARKS = {
     "paging": "pyengine.bench.paging",        # S06/S07/S09/S11: KV waste, prefix cache TTFT, batching, chunking
     "serve": "pyengine.bench.serve",          # S20: Poisson load against an OpenAI-compatible server
     "tuning": "pyengine.bench.tuning",        # sweep one constant of pyengine/tuning.py
+    "moe": "pyengine.bench.moe",              # S16: MoE vs dense (same active / same total parameters)
 }
 
 

@@ -19,7 +19,8 @@ from pyengine.layers.linear import Embedding, LeanLinear, Linear, QuantMatrix
 from pyengine.layers.activation import gated_activation
 from pyengine.layers.moe import Experts, ExpertLoad, MoE, MoEScratch, moe_forward, moe_reference
 from pyengine.layers.norm import rms_norm
-from pyengine.layers.rotary import interleaved_to_half, rope_cos_sin
+from pyengine.layers.paged_attention import paged_attention
+from pyengine.layers.rotary import apply_rope, interleaved_to_half, rope_cos_sin
 
 
 class LayerKind(NamedTuple):
@@ -299,6 +300,22 @@ class TransformerModel:
 
     def layer(self, i: int, L, p, slots: np.ndarray, kv, b: Buffers) -> None:
         raise NotImplementedError
+
+    def qk_norm_attention(self, i: int, L, p, slots: np.ndarray, kv, b: Buffers) -> None:
+        """b.proj = Wo · attention of b.x with RMSNorm of each query and key head before RoPE (layer fields
+        attn_norm, wqkv, q_norm, k_norm, wo): Gemma 3's and Qwen3-MoE's attention sub-layer."""
+        c = self.config
+        H, Hkv, hd, eps = c.n_heads, c.n_kv_heads, c.head_dim, c.rms_eps
+        T = b.x.shape[0]
+        rms_norm(b.x, L.attn_norm, eps, out=b.xn)
+        L.wqkv.matmul(b.xn, out=b.qkv)
+        qk = b.qkv[:, :(H + Hkv) * hd].reshape(T, H + Hkv, hd)
+        rms_norm(qk[:, :H], L.q_norm, eps, out=b.qk[:, :H])
+        rms_norm(qk[:, H:], L.k_norm, eps, out=b.qk[:, H:])
+        apply_rope(b.qk, p.cos, p.sin, out=b.qk_rot, tmp=b.rope_tmp)
+        kv.write(i, slots, b.qk_rot[:, H:], b.qkv[:, (H + Hkv) * hd:].reshape(T, Hkv, hd))
+        paged_attention(i, b.qk_rot[:, :H], kv, p.attention, out=b.attn, scratch=b, scale=self.scale)
+        L.wo.matmul(b.attn.reshape(T, H * hd), out=b.proj)
 
     expert_load = None          # MoE models: an ExpertLoad (S16) the fast path counts routed tokens into
 

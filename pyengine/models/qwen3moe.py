@@ -23,7 +23,6 @@ from pyengine.layers.attention import attention
 from pyengine.layers.linear import Linear, make_linear
 from pyengine.layers.moe import MoE, MoEConfig
 from pyengine.layers.norm import rms_norm
-from pyengine.layers.paged_attention import paged_attention
 from pyengine.layers.rotary import apply_rope, rope_cos_sin, rope_inv_freq
 from pyengine.models.base import (LayerKind, TensorReader, TransformerModel, Weights, embedding_and_head,
                                   gate_up_matrix, moe_weights, qkv_matrix)
@@ -101,20 +100,9 @@ class Qwen3MoeModel(TransformerModel):
 
     def layer(self, i, L, p, slots, kv, b) -> None:
         """One layer over the step's T tokens, in place on b.x. ``p``: this kind of layer's part of the plan."""
-        c = self.config
-        H, Hkv, hd, eps = c.n_heads, c.n_kv_heads, c.head_dim, c.rms_eps
-        T = b.x.shape[0]
-        rms_norm(b.x, L.attn_norm, eps, out=b.xn)
-        L.wqkv.matmul(b.xn, out=b.qkv)
-        qk = b.qkv[:, :(H + Hkv) * hd].reshape(T, H + Hkv, hd)
-        rms_norm(qk[:, :H], L.q_norm, eps, out=b.qk[:, :H])
-        rms_norm(qk[:, H:], L.k_norm, eps, out=b.qk[:, H:])
-        apply_rope(b.qk, p.cos, p.sin, out=b.qk_rot, tmp=b.rope_tmp)
-        kv.write(i, slots, b.qk_rot[:, H:], b.qkv[:, (H + Hkv) * hd:].reshape(T, Hkv, hd))
-        paged_attention(i, b.qk_rot[:, :H], kv, p.attention, out=b.attn, scratch=b, scale=self.scale)
-        L.wo.matmul(b.attn.reshape(T, H * hd), out=b.proj)
+        self.qk_norm_attention(i, L, p, slots, kv, b)
         b.x += b.proj
-        rms_norm(b.x, L.ffn_norm, eps, out=b.xn)
+        rms_norm(b.x, L.ffn_norm, self.config.rms_eps, out=b.xn)
         self.feed_forward(i, L, b)
         b.x += b.proj
 

@@ -1,5 +1,5 @@
 """Record tests/golden/moe_<variant>.json: HF transformers' fp32 numbers for the tiny random MoE models of
-tests/moe_models.py (qwen3moe, qwen2moe, Mixtral), through HF's own model classes (the independent reference).
+tests/moe_models.py (qwen3moe, qwen2moe, Mixtral, OLMoE), through HF's own model classes (the independent reference).
 
 Run with the reference venv (never in CI):
     /work/refvenv/bin/python scripts/make_golden_moe.py [SmolLM2 GGUF for the tokenizer]
@@ -30,8 +30,8 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n    return", "Once up
 
 
 def hf_model(variant: str, hf: dict):
-    from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, \
-        Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import MixtralConfig, MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM, Qwen2MoeConfig, \
+        Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
     s = moe_models.shape(variant)
     common = dict(vocab_size=moe_models.VOCAB, hidden_size=s["d"], num_hidden_layers=s["layers"],
                   num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"],
@@ -48,6 +48,11 @@ def hf_model(variant: str, hf: dict):
                              shared_expert_intermediate_size=s["shared_ffn"], num_experts=s["experts"],
                              norm_topk_prob=s["norm"], decoder_sparse_step=1, mlp_only_layers=[], qkv_bias=True)
         model = Qwen2MoeForCausalLM(cfg)
+    elif variant == "olmoe":
+        common.pop("head_dim")           # OLMoE: d / H
+        cfg = OlmoeConfig(**common, intermediate_size=s["expert_ffn"], num_experts=s["experts"],
+                          norm_topk_prob=s["norm"], clip_qkv=None, attention_bias=False)
+        model = OlmoeForCausalLM(cfg)
     else:
         cfg = MixtralConfig(**common, intermediate_size=s["expert_ffn"], num_local_experts=s["experts"])
         model = MixtralForCausalLM(cfg)
@@ -66,7 +71,7 @@ def hf_model(variant: str, hf: dict):
             sd[m + f"self_attn.{x}_proj.weight"] = hf[p + f"attn_{x}.weight"]
             if s.get("qkv_bias"):
                 sd[m + f"self_attn.{x}_proj.bias"] = hf[p + f"attn_{x}.bias"]
-        if s.get("qk_norm"):
+        if s.get("qk_norm") or s.get("qk_norm_whole"):
             sd[m + "self_attn.q_norm.weight"] = hf[p + "attn_q_norm.weight"]
             sd[m + "self_attn.k_norm.weight"] = hf[p + "attn_k_norm.weight"]
         if s.get("shared_ffn"):
@@ -91,7 +96,8 @@ def main():
                                os.environ.get("PYENGINE_MODEL", DEFAULT_TOKENIZER))
     tok = AutoTokenizer.from_pretrained(os.path.dirname(tok_gguf), gguf_file=os.path.basename(tok_gguf))
     torch.manual_seed(0)
-    for variant in moe_models.VARIANTS:
+    only = sys.argv[2:] or list(moe_models.VARIANTS)
+    for variant in only:
         stored, hf = moe_models.quantized(variant)
         model = hf_model(variant, hf)
         cases = []

@@ -24,8 +24,9 @@ VARIANTS = {
     "qwen2moe": dict(arch="qwen2moe", head_dim=16, ffn=128, theta=1e6, tied=False, qkv_bias=True, norm=False,
                      shared_ffn=96),
     "mixtral": dict(arch="llama", head_dim=16, theta=1e4, tied=False, norm=True, permute=True),
+    "olmoe": dict(arch="olmoe", head_dim=16, theta=1e4, tied=False, norm=False, qk_norm_whole=True),
 }
-SEEDS = {"qwen3moe": 31, "qwen2moe": 32, "mixtral": 33}
+SEEDS = {"qwen3moe": 31, "qwen2moe": 32, "mixtral": 33, "olmoe": 34}
 
 
 def shape(variant: str) -> dict:
@@ -67,6 +68,8 @@ def hf_tensors(variant: str) -> dict[str, np.ndarray]:
                   p + "ffn_down_exps.weight": mat(E, d, f)})
         if s.get("qk_norm"):
             t.update({p + "attn_q_norm.weight": norm(hd), p + "attn_k_norm.weight": norm(hd)})
+        if s.get("qk_norm_whole"):             # OLMoE: over all query / all key columns
+            t.update({p + "attn_q_norm.weight": norm(H * hd), p + "attn_k_norm.weight": norm(Hkv * hd)})
         if s.get("qkv_bias"):
             t.update({p + "attn_q.bias": mat(H * hd, scale=0.1), p + "attn_k.bias": mat(Hkv * hd, scale=0.1),
                       p + "attn_v.bias": mat(Hkv * hd, scale=0.1)})
@@ -130,7 +133,7 @@ def write_moe(path: Path, variant: str, tokenizer_gguf) -> str:
     w.add_float32(f"{arch}.rope.freq_base", s["theta"])
     w.add_uint32(f"{arch}.expert_count", s["experts"])
     w.add_uint32(f"{arch}.expert_used_count", s["used"])
-    if arch == "llama":                  # Mixtral: the experts' rows are feed_forward_length
+    if arch in ("llama", "olmoe"):       # Mixtral, OLMoE: the experts' rows are feed_forward_length
         w.add_uint32(f"{arch}.feed_forward_length", s["expert_ffn"])
     else:
         w.add_uint32(f"{arch}.feed_forward_length", s["ffn"])

@@ -16,8 +16,8 @@ SLIDING_WINDOW = 24          # gemma3: small, so that contexts of ~60 tokens cro
 N_EXPERTS, N_USED, EXPERT_F, SHARED_F = 8, 2, 32, 64    # MoE variants (S16)
 # variant -> GGUF general.architecture (Mixtral is a llama file with llama.expert_count)
 ARCH_OF = {"llama": "llama", "gemma3": "gemma3", "qwen3moe": "qwen3moe", "qwen2moe": "qwen2moe",
-           "mixtral": "llama"}
-MOE = ("qwen3moe", "qwen2moe", "mixtral")
+           "mixtral": "llama", "olmoe": "olmoe"}
+MOE = ("qwen3moe", "qwen2moe", "mixtral", "olmoe")
 
 
 def _arch_tensors(arch: str, rng) -> dict[str, np.ndarray]:
@@ -44,6 +44,8 @@ def _arch_tensors(arch: str, rng) -> dict[str, np.ndarray]:
                       p + "ffn_down.weight": mat(D, F)})
         if arch in ("gemma3", "qwen3moe"):
             t.update({p + "attn_q_norm.weight": norm(hd), p + "attn_k_norm.weight": norm(hd)})
+        if arch == "olmoe":                  # over the whole projection, not per head
+            t.update({p + "attn_q_norm.weight": norm(H * hd), p + "attn_k_norm.weight": norm(HKV * hd)})
         if arch == "gemma3":
             t.update({p + "post_attention_norm.weight": norm(D), p + "post_ffw_norm.weight": norm(D)})
         if arch == "qwen2moe":
@@ -68,7 +70,7 @@ def write_tiny(path: Path, variant: str, seed: int = 0, extra_meta: dict | None 
     w.add_uint32(f"{arch}.embedding_length", D)
     w.add_uint32(f"{arch}.attention.head_count", H)
     w.add_uint32(f"{arch}.attention.head_count_kv", HKV)
-    if variant != "mixtral":
+    if variant not in ("mixtral", "olmoe"):
         w.add_uint32(f"{arch}.feed_forward_length", F)
     w.add_uint32(f"{arch}.context_length", 512)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
@@ -76,7 +78,7 @@ def write_tiny(path: Path, variant: str, seed: int = 0, extra_meta: dict | None 
     if variant in MOE:
         w.add_uint32(f"{arch}.expert_count", N_EXPERTS)
         w.add_uint32(f"{arch}.expert_used_count", N_USED)
-        if variant == "mixtral":        # llama.cpp: a llama file's experts have feed_forward_length rows
+        if variant in ("mixtral", "olmoe"):   # llama.cpp: the experts have feed_forward_length rows
             w.add_uint32(f"{arch}.feed_forward_length", EXPERT_F)
         else:
             w.add_uint32(f"{arch}.expert_feed_forward_length", EXPERT_F)

@@ -301,17 +301,23 @@ class TransformerModel:
     def layer(self, i: int, L, p, slots: np.ndarray, kv, b: Buffers) -> None:
         raise NotImplementedError
 
-    def qk_norm_attention(self, i: int, L, p, slots: np.ndarray, kv, b: Buffers) -> None:
-        """b.proj = Wo · attention of b.x with RMSNorm of each query and key head before RoPE (layer fields
-        attn_norm, wqkv, q_norm, k_norm, wo): Gemma 3's and Qwen3-MoE's attention sub-layer."""
+    def qk_norm_attention(self, i: int, L, p, slots: np.ndarray, kv, b: Buffers, whole: bool = False) -> None:
+        """b.proj = Wo · attention of b.x with RMSNorm of the queries and keys before RoPE (layer fields
+        attn_norm, wqkv, q_norm, k_norm, wo): of each head (Gemma 3, Qwen3-MoE) or, ``whole``, of all query
+        and all key columns at once (OLMoE)."""
         c = self.config
         H, Hkv, hd, eps = c.n_heads, c.n_kv_heads, c.head_dim, c.rms_eps
         T = b.x.shape[0]
         rms_norm(b.x, L.attn_norm, eps, out=b.xn)
         L.wqkv.matmul(b.xn, out=b.qkv)
-        qk = b.qkv[:, :(H + Hkv) * hd].reshape(T, H + Hkv, hd)
-        rms_norm(qk[:, :H], L.q_norm, eps, out=b.qk[:, :H])
-        rms_norm(qk[:, H:], L.k_norm, eps, out=b.qk[:, H:])
+        if whole:
+            qk, out = b.qkv[:, :(H + Hkv) * hd], b.qk.reshape(T, (H + Hkv) * hd)
+            rms_norm(qk[:, :H * hd], L.q_norm, eps, out=out[:, :H * hd])
+            rms_norm(qk[:, H * hd:], L.k_norm, eps, out=out[:, H * hd:])
+        else:
+            qk = b.qkv[:, :(H + Hkv) * hd].reshape(T, H + Hkv, hd)
+            rms_norm(qk[:, :H], L.q_norm, eps, out=b.qk[:, :H])
+            rms_norm(qk[:, H:], L.k_norm, eps, out=b.qk[:, H:])
         apply_rope(b.qk, p.cos, p.sin, out=b.qk_rot, tmp=b.rope_tmp)
         kv.write(i, slots, b.qk_rot[:, H:], b.qkv[:, (H + Hkv) * hd:].reshape(T, Hkv, hd))
         paged_attention(i, b.qk_rot[:, :H], kv, p.attention, out=b.attn, scratch=b, scale=self.scale)

@@ -55,9 +55,11 @@ class Qwen3MoeLayer(NamedTuple):
     w_down: Linear | None
 
 
-def load_weights(gguf, c: Qwen3MoeConfig, mode: str = "resident") -> Weights:
+def load_weights(gguf, c: Qwen3MoeConfig, mode: str = "resident", qk_norm_rows: tuple | None = None) -> Weights:
+    """``qk_norm_rows``: sizes of the q and k norms ((hd, hd): per head; OLMoE's span the whole projection)."""
     r = TensorReader(gguf)
     hd, d = c.head_dim, c.d_model
+    nq, nk = qk_norm_rows or (hd, hd)
     layers = []
     for i in range(c.n_layers):
         p = f"blk.{i}."
@@ -68,7 +70,7 @@ def load_weights(gguf, c: Qwen3MoeConfig, mode: str = "resident") -> Weights:
             down = make_linear(r.matrix(p + "ffn_down.weight", (d, c.ffn_dim)), mode)
         layers.append(Qwen3MoeLayer(
             attn_norm=r.vector(p + "attn_norm.weight", d), wqkv=make_linear(qkv_matrix(r, p, c, False), mode),
-            q_norm=r.vector(p + "attn_q_norm.weight", hd), k_norm=r.vector(p + "attn_k_norm.weight", hd),
+            q_norm=r.vector(p + "attn_q_norm.weight", nq), k_norm=r.vector(p + "attn_k_norm.weight", nk),
             wo=make_linear(r.matrix(p + "attn_output.weight", (d, c.n_heads * hd)), mode),
             ffn_norm=r.vector(p + "ffn_norm.weight", d), moe=moe, w_gate_up=gate_up, w_down=down))
     embed, head, tied = embedding_and_head(r, c, mode)
@@ -76,6 +78,8 @@ def load_weights(gguf, c: Qwen3MoeConfig, mode: str = "resident") -> Weights:
 
 
 class Qwen3MoeModel(TransformerModel):
+    qk_norm_width = "head"         # OLMoE (models/olmoe.py): "whole"
+
     def __init__(self, config: Qwen3MoeConfig, weights: Weights):
         c = config
         inv = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling_type, c.rope_scaling_factor,
@@ -92,15 +96,19 @@ class Qwen3MoeModel(TransformerModel):
         x = w.embed(token_ids)
         for L in w.layers:
             q, k, v = np.split(rms_norm(x, L.attn_norm, eps) @ L.wqkv, [H * hd, (H + Hkv) * hd], axis=1)
-            q = apply_rope(rms_norm(q.reshape(T, H, hd), L.q_norm, eps), cos, sin)
-            k = apply_rope(rms_norm(k.reshape(T, Hkv, hd), L.k_norm, eps), cos, sin)
+            if self.qk_norm_width == "whole":
+                q, k = rms_norm(q, L.q_norm, eps), rms_norm(k, L.k_norm, eps)
+            else:
+                q, k = rms_norm(q.reshape(T, H, hd), L.q_norm, eps), rms_norm(k.reshape(T, Hkv, hd), L.k_norm, eps)
+            q = apply_rope(q.reshape(T, H, hd), cos, sin)
+            k = apply_rope(k.reshape(T, Hkv, hd), cos, sin)
             x = x + attention(q, k, v.reshape(T, Hkv, hd), offset=0).reshape(T, H * hd) @ L.wo
             x = x + self.ffn_reference(L, rms_norm(x, L.ffn_norm, eps))
         return rms_norm(x, w.output_norm, eps) @ w.head
 
     def layer(self, i, L, p, slots, kv, b) -> None:
         """One layer over the step's T tokens, in place on b.x. ``p``: this kind of layer's part of the plan."""
-        self.qk_norm_attention(i, L, p, slots, kv, b)
+        self.qk_norm_attention(i, L, p, slots, kv, b, whole=self.qk_norm_width == "whole")
         b.x += b.proj
         rms_norm(b.x, L.ffn_norm, self.config.rms_eps, out=b.xn)
         self.feed_forward(i, L, b)

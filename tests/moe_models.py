@@ -114,8 +114,9 @@ def tokenizer_metadata(tokenizer_gguf) -> dict:
     return {k: v for k, v in md.items() if k.startswith("tokenizer.")}
 
 
-def write_moe(path: Path, variant: str, tokenizer_gguf) -> str:
-    """Write the variant's GGUF at ``path``; returns the weights' digest."""
+def write_moe(path: Path, variant: str, tokenizer_gguf, split_experts: bool = False) -> str:
+    """Write the variant's GGUF at ``path``; returns the weights' digest. ``split_experts``: one tensor per
+    expert (``blk.N.ffn_gate.E.weight``), the layout of Mixtral files converted before llama.cpp stacked them."""
     import gguf
 
     s = shape(variant)
@@ -149,7 +150,13 @@ def write_moe(path: Path, variant: str, tokenizer_gguf) -> str:
             w.add_string(key, value)
         else:
             w.add_array(key, [int(x) for x in value] if isinstance(value, np.ndarray) else list(value))
+    tensors = {}
     for name, v in stored.items():
+        if split_experts and name.endswith("_exps.weight"):
+            tensors.update({f"{name[:-len('_exps.weight')]}.{e}.weight": (v[0][e], v[1]) for e in range(len(v[0]))})
+        else:
+            tensors[name] = v
+    for name, v in tensors.items():
         if isinstance(v, tuple):
             w.add_tensor(name, v[0], raw_shape=v[0].shape, raw_dtype=v[1])
         else:

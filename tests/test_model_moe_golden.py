@@ -78,3 +78,20 @@ def test_engine_greedy_batched_chunked_and_prefix_cached_matches_hf(moe):
     assert len({sum(row["tokens"]) for row in load["layers"]}) == 1
     assert sum(load["layers"][0]["tokens"]) % s["used"] == 0
     assert 0 < load["balance"] <= 1
+
+
+def test_mixtral_with_one_tensor_per_expert_matches_hf(tmp_path):
+    """Mixtral files converted before llama.cpp stacked the experts hold blk.N.ffn_gate.E.weight etc.: the
+    same weights in that layout give HF's numbers too."""
+    with open(os.path.join(GOLDEN, "moe_mixtral.json")) as f:
+        golden = json.load(f)
+    path = tmp_path / "split.gguf"
+    assert write_moe(path, "mixtral", default_model_path(), split_experts=True) == golden["digest"]
+    from pyengine.gguf.reader import GGUFFile
+    names = GGUFFile(str(path)).tensors
+    assert "blk.0.ffn_gate.7.weight" in names and "blk.0.ffn_gate_exps.weight" not in names
+    r = ModelRunner(str(path), max_model_len=128, max_num_batched_tokens=64, max_num_seqs=4)
+    case = golden["cases"][0]
+    ids = case["prompt_ids"] + case["greedy_ids"][:-1]
+    bad = check_top_logprobs(full_forward_logits(r, ids, [e["position"] for e in case["top_logprobs"]]), case)
+    assert not bad, bad

@@ -160,8 +160,7 @@ class MoEScratch(NamedTuple):
     xs: np.ndarray          # (T k, d) the inputs gathered in expert order
     gate_up: np.ndarray     # (T k, 2F)
     h: np.ndarray           # (T k, F)
-    ys: np.ndarray          # (T k, d) expert outputs, in expert order
-    yk: np.ndarray          # (T k, d) the same in (token, slot) order
+    ys: np.ndarray          # (T k, d) expert outputs, in expert order (then back in (token, slot) order in xs)
     sh_gate_up: np.ndarray  # (T, 2 Fs) shared expert
     sh_h: np.ndarray        # (T, Fs)
     sh_out: np.ndarray      # (T, d)
@@ -173,7 +172,7 @@ class MoEScratch(NamedTuple):
         n, fs = max_tokens * m.n_used, m.shared_ffn
         return [spec("moe.logits", (max_tokens, m.n_experts)), spec("moe.xs", (n, d)),
                 spec("moe.gate_up", (n, 2 * m.expert_ffn)), spec("moe.h", (n, m.expert_ffn)),
-                spec("moe.ys", (n, d)), spec("moe.yk", (n, d)), spec("moe.sh_gate_up", (max_tokens, 2 * fs)),
+                spec("moe.ys", (n, d)), spec("moe.sh_gate_up", (max_tokens, 2 * fs)),
                 spec("moe.sh_h", (max_tokens, fs)), spec("moe.sh_out", (max_tokens, d)),
                 spec("moe.sh_gate", (max_tokens, 1))]
 
@@ -182,7 +181,7 @@ class MoEScratch(NamedTuple):
         return cls(*(views["moe." + n] for n in cls._fields[:-1]), k=k)
 
     def rows(self, T: int) -> "MoEScratch":
-        pairs = ("xs", "gate_up", "h", "ys", "yk")
+        pairs = ("xs", "gate_up", "h", "ys")
         return self._replace(**{n: getattr(self, n)[:T * self.k if n in pairs else T] for n in self._fields[:-1]})
 
 
@@ -237,8 +236,8 @@ def moe_forward(moe: MoE, m: MoEConfig, x: np.ndarray, out: np.ndarray, s: MoESc
     np.multiply(s.ys, w.reshape(-1)[order][:, None], out=s.ys)
     inverse = np.empty_like(order)
     inverse[order] = np.arange(len(order))
-    np.take(s.ys, inverse, axis=0, out=s.yk)             # back to (token, slot) order
-    np.sum(s.yk.reshape(T, k, -1), axis=1, out=out)
+    yk = np.take(s.ys, inverse, axis=0, out=s.xs)        # back to (token, slot) order, into the free xs
+    np.sum(yk.reshape(T, k, -1), axis=1, out=out)
     if shared_down is not None:
         shared_gate_up.gated(x, out=s.sh_h, scratch=s.sh_gate_up)
         shared_down.matmul(s.sh_h, out=s.sh_out)

@@ -192,7 +192,17 @@ class TensorReader:
         return v
 
     def stacked(self, name: str, shape: tuple[int, int, int]) -> tuple[np.ndarray, int]:
-        """(raw uint8 (E, rows, row bytes), ggml_type) of a stacked (E, rows, cols) tensor (MoE experts)."""
+        """(raw uint8 (E, rows, row bytes), ggml_type) of a stacked (E, rows, cols) tensor (MoE experts). Older
+        Mixtral files hold one tensor per expert (``blk.N.ffn_gate.E.weight`` for ``blk.N.ffn_gate_exps.weight``,
+        as llama.cpp still reads them): those are stacked here."""
+        if not self.has(name) and name.endswith("_exps.weight"):
+            per = [f"{name[:-len('_exps.weight')]}.{e}.weight" for e in range(shape[0])]
+            if self.has(per[0]):
+                mats = [self.matrix(n, shape[1:]) for n in per]
+                types = {m.parts[0][1] for m in mats}
+                if len(types) > 1:
+                    raise ValueError(f"tensors {per[0]!r}..{per[-1]!r} mix ggml types {sorted(types)}")
+                return np.stack([m.parts[0][0] for m in mats]), types.pop()
         info = self.gguf.tensor(name)
         if tuple(info.shape) != shape:
             raise ValueError(f"tensor {name!r} has shape {tuple(info.shape)}, expected {shape} (experts, rows, "

@@ -1,5 +1,5 @@
 """Record tests/golden/moe_<variant>.json: HF transformers' fp32 numbers for the tiny random MoE models of
-tests/moe_models.py (qwen3moe, qwen2moe, Mixtral, OLMoE), through HF's own model classes (the independent reference).
+tests/moe_models.py (qwen3moe, qwen2moe, Mixtral, OLMoE, Granite-MoE), through HF's own model classes (the independent reference).
 
 Run with the reference venv (never in CI):
     /work/refvenv/bin/python scripts/make_golden_moe.py [SmolLM2 GGUF for the tokenizer]
@@ -30,8 +30,8 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n    return", "Once up
 
 
 def hf_model(variant: str, hf: dict):
-    from transformers import MixtralConfig, MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM, Qwen2MoeConfig, \
-        Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import GraniteMoeConfig, GraniteMoeForCausalLM, MixtralConfig, MixtralForCausalLM, \
+        OlmoeConfig, OlmoeForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
     s = moe_models.shape(variant)
     common = dict(vocab_size=moe_models.VOCAB, hidden_size=s["d"], num_hidden_layers=s["layers"],
                   num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"],
@@ -53,20 +53,29 @@ def hf_model(variant: str, hf: dict):
         cfg = OlmoeConfig(**common, intermediate_size=s["expert_ffn"], num_experts=s["experts"],
                           norm_topk_prob=s["norm"], clip_qkv=None, attention_bias=False)
         model = OlmoeForCausalLM(cfg)
+    elif variant == "granitemoe":
+        common.pop("head_dim")
+        sc = s["scales"]
+        cfg = GraniteMoeConfig(**common, intermediate_size=s["expert_ffn"], num_local_experts=s["experts"],
+                               embedding_multiplier=sc["embedding_scale"], residual_multiplier=sc["residual_scale"],
+                               attention_multiplier=sc["attention.scale"], logits_scaling=sc["logit_scale"])
+        model = GraniteMoeForCausalLM(cfg)
     else:
         cfg = MixtralConfig(**common, intermediate_size=s["expert_ffn"], num_local_experts=s["experts"])
         model = MixtralForCausalLM(cfg)
     sd = {"model.embed_tokens.weight": hf["token_embd.weight"], "model.norm.weight": hf["output_norm.weight"],
           "lm_head.weight": hf["token_embd.weight" if s["tied"] else "output.weight"]}
+    moe = "block_sparse_moe." if variant == "granitemoe" else "mlp."
+    router = moe + ("router.weight" if variant == "granitemoe" else "gate.weight")
     for i in range(s["layers"]):
         p, m = f"blk.{i}.", f"model.layers.{i}."
         sd.update({m + "input_layernorm.weight": hf[p + "attn_norm.weight"],
                    m + "post_attention_layernorm.weight": hf[p + "ffn_norm.weight"],
                    m + "self_attn.o_proj.weight": hf[p + "attn_output.weight"],
-                   m + "mlp.gate.weight": hf[p + "ffn_gate_inp.weight"],
-                   m + "mlp.experts.gate_up_proj": np.concatenate([hf[p + "ffn_gate_exps.weight"],
-                                                                   hf[p + "ffn_up_exps.weight"]], axis=1),
-                   m + "mlp.experts.down_proj": hf[p + "ffn_down_exps.weight"]})
+                   m + router: hf[p + "ffn_gate_inp.weight"],
+                   m + moe + "experts.gate_up_proj": np.concatenate([hf[p + "ffn_gate_exps.weight"],
+                                                                     hf[p + "ffn_up_exps.weight"]], axis=1),
+                   m + moe + "experts.down_proj": hf[p + "ffn_down_exps.weight"]})
         for x in "qkv":
             sd[m + f"self_attn.{x}_proj.weight"] = hf[p + f"attn_{x}.weight"]
             if s.get("qkv_bias"):

@@ -25,8 +25,11 @@ VARIANTS = {
                      shared_ffn=96),
     "mixtral": dict(arch="llama", head_dim=16, theta=1e4, tied=False, norm=True, permute=True),
     "olmoe": dict(arch="olmoe", head_dim=16, theta=1e4, tied=False, norm=False, qk_norm_whole=True),
+    "granitemoe": dict(arch="granitemoe", head_dim=16, theta=1e4, tied=False, norm=True, permute=True,
+                       scales={"embedding_scale": 2.0, "residual_scale": 0.5, "attention.scale": 0.15,
+                               "logit_scale": 2.0}),
 }
-SEEDS = {"qwen3moe": 31, "qwen2moe": 32, "mixtral": 33, "olmoe": 34}
+SEEDS = {"qwen3moe": 31, "qwen2moe": 32, "mixtral": 33, "olmoe": 34, "granitemoe": 35}
 
 
 def shape(variant: str) -> dict:
@@ -134,7 +137,9 @@ def write_moe(path: Path, variant: str, tokenizer_gguf, split_experts: bool = Fa
     w.add_float32(f"{arch}.rope.freq_base", s["theta"])
     w.add_uint32(f"{arch}.expert_count", s["experts"])
     w.add_uint32(f"{arch}.expert_used_count", s["used"])
-    if arch in ("llama", "olmoe"):       # Mixtral, OLMoE: the experts' rows are feed_forward_length
+    for key, value in s.get("scales", {}).items():      # Granite's multipliers
+        w.add_float32(f"{arch}.{key}", value)
+    if arch in ("llama", "olmoe", "granitemoe"):    # the experts' rows are feed_forward_length
         w.add_uint32(f"{arch}.feed_forward_length", s["expert_ffn"])
     else:
         w.add_uint32(f"{arch}.feed_forward_length", s["ffn"])

@@ -16,8 +16,8 @@ SLIDING_WINDOW = 24          # gemma3: small, so that contexts of ~60 tokens cro
 N_EXPERTS, N_USED, EXPERT_F, SHARED_F = 8, 2, 32, 64    # MoE variants (S16)
 # variant -> GGUF general.architecture (Mixtral is a llama file with llama.expert_count)
 ARCH_OF = {"llama": "llama", "gemma3": "gemma3", "qwen3moe": "qwen3moe", "qwen2moe": "qwen2moe",
-           "mixtral": "llama", "olmoe": "olmoe"}
-MOE = ("qwen3moe", "qwen2moe", "mixtral", "olmoe")
+           "mixtral": "llama", "olmoe": "olmoe", "granitemoe": "granitemoe"}
+MOE = ("qwen3moe", "qwen2moe", "mixtral", "olmoe", "granitemoe")
 
 
 def _arch_tensors(arch: str, rng) -> dict[str, np.ndarray]:
@@ -70,15 +70,19 @@ def write_tiny(path: Path, variant: str, seed: int = 0, extra_meta: dict | None 
     w.add_uint32(f"{arch}.embedding_length", D)
     w.add_uint32(f"{arch}.attention.head_count", H)
     w.add_uint32(f"{arch}.attention.head_count_kv", HKV)
-    if variant not in ("mixtral", "olmoe"):
+    if variant not in ("mixtral", "olmoe", "granitemoe"):
         w.add_uint32(f"{arch}.feed_forward_length", F)
+    if variant == "granitemoe":
+        for key, v in (("embedding_scale", 3.0), ("residual_scale", 0.5), ("attention.scale", 0.2),
+                       ("logit_scale", 2.5)):
+            w.add_float32(f"{arch}.{key}", v)
     w.add_uint32(f"{arch}.context_length", 512)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
     w.add_float32(f"{arch}.rope.freq_base", 10000.0 if arch == "llama" else 1e6)
     if variant in MOE:
         w.add_uint32(f"{arch}.expert_count", N_EXPERTS)
         w.add_uint32(f"{arch}.expert_used_count", N_USED)
-        if variant in ("mixtral", "olmoe"):   # llama.cpp: the experts have feed_forward_length rows
+        if variant in ("mixtral", "olmoe", "granitemoe"):   # llama.cpp: the experts have feed_forward_length rows
             w.add_uint32(f"{arch}.feed_forward_length", EXPERT_F)
         else:
             w.add_uint32(f"{arch}.expert_feed_forward_length", EXPERT_F)

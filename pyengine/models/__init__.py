@@ -17,6 +17,7 @@ ARCHITECTURES = {
     "qwen2moe": "pyengine.models.qwen2moe",      # S16: mixtures of experts (Mixtral is a llama file)
     "qwen3moe": "pyengine.models.qwen3moe",
     "olmoe": "pyengine.models.olmoe",
+    "granitemoe": "pyengine.models.granitemoe",
 }
 
 

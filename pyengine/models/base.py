@@ -268,8 +268,12 @@ def embedding_and_head(r: TensorReader, c, mode: str):
 
 class TransformerModel:
     """The shared fast path. Subclasses set ``kinds`` / ``kind_of`` and define ``layer`` (one layer's math) and
-    ``forward_reference``; ``embed_scale`` (Gemma: sqrt(d)) multiplies the embeddings."""
+    ``forward_reference``; ``embed_scale`` (Gemma: sqrt(d)) multiplies the embeddings; Granite's
+    ``residual_scale`` multiplies each sub-layer's output before its residual add and ``logit_scale`` divides
+    the logits."""
     embed_scale: float | None = None
+    residual_scale: float | None = None
+    logit_scale: float | None = None
 
     def __init__(self, config, weights: Weights, kinds: list[LayerKind], kind_of: list[int], scale: float):
         self.config, self.weights = config, weights
@@ -306,7 +310,16 @@ class TransformerModel:
             logits = np.empty((n, c.vocab_size), np.float32)
         np.take(b.x, idx, axis=0, out=hx)
         rms_norm(hx, w.output_norm, c.rms_eps, out=hxn)
-        return w.head.matmul(hxn, logits)
+        w.head.matmul(hxn, logits)
+        if self.logit_scale is not None:
+            np.divide(logits, np.float32(self.logit_scale), out=logits)
+        return logits
+
+    def add_residual(self, b: Buffers) -> None:
+        """b.x += b.proj (times ``residual_scale``, if any)."""
+        if self.residual_scale is not None:
+            b.proj *= np.float32(self.residual_scale)
+        b.x += b.proj
 
     def layer(self, i: int, L, p, slots: np.ndarray, kv, b: Buffers) -> None:
         raise NotImplementedError

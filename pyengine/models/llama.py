@@ -93,15 +93,17 @@ class LlamaModel(TransformerModel):
         T, H, Hkv, hd = len(token_ids), c.n_heads, c.n_kv_heads, c.head_dim
         positions = np.arange(T) if positions is None else np.asarray(positions, dtype=np.int64)
         cos, sin = rope_cos_sin(positions, self.kinds[0].inv_freq)
-        x = w.embed(token_ids)
+        x = w.embed(token_ids) * np.float32(self.embed_scale or 1.0)       # Granite's multipliers or 1
+        res, logit = np.float32(self.residual_scale or 1.0), np.float32(self.logit_scale or 1.0)
         for L in w.layers:
             qkv = rms_norm(x, L.attn_norm, c.rms_eps) @ L.wqkv
             q, k, v = np.split(qkv if L.bqkv is None else qkv + L.bqkv, [H * hd, (H + Hkv) * hd], axis=1)
             q = apply_rope(q.reshape(T, H, hd), cos, sin)
             k = apply_rope(k.reshape(T, Hkv, hd), cos, sin)
-            x = x + attention(q, k, v.reshape(T, Hkv, hd), offset=0).reshape(T, H * hd) @ L.wo
-            x = x + self.ffn_reference(L, rms_norm(x, L.ffn_norm, c.rms_eps))
-        return rms_norm(x, w.output_norm, c.rms_eps) @ w.head
+            h = attention(q, k, v.reshape(T, Hkv, hd), offset=0, scale=self.scale).reshape(T, H * hd)
+            x = x + res * (h @ L.wo)
+            x = x + res * self.ffn_reference(L, rms_norm(x, L.ffn_norm, c.rms_eps))
+        return (rms_norm(x, w.output_norm, c.rms_eps) @ w.head) / logit
 
     def layer(self, i, L, p, slots, kv, b) -> None:
         """One layer over the step's T tokens, in place on b.x. ``p``: this kind of layer's part of the plan."""
@@ -117,10 +119,10 @@ class LlamaModel(TransformerModel):
         kv.write(i, slots, b.qk_rot[:, H:], b.qkv[:, (H + Hkv) * hd:].reshape(T, Hkv, hd))
         paged_attention(i, b.qk_rot[:, :H], kv, p.attention, out=b.attn, scratch=b, scale=self.scale)
         L.wo.matmul(b.attn.reshape(T, H * hd), out=b.proj)
-        b.x += b.proj
+        self.add_residual(b)                              # b.x += b.proj (Granite: scaled)
         rms_norm(b.x, L.ffn_norm, c.rms_eps, out=b.xn)
         self.feed_forward(i, L, b)                        # gated MLP, or the experts (S16)
-        b.x += b.proj
+        self.add_residual(b)
 
 
 def build(gguf, mode: str = "resident"):

@@ -73,3 +73,10 @@ def test_serve_moe_with_openai_client(tmp_path):
         assert len(routed) == 8 and sum(routed) > 0 and sum(routed) % 2 == 0
     finally:
         stop_process(proc, timeout=20)
+
+
+def test_info_describes_the_experts(qwen3moe, capsys):
+    assert main(["info", qwen3moe]) == 0
+    out = capsys.readouterr().out
+    assert "architecture    : qwen3moe\n" in out
+    assert "experts (S16)   : 8 of 64 rows, top-2 (softmax, renormalised), shared expert none" in out

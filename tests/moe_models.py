@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tiny_models import write_tensors
+
 VOCAB = 49152                 # SmolLM2's tokenizer
 COMMON = dict(d=64, heads=4, kv_heads=2, layers=3, experts=8, used=2, expert_ffn=64, ctx=4096, eps=1e-6)
 # variant -> GGUF architecture, its own shape and options
@@ -161,13 +163,5 @@ def write_moe(path: Path, variant: str, tokenizer_gguf, split_experts: bool = Fa
             tensors.update({f"{name[:-len('_exps.weight')]}.{e}.weight": (v[0][e], v[1]) for e in range(len(v[0]))})
         else:
             tensors[name] = v
-    for name, v in tensors.items():
-        if isinstance(v, tuple):
-            w.add_tensor(name, v[0], raw_shape=v[0].shape, raw_dtype=v[1])
-        else:
-            w.add_tensor(name, v)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_tensors(w, tensors)
     return digest(stored)

@@ -104,18 +104,24 @@ def write_tiny(path: Path, variant: str, seed: int = 0, extra_meta: dict | None 
     tensors = _arch_tensors(variant, rng)
     if edit is not None:
         edit(tensors)
-    for name, a in tensors.items():
-        a = a.astype(np.float32)
-        if a.ndim >= 2:
-            q = gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0)
-            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    write_tensors(w, {name: (gguf.quants.quantize(a.astype(np.float32), q8), q8) if a.ndim >= 2 else
+                      a.astype(np.float32) for name, a in tensors.items()})
+    return path
+
+
+def write_tensors(w, tensors: dict) -> None:
+    """Add ``tensors`` (name -> float32 array, or (raw quantized bytes, ggml type)) to a GGUFWriter and write
+    the file."""
+    for name, v in tensors.items():
+        if isinstance(v, tuple):
+            w.add_tensor(name, v[0], raw_shape=v[0].shape, raw_dtype=v[1])
         else:
-            w.add_tensor(name, a)
+            w.add_tensor(name, v)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return path
 
 
 ARCHS = tuple(ARCH_OF)

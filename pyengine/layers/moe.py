@@ -209,7 +209,7 @@ def route(probs: np.ndarray, m: MoEConfig, bias: np.ndarray | None = None) -> tu
     scores = probs if bias is None else probs + bias
     sel = np.argpartition(-scores, k - 1, axis=-1)[:, :k] if k < m.n_experts else \
         np.broadcast_to(np.arange(k), probs.shape).copy()
-    w = np.take_along_axis(probs, sel, axis=-1)
+    w = probs[np.arange(len(sel))[:, None], sel]          # (take_along_axis costs 4x more for a decode)
     if m.norm_weights:
         w /= w.sum(axis=-1, keepdims=True)
     if m.weights_scale != 1.0:

@@ -4,7 +4,7 @@ scripts/make_golden_moe.py on the tiny random models of tests/moe_models.py, reb
 For qwen3moe, qwen2moe (shared expert, QKV biases) and Mixtral (a llama file with experts): top-20
 log-probabilities within 1e-3 at the golden positions, resident and lean weights; greedy tokens identical
 through the paged engine (LLMEngine), the prompts batched with each other and with an unrelated sequence, their
-prefills chunked, then again served from the prefix cache (a divergence only after a step whose HF top-2 margin
+prefills chunked, then again served from the prefix cache, resident and lean (a divergence only after a step whose HF top-2 margin
 is below 0.005); the engine's expert-load statistics count every routed token.
 """
 import json
@@ -49,11 +49,13 @@ def test_top_logprobs_match_hf(moe, mode):
     assert not bad, bad
 
 
-def test_engine_greedy_batched_chunked_and_prefix_cached_matches_hf(moe):
+@pytest.mark.parametrize("mode", ["resident", "lean"])
+def test_engine_greedy_batched_chunked_and_prefix_cached_matches_hf(moe, mode):
     """All prompts at once plus an unrelated 40-token sequence, prefill chunks of at most 8 tokens, blocks of 4;
     then each prompt again, its full blocks now served from the prefix cache."""
     variant, path, golden = moe
-    eng = LLMEngine(path, max_model_len=128, block_size=4, max_num_seqs=8, max_num_batched_tokens=8)
+    eng = LLMEngine(path, max_model_len=128, block_size=4, max_num_seqs=8, max_num_batched_tokens=8,
+                    weights_mode=mode)
     cases = golden["cases"]
     params = SamplingParams(temperature=0.0, max_tokens=N_GREEDY, ignore_eos=True)
     filler = np.random.default_rng(5).integers(3, 40000, 40).tolist()

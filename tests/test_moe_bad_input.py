@@ -52,6 +52,13 @@ def test_missing_expert_tensor_is_named(tmp_path):
         load(write_tiny(tmp_path / "m.gguf", "qwen3moe", edit=drop))
 
 
+def test_shared_expert_promised_by_the_metadata_must_exist(tmp_path):
+    def drop(t):
+        del t["blk.2.ffn_down_shexp.weight"]
+    with pytest.raises(Exception, match=r"blk\.2\.ffn_down_shexp\.weight"):
+        load(write_tiny(tmp_path / "m.gguf", "qwen2moe", edit=drop))
+
+
 def test_more_experts_used_than_exist_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(tiny_models, "N_USED", 9)
     with pytest.raises(GGUFError, match=r"'qwen3moe\.expert_used_count' = 9 exceeds 'qwen3moe\.expert_count' = 8"):

@@ -223,9 +223,9 @@ def moe_weights(r: TensorReader, prefix: str, c, mode: str) -> tuple[MoE, Linear
                       r.stacked(prefix + "ffn_up_exps.weight", (E, f, d)),
                       r.stacked(prefix + "ffn_down_exps.weight", (E, d, f)), d, f, mode)
     bias = r.vector(prefix + "exp_probs_b.bias", E) if r.has(prefix + "exp_probs_b.bias") else None
-    if not r.has(prefix + "ffn_down_shexp.weight"):
-        return MoE(router, experts, bias), None, None
     fs = m.shared_ffn
+    if not fs and not r.has(prefix + "ffn_down_shexp.weight"):
+        return MoE(router, experts, bias), None, None
     if not fs:
         raise ValueError(f"tensor {prefix + 'ffn_down_shexp.weight'!r} is present but the metadata has no "
                          f"'{c.arch}.expert_shared_feed_forward_length'")

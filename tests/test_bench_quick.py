@@ -43,7 +43,7 @@ def ratios_with_x(out: str) -> list[str]:
 
 def test_every_subcommand_has_a_quick_smoke_test():
     tested = {"engine", "dequant", "tokenizer", "paging", "serve", "tuning",
-              "spec"}                       # spec: tests/test_spec_bench.py runs its tiny setting
+              "spec", "moe"}                # spec, moe: tests/test_spec_bench.py, test_moe_bench.py
     assert set(BENCHMARKS) == tested
 
 

@@ -106,7 +106,7 @@ def test_refuses_unknown_architectures(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ValueError, match=r"'mamba' is not supported \(supported: gemma3, llama\)"):
+    with pytest.raises(ValueError, match=r"'mamba' is not supported \(supported: gemma3, granitemoe, llama, olmoe, qwen2moe, qwen3moe\)"):
         ModelRunner(str(path), max_model_len=32)
 
 

@@ -13,6 +13,11 @@ import numpy as np
 
 D, H, HKV, HD, F, VOCAB, LAYERS = 64, 4, 2, 16, 96, 320, 3
 SLIDING_WINDOW = 24          # gemma3: small, so that contexts of ~60 tokens cross it
+N_EXPERTS, N_USED, EXPERT_F, SHARED_F = 8, 2, 32, 64    # MoE variants (S16)
+# variant -> GGUF general.architecture (Mixtral is a llama file with llama.expert_count)
+ARCH_OF = {"llama": "llama", "gemma3": "gemma3", "qwen3moe": "qwen3moe", "qwen2moe": "qwen2moe",
+           "mixtral": "llama", "olmoe": "olmoe", "granitemoe": "granitemoe"}
+MOE = ("qwen3moe", "qwen2moe", "mixtral", "olmoe", "granitemoe")
 
 
 def _arch_tensors(arch: str, rng) -> dict[str, np.ndarray]:
@@ -25,33 +30,67 @@ def _arch_tensors(arch: str, rng) -> dict[str, np.ndarray]:
     t = {"token_embd.weight": mat(VOCAB, D, 0.5), "output_norm.weight": norm(D)}
     for i in range(LAYERS):
         p = f"blk.{i}."
-        hd = HD if arch == "gemma3" else D // H
+        hd = HD if arch in ("gemma3", "qwen3moe") else D // H
         t.update({p + "attn_norm.weight": norm(D), p + "attn_q.weight": mat(H * hd, D),
                   p + "attn_k.weight": mat(HKV * hd, D), p + "attn_v.weight": mat(HKV * hd, D),
-                  p + "attn_output.weight": mat(D, H * hd), p + "ffn_norm.weight": norm(D),
-                  p + "ffn_gate.weight": mat(F, D), p + "ffn_up.weight": mat(F, D), p + "ffn_down.weight": mat(D, F)})
+                  p + "attn_output.weight": mat(D, H * hd), p + "ffn_norm.weight": norm(D)})
+        if arch in MOE and not (arch == "qwen3moe" and i == 1):       # qwen3moe: layer 1 dense (mlp_only)
+            t.update({p + "ffn_gate_inp.weight": mat(N_EXPERTS, D, 0.5),
+                      p + "ffn_gate_exps.weight": rng.standard_normal((N_EXPERTS, EXPERT_F, D)) * 0.2,
+                      p + "ffn_up_exps.weight": rng.standard_normal((N_EXPERTS, EXPERT_F, D)) * 0.2,
+                      p + "ffn_down_exps.weight": rng.standard_normal((N_EXPERTS, D, EXPERT_F)) * 0.2})
+        else:
+            t.update({p + "ffn_gate.weight": mat(F, D), p + "ffn_up.weight": mat(F, D),
+                      p + "ffn_down.weight": mat(D, F)})
+        if arch in ("gemma3", "qwen3moe"):
+            t.update({p + "attn_q_norm.weight": norm(hd), p + "attn_k_norm.weight": norm(hd)})
+        if arch == "olmoe":                  # over the whole projection, not per head
+            t.update({p + "attn_q_norm.weight": norm(H * hd), p + "attn_k_norm.weight": norm(HKV * hd)})
         if arch == "gemma3":
-            t.update({p + "attn_q_norm.weight": norm(hd), p + "attn_k_norm.weight": norm(hd),
-                      p + "post_attention_norm.weight": norm(D), p + "post_ffw_norm.weight": norm(D)})
-    if arch == "llama":
+            t.update({p + "post_attention_norm.weight": norm(D), p + "post_ffw_norm.weight": norm(D)})
+        if arch == "qwen2moe":
+            t.update({p + "attn_q.bias": norm(H * hd, 0.0), p + "attn_k.bias": norm(HKV * hd, 0.0),
+                      p + "attn_v.bias": norm(HKV * hd, 0.0), p + "ffn_gate_inp_shexp.weight": norm(D, 0.0),
+                      p + "ffn_gate_shexp.weight": mat(SHARED_F, D), p + "ffn_up_shexp.weight": mat(SHARED_F, D),
+                      p + "ffn_down_shexp.weight": mat(D, SHARED_F)})
+    if arch in ("llama", "mixtral", "qwen2moe"):
         t["output.weight"] = mat(VOCAB, D, 0.3)        # untied (gemma3 ties its head to the embedding)
     return t
 
 
-def write_tiny(path: Path, arch: str, seed: int = 0) -> Path:
-    """A tiny random ``arch`` GGUF at ``path``."""
+def write_tiny(path: Path, variant: str, seed: int = 0, extra_meta: dict | None = None, edit=None) -> Path:
+    """A tiny random GGUF of ``variant`` (a key of ARCH_OF) at ``path``; ``extra_meta``: more uint32 keys (bad
+    input tests), ``edit(tensors)``: changes the tensors before they are written."""
     import gguf
 
     rng = np.random.default_rng(seed)
+    arch = ARCH_OF[variant]
     w = gguf.GGUFWriter(str(path), arch)
     w.add_uint32(f"{arch}.block_count", LAYERS)
     w.add_uint32(f"{arch}.embedding_length", D)
     w.add_uint32(f"{arch}.attention.head_count", H)
     w.add_uint32(f"{arch}.attention.head_count_kv", HKV)
-    w.add_uint32(f"{arch}.feed_forward_length", F)
+    if variant not in ("mixtral", "olmoe", "granitemoe"):
+        w.add_uint32(f"{arch}.feed_forward_length", F)
+    if variant == "granitemoe":
+        for key, v in (("embedding_scale", 3.0), ("residual_scale", 0.5), ("attention.scale", 0.2),
+                       ("logit_scale", 2.5)):
+            w.add_float32(f"{arch}.{key}", v)
     w.add_uint32(f"{arch}.context_length", 512)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
     w.add_float32(f"{arch}.rope.freq_base", 10000.0 if arch == "llama" else 1e6)
+    if variant in MOE:
+        w.add_uint32(f"{arch}.expert_count", N_EXPERTS)
+        w.add_uint32(f"{arch}.expert_used_count", N_USED)
+        if variant in ("mixtral", "olmoe", "granitemoe"):   # llama.cpp: the experts have feed_forward_length rows
+            w.add_uint32(f"{arch}.feed_forward_length", EXPERT_F)
+        else:
+            w.add_uint32(f"{arch}.expert_feed_forward_length", EXPERT_F)
+        if variant == "qwen2moe":
+            w.add_uint32(f"{arch}.expert_shared_feed_forward_length", SHARED_F)
+    if variant == "qwen3moe":
+        w.add_uint32(f"{arch}.attention.key_length", HD)
+        w.add_uint32(f"{arch}.attention.value_length", HD)
     if arch == "gemma3":
         w.add_uint32(f"{arch}.attention.key_length", HD)
         w.add_uint32(f"{arch}.attention.value_length", HD)
@@ -60,17 +99,29 @@ def write_tiny(path: Path, arch: str, seed: int = 0) -> Path:
     w.add_token_list([f"t{i}" for i in range(VOCAB)])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    for name, a in _arch_tensors(arch, rng).items():
-        if a.ndim == 2:
-            q = gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0)
-            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    for key, value in (extra_meta or {}).items():
+        w.add_uint32(key, value)
+    tensors = _arch_tensors(variant, rng)
+    if edit is not None:
+        edit(tensors)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    write_tensors(w, {name: (gguf.quants.quantize(a.astype(np.float32), q8), q8) if a.ndim >= 2 else
+                      a.astype(np.float32) for name, a in tensors.items()})
+    return path
+
+
+def write_tensors(w, tensors: dict) -> None:
+    """Add ``tensors`` (name -> float32 array, or (raw quantized bytes, ggml type)) to a GGUFWriter and write
+    the file."""
+    for name, v in tensors.items():
+        if isinstance(v, tuple):
+            w.add_tensor(name, v[0], raw_shape=v[0].shape, raw_dtype=v[1])
         else:
-            w.add_tensor(name, a)
+            w.add_tensor(name, v)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return path
 
 
-ARCHS = ("llama", "gemma3")
+ARCHS = tuple(ARCH_OF)

@@ -19,6 +19,7 @@ BENCHMARKS = {
     "spec": "pyengine.bench.spec",            # S14: speculative decoding, ngram / draft model vs plain decode
     "kv": "pyengine.bench.kv",                # S08: KV cache dtypes and weight formats: memory, PPL/KL, speed
     "structured": "pyengine.bench.structured",  # S15: grammar compile/mask time, coverage, validity vs peers
+    "moe": "pyengine.bench.moe",              # S16: MoE vs dense (same active / same total parameters)
 }
 
 

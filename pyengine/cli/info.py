@@ -24,20 +24,31 @@ def describe(gguf, path: str | None = None, tensors: bool = False) -> str:
     """The report printed by `pyengine info`, as text."""
     from pyengine.config import ModelConfig
     from pyengine.gguf.quants import type_name
+    from pyengine.models import ARCHITECTURES, load_config
 
     cfg = ModelConfig.from_gguf(gguf)
     md = gguf.metadata
+    try:                                                  # the architecture's own defaults (S16 experts)
+        moe = getattr(load_config(gguf), "moe", None) if cfg.arch in ARCHITECTURES else None
+    except ValueError as e:                               # GGUFError: still describe the rest of the file
+        moe, moe_error = None, str(e)
+    else:
+        moe_error = None
     rows = [
         ("file", f"{path or '<bytes>'}"),
         ("file size", f"{_human(gguf.file_size)} ({gguf.file_size} bytes), GGUF v{gguf.version}, "
                       f"alignment {gguf.alignment}, {len(md)} metadata keys"),
         ("name", str(md.get("general.name", "?"))),
-        ("architecture", cfg.arch + ("" if cfg.arch == "llama" else "  (readable; forward pass supports llama only)")),
+        ("architecture", cfg.arch + ("" if cfg.arch in ARCHITECTURES else "  (readable; no forward pass for it)")),
         ("layers", str(cfg.n_layers)),
         ("hidden size", str(cfg.d_model)),
         ("heads (q/kv)", f"{cfg.n_heads}/{cfg.n_kv_heads}"),
         ("head dim", str(cfg.head_dim)),
         ("FFN size", str(cfg.ffn_dim)),
+        *([("experts (S16)", f"{moe.n_experts} of {moe.expert_ffn} rows, top-{moe.n_used} ({moe.gating}"
+                             f"{', renormalised' if moe.norm_weights else ''}), shared expert "
+                             f"{moe.shared_ffn or 'none'}")] if moe else []),
+        *([("experts (S16)", f"invalid: {moe_error}")] if moe_error else []),
         ("vocab", str(cfg.vocab_size)),
         ("context length", str(cfg.context_length)),
         ("rope base", f"{cfg.rope_theta:g}"),

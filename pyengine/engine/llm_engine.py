@@ -399,7 +399,9 @@ class LLMEngine:
     # introspection -------------------------------------------------------------------------------
     def stats(self) -> dict:
         bm, sch = self.block_manager, self.scheduler
+        load = getattr(getattr(self.runner, "model", None), "expert_load", None)     # MoE models (S16)
         return {
+            **({"expert_load": load.snapshot()} if load is not None else {}),
             "running": len(sch.running), "waiting": len(sch.waiting), "preempted": len(sch.preempted),
             "unfinished_requests": len(self.requests),
             "used_blocks": bm.num_used_blocks(), "free_blocks": bm.num_free_blocks(), "total_blocks": bm.num_blocks,

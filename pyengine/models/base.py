@@ -16,8 +16,11 @@ from pyengine import tuning
 from pyengine.arena import ArenaSpec, spec
 from pyengine.gguf import quants
 from pyengine.layers.linear import Embedding, LeanLinear, Linear, QuantMatrix
+from pyengine.layers.activation import gated_activation
+from pyengine.layers.moe import Experts, ExpertLoad, MoE, MoEScratch, moe_forward, moe_reference
 from pyengine.layers.norm import rms_norm
-from pyengine.layers.rotary import interleaved_to_half, rope_cos_sin
+from pyengine.layers.paged_attention import paged_attention
+from pyengine.layers.rotary import apply_rope, interleaved_to_half, rope_cos_sin
 
 
 class LayerKind(NamedTuple):
@@ -51,12 +54,14 @@ class Buffers:
     logits_x: np.ndarray       # (R, d) hidden rows whose logits are wanted
     logits_xn: np.ndarray      # (R, d) the same, normalized
     logits: np.ndarray         # (R, V)
-    lean: np.ndarray           # (n,) lean mode: one matrix's (or a head chunk's) float32 rows; else (0,)
+    lean: np.ndarray           # (n,) lean mode: one matrix's (or a head chunk's, or an expert's) float32 rows
+    moe: MoEScratch | None = None   # MoE models (S16): router and grouped-expert regions "moe.*"
 
     PER_TOKEN = ("x", "xn", "qkv", "qk", "qk_rot", "rope_tmp", "attn", "proj", "gate_up", "ffn")
 
     def rows(self, T: int) -> "Buffers":
-        return replace(self, **{n: getattr(self, n)[:T] for n in self.PER_TOKEN})
+        cut = {n: getattr(self, n)[:T] for n in self.PER_TOKEN}
+        return replace(self, **cut, moe=None if self.moe is None else self.moe.rows(T))
 
     @classmethod
     def specs(cls, c, n_kinds: int, max_tokens: int, max_model_len: int, max_logits: int, decode_slots: int,
@@ -83,6 +88,8 @@ class Buffers:
                 spec("attn.scores", (max(plain, flash, short),)),
                 spec("logits.x", (max_logits, d)), spec("logits.xn", (max_logits, d)),
                 spec("logits.out", (max_logits, c.vocab_size)), spec("lean.scratch", (lean_floats,))]
+        if getattr(c, "moe", None) is not None:
+            out += MoEScratch.specs(c.moe, d, max_tokens)
         return out
 
     @classmethod
@@ -90,7 +97,9 @@ class Buffers:
         A = arena.views
         names = {"logits_x": "logits.x", "logits_xn": "logits.xn", "logits": "logits.out", "lean": "lean.scratch"}
         kw = {f.name: A[names.get(f.name) or ("act." if f.name in cls.PER_TOKEN else "attn.") + f.name]
-              for f in fields(cls) if f.name not in ("rope_rows", "rope_tables")}
+              for f in fields(cls) if f.name not in ("rope_rows", "rope_tables", "moe")}
+        if "moe.logits" in A:
+            kw["moe"] = MoEScratch.from_arena(A, A["moe.xs"].shape[0] // A["moe.logits"].shape[0])
         kw["rope_rows"] = [(A[f"rope.{k}.cos"], A[f"rope.{k}.sin"]) for k in range(n_kinds)]
         kw["rope_tables"] = [(A[f"rope.{k}.table_cos"], A[f"rope.{k}.table_sin"]) for k in range(n_kinds)]
         return cls(**kw)
@@ -136,19 +145,23 @@ class Weights:
         if not self.tied and id(src) not in seen:
             total += src.nbytes
         for L in self.layers:
-            total += sum(v.nbytes for v in L if isinstance(v, np.ndarray))
+            total += sum(v.nbytes for v in L if isinstance(v, (np.ndarray, MoE)))
         return total
+
+    def _scratch_users(self):
+        """The lean matrices and the lean experts (S16): they share one dequantization scratch."""
+        yield from (lin for _, lin in self.linears() if isinstance(lin, LeanLinear))
+        yield from (v.experts for L in self.layers for v in L if isinstance(v, MoE) and v.experts.mode == "lean")
 
     @property
     def lean_floats(self) -> int:
-        """Floats of scratch the lean matrices need (0 in resident mode)."""
-        return max((lin.scratch_floats for _, lin in self.linears() if isinstance(lin, LeanLinear)), default=0)
+        """Floats of scratch the lean matrices and experts need (0 in resident mode)."""
+        return max((u.scratch_floats for u in self._scratch_users()), default=0)
 
     def bind_scratch(self, lean: np.ndarray) -> None:
-        """Give every lean matrix the arena's shared dequantization scratch."""
-        for _, lin in self.linears():
-            if isinstance(lin, LeanLinear):
-                lin.scratch = lean
+        """Give every lean matrix (and lean experts) the arena's shared dequantization scratch."""
+        for u in self._scratch_users():
+            u.scratch = lean
 
 
 class TensorReader:
@@ -177,6 +190,53 @@ class TensorReader:
         if v.shape != (n,):
             raise ValueError(f"tensor {name!r} has shape {v.shape}, expected ({n},)")
         return v
+
+    def stacked(self, name: str, shape: tuple[int, int, int]) -> tuple[np.ndarray, int]:
+        """(raw uint8 (E, rows, row bytes), ggml_type) of a stacked (E, rows, cols) tensor (MoE experts). Older
+        Mixtral files hold one tensor per expert (``blk.N.ffn_gate.E.weight`` for ``blk.N.ffn_gate_exps.weight``,
+        as llama.cpp still reads them): those are stacked here."""
+        if not self.has(name) and name.endswith("_exps.weight"):
+            per = [f"{name[:-len('_exps.weight')]}.{e}.weight" for e in range(shape[0])]
+            if self.has(per[0]):
+                mats = [self.matrix(n, shape[1:]) for n in per]
+                types = {m.parts[0][1] for m in mats}
+                if len(types) > 1:
+                    raise ValueError(f"tensors {per[0]!r}..{per[-1]!r} mix ggml types {sorted(types)}")
+                return np.stack([m.parts[0][0] for m in mats]), types.pop()
+        info = self.gguf.tensor(name)
+        if tuple(info.shape) != shape:
+            raise ValueError(f"tensor {name!r} has shape {tuple(info.shape)}, expected {shape} (experts, rows, "
+                             "cols from the metadata)")
+        layout = quants.block_layout(info.ggml_type)
+        return info.data.reshape(shape[0], shape[1], shape[2] // layout.block_size * layout.type_size), \
+            info.ggml_type
+
+
+def moe_weights(r: TensorReader, prefix: str, c, mode: str) -> tuple[MoE, Linear | None, Linear | None]:
+    """(MoE, shared gate|up, shared down) of one MoE layer in llama.cpp's names (S16); the shared expert's
+    matrices are None when the file has none."""
+    from pyengine.layers.linear import make_linear
+    m, d = c.moe, c.d_model
+    E, f = m.n_experts, m.expert_ffn
+    router = r.matrix(prefix + "ffn_gate_inp.weight", (E, d)).dequantize().T.copy()
+    experts = Experts(r.stacked(prefix + "ffn_gate_exps.weight", (E, f, d)),
+                      r.stacked(prefix + "ffn_up_exps.weight", (E, f, d)),
+                      r.stacked(prefix + "ffn_down_exps.weight", (E, d, f)), d, f, mode)
+    bias = r.vector(prefix + "exp_probs_b.bias", E) if r.has(prefix + "exp_probs_b.bias") else None
+    fs = m.shared_ffn
+    if not fs and not r.has(prefix + "ffn_down_shexp.weight"):
+        return MoE(router, experts, bias), None, None
+    if not fs:
+        raise ValueError(f"tensor {prefix + 'ffn_down_shexp.weight'!r} is present but the metadata has no "
+                         f"'{c.arch}.expert_shared_feed_forward_length'")
+    gate_up = QuantMatrix.stack(r.matrix(prefix + "ffn_gate_shexp.weight", (fs, d)),
+                                r.matrix(prefix + "ffn_up_shexp.weight", (fs, d)))
+    name = prefix + "ffn_gate_inp_shexp.weight"
+    g = r.gguf.dequantize(name)
+    if g.size != d or g.ndim > 2:
+        raise ValueError(f"tensor {name!r} has shape {g.shape}, expected ({d},)")
+    return (MoE(router, experts, bias, g.reshape(d)), make_linear(gate_up, mode, act="silu"),
+            make_linear(r.matrix(prefix + "ffn_down_shexp.weight", (d, fs)), mode))
 
 
 def qkv_matrix(r: TensorReader, prefix: str, c, unpermute: bool) -> QuantMatrix:
@@ -208,12 +268,19 @@ def embedding_and_head(r: TensorReader, c, mode: str):
 
 class TransformerModel:
     """The shared fast path. Subclasses set ``kinds`` / ``kind_of`` and define ``layer`` (one layer's math) and
-    ``forward_reference``; ``embed_scale`` (Gemma: sqrt(d)) multiplies the embeddings."""
+    ``forward_reference``; ``embed_scale`` (Gemma: sqrt(d)) multiplies the embeddings; Granite's
+    ``residual_scale`` multiplies each sub-layer's output before its residual add and ``logit_scale`` divides
+    the logits."""
     embed_scale: float | None = None
+    residual_scale: float | None = None
+    logit_scale: float | None = None
 
     def __init__(self, config, weights: Weights, kinds: list[LayerKind], kind_of: list[int], scale: float):
         self.config, self.weights = config, weights
         self.kinds, self.kind_of, self.scale = kinds, kind_of, scale
+        moe_layers = [i for i, L in enumerate(weights.layers) if getattr(L, "moe", None) is not None]
+        if moe_layers:
+            self.expert_load = ExpertLoad(moe_layers, config.moe.n_experts)
 
     @property
     def windows(self) -> list:
@@ -243,7 +310,59 @@ class TransformerModel:
             logits = np.empty((n, c.vocab_size), np.float32)
         np.take(b.x, idx, axis=0, out=hx)
         rms_norm(hx, w.output_norm, c.rms_eps, out=hxn)
-        return w.head.matmul(hxn, logits)
+        w.head.matmul(hxn, logits)
+        if self.logit_scale is not None:
+            np.divide(logits, np.float32(self.logit_scale), out=logits)
+        return logits
+
+    def add_residual(self, b: Buffers) -> None:
+        """b.x += b.proj (times ``residual_scale``, if any)."""
+        if self.residual_scale is not None:
+            b.proj *= np.float32(self.residual_scale)
+        b.x += b.proj
 
     def layer(self, i: int, L, p, slots: np.ndarray, kv, b: Buffers) -> None:
         raise NotImplementedError
+
+    def qk_norm_attention(self, i: int, L, p, slots: np.ndarray, kv, b: Buffers, whole: bool = False) -> None:
+        """b.proj = Wo · attention of b.x with RMSNorm of the queries and keys before RoPE (layer fields
+        attn_norm, wqkv, q_norm, k_norm, wo): of each head (Gemma 3, Qwen3-MoE) or, ``whole``, of all query
+        and all key columns at once (OLMoE)."""
+        c = self.config
+        H, Hkv, hd, eps = c.n_heads, c.n_kv_heads, c.head_dim, c.rms_eps
+        T = b.x.shape[0]
+        rms_norm(b.x, L.attn_norm, eps, out=b.xn)
+        L.wqkv.matmul(b.xn, out=b.qkv)
+        if whole:
+            qk, out = b.qkv[:, :(H + Hkv) * hd], b.qk.reshape(T, (H + Hkv) * hd)
+            rms_norm(qk[:, :H * hd], L.q_norm, eps, out=out[:, :H * hd])
+            rms_norm(qk[:, H * hd:], L.k_norm, eps, out=out[:, H * hd:])
+        else:
+            qk = b.qkv[:, :(H + Hkv) * hd].reshape(T, H + Hkv, hd)
+            rms_norm(qk[:, :H], L.q_norm, eps, out=b.qk[:, :H])
+            rms_norm(qk[:, H:], L.k_norm, eps, out=b.qk[:, H:])
+        apply_rope(b.qk, p.cos, p.sin, out=b.qk_rot, tmp=b.rope_tmp)
+        kv.write(i, slots, b.qk_rot[:, H:], b.qkv[:, (H + Hkv) * hd:].reshape(T, Hkv, hd))
+        paged_attention(i, b.qk_rot[:, :H], kv, p.attention, out=b.attn, scratch=b, scale=self.scale)
+        L.wo.matmul(b.attn.reshape(T, H * hd), out=b.proj)
+
+    expert_load = None          # MoE models: an ExpertLoad (S16) the fast path counts routed tokens into
+
+    def feed_forward(self, i: int, L, b: Buffers) -> None:
+        """b.proj = the feed-forward of b.xn: the gated MLP, or an MoE layer's experts (layer fields ``moe``,
+        ``w_gate_up`` / ``w_down`` then being its shared expert's, or None)."""
+        moe = getattr(L, "moe", None)
+        if moe is None:
+            L.w_gate_up.gated(b.xn, out=b.ffn, scratch=b.gate_up)
+            L.w_down.matmul(b.ffn, out=b.proj)
+            return
+        counts = moe_forward(moe, self.config.moe, b.xn, b.proj, b.moe, L.w_gate_up, L.w_down)
+        if self.expert_load is not None:
+            self.expert_load.add(i, counts)
+
+    def ffn_reference(self, L, xn: np.ndarray) -> np.ndarray:
+        """The readable feed-forward (``forward_reference``): gated MLP, or the MoE per token."""
+        moe = getattr(L, "moe", None)
+        if moe is None:
+            return gated_activation(xn @ L.w_gate_up, L.w_gate_up.act) @ L.w_down
+        return moe_reference(moe, self.config.moe, xn, L.w_gate_up, L.w_down)

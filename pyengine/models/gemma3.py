@@ -26,7 +26,6 @@ from pyengine.layers.activation import gated_activation
 from pyengine.layers.attention import attention
 from pyengine.layers.linear import Linear, make_linear
 from pyengine.layers.norm import rms_norm
-from pyengine.layers.paged_attention import paged_attention
 from pyengine.layers.rotary import apply_rope, rope_cos_sin, rope_inv_freq
 from pyengine.models.base import (LayerKind, TensorReader, TransformerModel, Weights, embedding_and_head,
                                   gate_up_matrix, qkv_matrix)
@@ -131,18 +130,8 @@ class Gemma3Model(TransformerModel):
 
     def layer(self, i, L, p, slots, kv, b) -> None:
         """One layer over the step's T tokens, in place on b.x. ``p``: this kind of layer's part of the plan."""
-        c = self.config
-        H, Hkv, hd, eps = c.n_heads, c.n_kv_heads, c.head_dim, c.rms_eps
-        T = b.x.shape[0]
-        rms_norm(b.x, L.attn_norm, eps, out=b.xn)
-        L.wqkv.matmul(b.xn, out=b.qkv)
-        qk = b.qkv[:, :(H + Hkv) * hd].reshape(T, H + Hkv, hd)
-        rms_norm(qk[:, :H], L.q_norm, eps, out=b.qk[:, :H])
-        rms_norm(qk[:, H:], L.k_norm, eps, out=b.qk[:, H:])
-        apply_rope(b.qk, p.cos, p.sin, out=b.qk_rot, tmp=b.rope_tmp)
-        kv.write(i, slots, b.qk_rot[:, H:], b.qkv[:, (H + Hkv) * hd:].reshape(T, Hkv, hd))
-        paged_attention(i, b.qk_rot[:, :H], kv, p.attention, out=b.attn, scratch=b, scale=self.scale)
-        L.wo.matmul(b.attn.reshape(T, H * hd), out=b.proj)
+        eps = self.config.rms_eps
+        self.qk_norm_attention(i, L, p, slots, kv, b)
         b.x += rms_norm(b.proj, L.post_attn_norm, eps, out=b.xn)
         rms_norm(b.x, L.ffn_norm, eps, out=b.xn)
         L.w_gate_up.gated(b.xn, out=b.ffn, scratch=b.gate_up)

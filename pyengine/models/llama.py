@@ -5,6 +5,9 @@
                 x += Wdown · (silu(Wgate · norm(x)) * Wup · norm(x))
     logits = head · norm(x)          (head = token_embd when the embeddings are tied)
 
+Mixtral is a llama GGUF with ``llama.expert_count``: its layers' feed-forward is a mixture of experts
+(layers/moe.py, S16) — softmax router, top-k renormalised — instead of the one gated MLP.
+
 Q|K|V are fused into one matrix and gate|up into one, so a layer is four products (layers/linear.py). GGUF
 stores Q/K rows permuted for llama.cpp's interleaved RoPE; the loader undoes it, so RoPE is the half-split form.
 ``forward_reference`` is the readable pass every fast path is tested against; ``layer`` is the fast one, run by
@@ -18,25 +21,27 @@ from typing import NamedTuple
 import numpy as np
 
 from pyengine.config import ModelConfig
-from pyengine.layers.activation import swiglu
 from pyengine.layers.attention import attention
 from pyengine.layers.linear import Linear, make_linear
+from pyengine.layers.moe import MoE, MoEConfig
 from pyengine.layers.norm import rms_norm
 from pyengine.layers.paged_attention import paged_attention
 from pyengine.layers.rotary import apply_rope, rope_cos_sin, rope_inv_freq
 from pyengine.models.base import (LayerKind, TensorReader, TransformerModel, Weights, embedding_and_head,
-                                  gate_up_matrix, qkv_matrix)
+                                  gate_up_matrix, moe_weights, qkv_matrix)
 
 ARCH = "llama"
 
 
 @dataclass(frozen=True)
 class LlamaConfig(ModelConfig):
-    pass
+    moe: MoEConfig | None = None   # Mixtral (and Qwen2-MoE, models/qwen2moe.py): the experts' shape
 
 
 def read_config(gguf) -> LlamaConfig:
-    return LlamaConfig(**ModelConfig.from_gguf(gguf).to_dict())
+    c = ModelConfig.from_gguf(gguf)
+    # llama.cpp: a llama file's experts have feed_forward_length rows and renormalised top-k weights
+    return LlamaConfig(**c.to_dict(), moe=MoEConfig.from_gguf(gguf.metadata, c.arch, c.ffn_dim, norm_default=True))
 
 
 class LlamaLayer(NamedTuple):
@@ -44,22 +49,31 @@ class LlamaLayer(NamedTuple):
     wqkv: Linear               # (d, H*hd + 2*Hkv*hd)   columns: Q (RoPE half-split order) | K (same) | V
     wo: Linear                 # (H*hd, d)
     ffn_norm: np.ndarray       # (d,)
-    w_gate_up: Linear          # (d, 2F)                columns: gate | up (SwiGLU)
-    w_down: Linear             # (F, d)
+    w_gate_up: Linear | None   # (d, 2F)                columns: gate | up (SwiGLU); MoE: the shared expert's
+    w_down: Linear | None      # (F, d)
+    moe: MoE | None = None     # MoE layers: router and experts (then w_gate_up / w_down: shared expert or None)
+    bqkv: np.ndarray | None = None  # ((H + 2 Hkv) hd,) Q|K|V biases (Qwen2-MoE)
 
 
-def load_weights(gguf, c: LlamaConfig, mode: str = "resident") -> Weights:
+def load_weights(gguf, c: LlamaConfig, mode: str = "resident", unpermute: bool = True,
+                 qkv_bias: bool = False) -> Weights:
+    """``unpermute``: Q/K rows stored for interleaved RoPE (llama); False for the half-split (NEOX) families."""
     r = TensorReader(gguf)
     hd, d = c.head_dim, c.d_model
     layers = []
     for i in range(c.n_layers):
         p = f"blk.{i}."
-        qkv, gate_up = qkv_matrix(r, p, c, unpermute=True), gate_up_matrix(r, p, c)
+        if c.moe is not None and r.has(p + "ffn_gate_inp.weight"):
+            moe, gate_up, down = moe_weights(r, p, c, mode)
+        else:
+            moe, gate_up = None, make_linear(gate_up_matrix(r, p, c), mode, act="silu")
+            down = make_linear(r.matrix(p + "ffn_down.weight", (d, c.ffn_dim)), mode)
+        bias = np.concatenate([r.vector(p + f"attn_{n}.bias", rows * hd) for n, rows in
+                               (("q", c.n_heads), ("k", c.n_kv_heads), ("v", c.n_kv_heads))]) if qkv_bias else None
         layers.append(LlamaLayer(
-            attn_norm=r.vector(p + "attn_norm.weight", d), wqkv=make_linear(qkv, mode),
+            attn_norm=r.vector(p + "attn_norm.weight", d), wqkv=make_linear(qkv_matrix(r, p, c, unpermute), mode),
             wo=make_linear(r.matrix(p + "attn_output.weight", (d, c.n_heads * hd)), mode),
-            ffn_norm=r.vector(p + "ffn_norm.weight", d), w_gate_up=make_linear(gate_up, mode, act="silu"),
-            w_down=make_linear(r.matrix(p + "ffn_down.weight", (d, c.ffn_dim)), mode)))
+            ffn_norm=r.vector(p + "ffn_norm.weight", d), w_gate_up=gate_up, w_down=down, moe=moe, bqkv=bias))
     embed, head, tied = embedding_and_head(r, c, mode)
     freq = gguf.dequantize("rope_freqs.weight") if r.has("rope_freqs.weight") else None
     return Weights(c, mode, layers, embed, r.vector("output_norm.weight", d), head, tied, freq_factors=freq)
@@ -79,14 +93,17 @@ class LlamaModel(TransformerModel):
         T, H, Hkv, hd = len(token_ids), c.n_heads, c.n_kv_heads, c.head_dim
         positions = np.arange(T) if positions is None else np.asarray(positions, dtype=np.int64)
         cos, sin = rope_cos_sin(positions, self.kinds[0].inv_freq)
-        x = w.embed(token_ids)
+        x = w.embed(token_ids) * np.float32(self.embed_scale or 1.0)       # Granite's multipliers or 1
+        res, logit = np.float32(self.residual_scale or 1.0), np.float32(self.logit_scale or 1.0)
         for L in w.layers:
-            q, k, v = np.split(rms_norm(x, L.attn_norm, c.rms_eps) @ L.wqkv, [H * hd, (H + Hkv) * hd], axis=1)
+            qkv = rms_norm(x, L.attn_norm, c.rms_eps) @ L.wqkv
+            q, k, v = np.split(qkv if L.bqkv is None else qkv + L.bqkv, [H * hd, (H + Hkv) * hd], axis=1)
             q = apply_rope(q.reshape(T, H, hd), cos, sin)
             k = apply_rope(k.reshape(T, Hkv, hd), cos, sin)
-            x = x + attention(q, k, v.reshape(T, Hkv, hd), offset=0).reshape(T, H * hd) @ L.wo
-            x = x + swiglu(rms_norm(x, L.ffn_norm, c.rms_eps) @ L.w_gate_up) @ L.w_down
-        return rms_norm(x, w.output_norm, c.rms_eps) @ w.head
+            h = attention(q, k, v.reshape(T, Hkv, hd), offset=0, scale=self.scale).reshape(T, H * hd)
+            x = x + res * (h @ L.wo)
+            x = x + res * self.ffn_reference(L, rms_norm(x, L.ffn_norm, c.rms_eps))
+        return (rms_norm(x, w.output_norm, c.rms_eps) @ w.head) / logit
 
     def layer(self, i, L, p, slots, kv, b) -> None:
         """One layer over the step's T tokens, in place on b.x. ``p``: this kind of layer's part of the plan."""
@@ -95,16 +112,17 @@ class LlamaModel(TransformerModel):
         T = b.x.shape[0]
         rms_norm(b.x, L.attn_norm, c.rms_eps, out=b.xn)
         L.wqkv.matmul(b.xn, out=b.qkv)
+        if L.bqkv is not None:
+            b.qkv += L.bqkv
         # Q and K heads are adjacent columns of qkv: rotate them in one call
         apply_rope(b.qkv[:, :(H + Hkv) * hd].reshape(T, H + Hkv, hd), p.cos, p.sin, out=b.qk_rot, tmp=b.rope_tmp)
         kv.write(i, slots, b.qk_rot[:, H:], b.qkv[:, (H + Hkv) * hd:].reshape(T, Hkv, hd))
         paged_attention(i, b.qk_rot[:, :H], kv, p.attention, out=b.attn, scratch=b, scale=self.scale)
         L.wo.matmul(b.attn.reshape(T, H * hd), out=b.proj)
-        b.x += b.proj
+        self.add_residual(b)                              # b.x += b.proj (Granite: scaled)
         rms_norm(b.x, L.ffn_norm, c.rms_eps, out=b.xn)
-        L.w_gate_up.gated(b.xn, out=b.ffn, scratch=b.gate_up)
-        L.w_down.matmul(b.ffn, out=b.proj)
-        b.x += b.proj
+        self.feed_forward(i, L, b)                        # gated MLP, or the experts (S16)
+        self.add_residual(b)
 
 
 def build(gguf, mode: str = "resident"):

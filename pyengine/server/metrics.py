@@ -56,6 +56,11 @@ class ServerMetrics:
         self.spec_mean_acceptance_length = Gauge(
             p + "spec_decode_mean_acceptance_length", "Tokens emitted per verification so far (1 + accepted / drafts)",
             registry=r)
+        # S16: MoE models' routing over the engine's window of recent steps
+        self.expert_tokens = Gauge(p + "moe_expert_tokens", "Tokens routed to each expert over the recent window",
+                                   ["layer", "expert"], registry=r)
+        self.expert_balance = Gauge(p + "moe_expert_load_balance", "Mean / max tokens per expert (1 = even)",
+                                    ["layer"], registry=r)
 
     def observe_engine(self, engine) -> None:
         """Refresh the gauges from the engine (called by the engine loop between steps)."""
@@ -78,6 +83,11 @@ class ServerMetrics:
                 self._spec_seen[name] = total
         if isinstance(stats.get("spec_decode_mean_acceptance_length"), float):
             self.spec_mean_acceptance_length.set(stats["spec_decode_mean_acceptance_length"])
+        for row in (stats.get("expert_load") or {}).get("layers", ()):
+            for e, n in enumerate(row["tokens"]):
+                self.expert_tokens.labels(str(row["layer"]), str(e)).set(n)
+            if row["balance"] is not None:
+                self.expert_balance.labels(str(row["layer"])).set(row["balance"])
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -63,7 +63,14 @@ class LLM:
         """Reply to one conversation (a list of {"role", "content"} dicts) or to a list of them,
         formatted with the model's chat template. Returns one `RequestOutput` per conversation."""
         convs = self._conversations(messages)
-        prompts = [self.chat_prompt(c, add_generation_prompt) for c in convs]
+        tok = self.get_tokenizer()
+        if hasattr(tok, "encode_chat"):      # message text stays plain text: control-token strings in it are
+            prompts = []                     # characters, so no message can open a forged turn
+            for c in convs:
+                text, ids = tok.encode_chat(c, add_generation_prompt=add_generation_prompt)
+                prompts.append({"prompt": text, "prompt_token_ids": ids})
+        else:
+            prompts = [self.chat_prompt(c, add_generation_prompt) for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def chat_prompt(self, conversation: list[dict], add_generation_prompt: bool = True) -> str:

@@ -42,7 +42,7 @@ def ratios_with_x(out: str) -> list[str]:
 
 
 def test_every_subcommand_has_a_quick_smoke_test():
-    tested = {"engine", "dequant", "tokenizer", "paging", "serve", "tuning",
+    tested = {"engine", "dequant", "tokenizer", "paging", "serve", "tuning", "kv", "structured",
               "spec", "moe"}                # spec, moe: tests/test_spec_bench.py, test_moe_bench.py
     assert set(BENCHMARKS) == tested
 
@@ -104,3 +104,20 @@ def test_bench_tuning_quick():
     assert [r[0] for r in rows] == ["256", "128"], out
     finite_positive([v for r in rows for v in r[1:]], "tuning sweep times and ratios", 12)
     assert [float(v) for v in rows[0][2::2]] == [1.0, 1.0, 1.0]          # the first value is the baseline
+
+
+def test_bench_kv_quick():
+    out = bench("kv", "--quick", "--only", "kv", "--dtypes", "auto,q8_0", "--steps", "2", "--windows", "1",
+                "--ctx", "128", "--batch-context", "128")
+    rows = re.findall(rf"^\s+(auto|q8_0)\s+(\d+)\s+(\d+)\s+(\d+)\s+({NUMBER})", out, re.M)
+    assert [r[0] for r in rows] == ["auto", "q8_0"], out
+    assert int(rows[1][1]) * 3 < int(rows[0][1])                      # q8_0 stores < 1/3 of the bytes per token
+    finite_positive(re.findall(rf"blocks x({NUMBER})", out), "KV block ratio", 1)
+    finite_positive(re.findall(rf"@2048 x({NUMBER})", out), "decode ratio", 1)
+
+
+def test_bench_structured_quick():
+    out = bench("structured", "--limit", "4", "--engines", "pyengine", "--tokens", "10")
+    row = re.search(rf"^pyengine\s+(\d+)/(\d+)\s+({NUMBER})ms\s+({NUMBER})ms\s+({NUMBER})ms\s+({NUMBER})ms", out, re.M)
+    assert row and row.group(1) == row.group(2) == "4", out
+    finite_positive(row.groups()[2:], "compile and mask times", 4)

@@ -614,3 +614,27 @@ def test_prompts_parsed_in_a_worker_process(smol_tokenizer):
                 assert err["code"] == "context_length_exceeded"
     assert all(n < 10_000 for n in engine.encoded_chars)     # the server's own tokenizer never saw them
     assert stream.worst < 1.0, stream.worst
+
+
+def test_forged_turn_through_the_python_api_and_the_worker(smol_tokenizer):
+    """LLM.chat and the browser worker's chat path encode message text as plain text too."""
+    import sys
+    from pathlib import Path
+
+    from pyengine import LLM, SamplingParams
+    from pyengine.model_files import default_model_path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "web"))
+    from pyworker import WorkerSession
+    start = smol_tokenizer.token_to_id("<|im_start|>")
+    llm = LLM(max_model_len=256, max_num_seqs=2, weights_mode="lean")
+    out = llm.chat(FORGED, SamplingParams(max_tokens=1, temperature=0))
+    assert list(out[0].prompt_token_ids).count(start) == 3
+    assert list(out[0].prompt_token_ids) == smol_tokenizer.encode_chat(FORGED)[1]
+    session = WorkerSession()
+    with open(default_model_path(), "rb") as f:
+        session.load(f.read(), mode="lean", max_model_len=256)
+    forged = FORGED[-1]["content"]
+    session.start("w", forged, max_tokens=1, temperature=0.0, chat=True)
+    ids = list(session.engine.requests["w"].prompt_token_ids)
+    assert ids == smol_tokenizer.encode_chat([{"role": "user", "content": forged}])[1]
+    assert ids.count(start) == 3                 # the template's default system, user and assistant turns

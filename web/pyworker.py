@@ -87,9 +87,9 @@ class WorkerSession:
 
         if self.engine is None:
             raise ValueError("no model loaded: load a GGUF file first")
-        if chat:
-            prompt = self.engine.get_tokenizer().apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+        if chat:                              # the message's text is plain text: no forged turn (S02)
+            text, ids = self.engine.get_tokenizer().encode_chat([{"role": "user", "content": prompt}])
+            prompt = {"prompt": text, "prompt_token_ids": ids}
         structured = None
         if json_schema is not None:
             if isinstance(json_schema, str) and json_schema.strip() in ("", "{}"):

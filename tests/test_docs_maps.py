@@ -35,7 +35,7 @@ def _check_cell(cell: str, base: Path, problems: list[str]) -> None:
                 problems.append(f"missing folder {name}")
             current = folder / "__init__.py"
             continue
-        if "*" in name or name.startswith(("tokenizer.", "general.")):   # patterns and GGUF metadata keys
+        if "*" in name or name.startswith(("tokenizer.ggml.", "general.")):   # patterns and GGUF metadata keys
             continue
         if FILE.match(name):
             path = (base / name) if not name.startswith(("pyengine/", "ts-mini/", "web/", "tests/", "scripts/",

@@ -101,6 +101,13 @@ def test_cli_perplexity_and_kl_self_comparison(tmp_path, capsys, runner):
     kl = float(next(l for l in out.splitlines() if l.startswith("Mean    KLD:")).split()[2])
     assert 0 <= kl < 1e-6
     assert "Same top p: 100.000" in out
+    # a q4_0 KV cache against the float32 base: the error shows as KL and a lower top-1 agreement
+    assert main(["perplexity", "--file", str(text), "--kl-divergence-base", str(base), "--kl-divergence",
+                 "--kv-cache-dtype", "q4_0"]) == 0
+    out = capsys.readouterr().out
+    kl4 = float(next(l for l in out.splitlines() if l.startswith("Mean    KLD:")).split()[2])
+    top4 = float(next(l for l in out.splitlines() if l.startswith("Same top p:")).split()[3])
+    assert 1e-3 < kl4 < 1 and top4 < 100
     with pytest.raises(SystemExit):
         main(["perplexity"])                                   # --file is required
     assert main(["perplexity", "--file", str(text), "--kl-divergence"]) == 1   # needs the base file

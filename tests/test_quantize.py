@@ -19,6 +19,11 @@ from pyengine.gguf.writer import TensorOut, write_gguf
 from pyengine.model_files import default_model_path
 
 GOLDEN = Path(__file__).parent / "golden" / "quantize_smollm2.json"
+# Top-2 logit margin (ours or llama.cpp's) under which the greedy picks may part. llama.cpp multiplies with
+# activations rounded to 8 bits (per 32 values for Q5_0/Q8_0 weights, per 256 for K-quants): on the Q8_0 file its
+# teacher-forced picks match ours at all 48 steps; on the Q4_K file one gap differs by 1.05 (8-bit activations
+# emulated in our engine account for 0.45 of it; the rest is its other reduced-precision steps).
+NEAR_TIE = 0.7
 
 
 def _inputs(rng, cols=512):
@@ -60,6 +65,13 @@ def test_round_trip_error_of_gaussian_weights(name, rel_rms):
         assert np.abs(ye[1, :256] + 7).max() < 0.05
 
 
+def _q4_k_s_more_bits(name: str, n_layer: int) -> bool:
+    """llama.cpp's Q4_K_S: attn_v of the first 4 layers and ffn_down of the first n_layer/8 get Q5_K (Q5_1
+    where rows are not whole 256-blocks)."""
+    layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
+    return (0 <= layer < 4 and "attn_v" in name) or (0 <= layer < n_layer / 8 and "ffn_down" in name)
+
+
 def test_golden_k_quants_match_llama_cpp():
     """llama.cpp's llama_model_quantize output (hash per tensor) on an F32 copy of SmolLM2's first layers."""
     doc = json.loads(GOLDEN.read_text())
@@ -67,11 +79,11 @@ def test_golden_k_quants_match_llama_cpp():
     checked = 0
     for case in doc["tensors"]:
         t = GGMLType[case["type"]]
-        want = target_type(case["name"], tuple(case["shape"]), case["ftype"], tied=True)
-        if case.get("mixture"):                  # llama.cpp's Q4_K_S gives this one more bits: not our policy
-            assert want != case["type"]
+        if case["ftype"] == "Q4_K" and _q4_k_s_more_bits(case["name"], g.metadata["llama.block_count"]):
+            assert case["type"] in ("Q5_K", "Q5_1")          # llama.cpp's Q4_K_S mixture: not our plain Q4_K
             continue
-        assert want == case["type"], case["name"]
+        assert target_type(case["name"], tuple(case["shape"]), case["ftype"], tied=True) == case["type"], case
+
         raw = quantizer(t)(g.dequantize(case["name"]))
         assert hashlib.sha256(raw.tobytes()).hexdigest() == case["sha256"], (case["name"], case["type"])
         checked += 1
@@ -179,3 +191,35 @@ def test_requantizing_llama_cpps_own_file_reproduces_its_bytes():
     assert len(quantized) == 211
     for t in quantized[::7] + [g.tensor("token_embd.weight")]:
         assert np.array_equal(quantizer(t.ggml_type)(g.dequantize(t.name)), t.data), t.name
+
+
+@pytest.fixture(scope="module")
+def quantized_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("quantized")
+    out = {}
+    for t in ("Q8_0", "Q4_K"):
+        out[t] = str(d / f"smol-{t}.gguf")
+        quantize_model(default_model_path(), out[t], t)
+    return out
+
+
+def test_written_files_give_llama_cpps_greedy_text(quantized_files):
+    """llama.cpp loaded the files `pyengine quantize` writes and generated greedily (golden). pyengine on the
+    same files, fed llama.cpp's tokens (one forward over prompt + continuation), picks llama.cpp's next token at
+    every step that is not a near-tie on either side (llama.cpp's CPU backend multiplies with 8-bit-quantized
+    activations, so its logits differ from exact ones), and the two greedy runs agree up to the first one."""
+    from pyengine.engine.model_runner import ModelRunner
+    doc = json.loads(GOLDEN.read_text())
+    runners = {t: ModelRunner(p, max_model_len=128, max_num_seqs=1, max_logits=32) for t, p in quantized_files.items()}
+    compared = 0
+    for case in doc["greedy"]:
+        r, n, toks = runners[case["type"]], len(case["prompt_ids"]), case["tokens"]
+        logits = r.run(r.contiguous_batch(case["prompt_ids"] + toks[:-1], 0, logits_all=True))[n - 1:]
+        top2 = np.sort(logits, axis=1)[:, -2:]
+        ours = top2[:, 1] - top2[:, 0]
+        clear = [j for j in range(len(toks)) if min(ours[j], case["margins"][j]) >= NEAR_TIE]
+        assert [int(np.argmax(logits[j])) for j in clear] == [toks[j] for j in clear], case["prompt"]
+        compared += len(clear)
+        first_tie = next((j for j in range(len(toks)) if j not in clear), len(toks))
+        assert r.generate_greedy(case["prompt_ids"], first_tie) == toks[:first_tie]
+    assert compared >= 0.4 * sum(len(c["tokens"]) for c in doc["greedy"])

@@ -8,8 +8,10 @@ Every tensor is dequantized to float32 and quantized again to the type llama.cpp
   or Q8_0 when the target is Q8_0 or its rows are not a multiple of 256;
 - a K-quant target whose rows are not a multiple of 256 falls back as llama.cpp does: Q4_K -> Q5_0,
   Q6_K -> Q8_0 (SmolLM2's 576-wide rows, Gemma 3's 640-wide).
-``--type Q4_K`` puts every other matrix in Q4_K: llama.cpp's Q4_K_S / Q4_K_M also give a few attn_v and
-ffn_down matrices more bits (Q5_K / Q6_K), which this does not.
+``--type Q4_K`` puts every other matrix in Q4_K: llama.cpp's Q4_K_S also gives attn_v of the first 4 layers and
+ffn_down of the first n_layer/8 Q5_K (Q4_K_M: Q6_K on some), which this does not. Against llama.cpp's own
+``llama_model_quantize`` of the same float32 weights, every other tensor comes out byte for byte the same
+(tests/test_quantize.py, golden from scripts/make_golden_quantize.py).
 """
 from __future__ import annotations
 

@@ -110,4 +110,8 @@ FEATURE_SCHEMAS = [
     {"type": "array", "items": {"type": "string", "enum": ["red", "green", "blue"]}, "uniqueItems": True,
      "minItems": 1},
     {"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
+    {"type": "object", "propertyNames": {"pattern": "^[a-z]{1,6}$"}, "additionalProperties": {"type": "integer"}},
+    {"type": "object", "additionalProperties": {"type": "boolean"}, "minProperties": 1, "maxProperties": 1},
+    {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 3}},
+     "maxProperties": 1},
 ]

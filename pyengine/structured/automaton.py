@@ -105,9 +105,11 @@ class _NFA:
             else:
                 self.calls[a].append((name, b))
         elif kind == "list":
-            _, items, required, sep = node
+            items, required, sep = node[1:4]
+            at_least_one = len(node) > 4 and node[4]
             if not items:
-                self.eps[a].append(b)
+                if not at_least_one:
+                    self.eps[a].append(b)
                 return
             # none[i]: no item written yet before item i; some[i]: at least one written
             none = [a] + [self.new() for _ in items]
@@ -123,7 +125,7 @@ class _NFA:
                     if some[i] is not None:
                         self.eps[some[i]].append(some[i + 1])
             self.eps[some[-1]].append(b)
-            if not any(required):
+            if not any(required) and not at_least_one:
                 self.eps[none[-1]].append(b)
         else:
             raise GrammarError(f"unknown grammar node {kind!r}")

@@ -7,9 +7,10 @@ A node is a plain tuple, so rules can be built, compared and hashed cheaply:
     ("alt", (n1, n2, ...))      alternation (the empty alternation matches nothing)
     ("rep", node, lo, hi)       node repeated lo..hi times (hi None: unbounded)
     ("ref", name)               the rule ``name`` of the grammar (may be recursive)
-    ("list", items, required, sep)
+    ("list", items, required, sep, at_least_one)
                                 the items in order, each present or (when not required) left out, with
-                                ``sep`` between consecutive present ones: JSON object members. Kept as one
+                                ``sep`` between consecutive present ones (and at least one present when
+                                ``at_least_one``): JSON object members. Kept as one
                                 node because spelling it with seq/alt needs quadratic size.
 
 Text is matched as UTF-8: a character class (code point ranges) becomes an alternation of byte-range

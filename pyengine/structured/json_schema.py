@@ -32,16 +32,16 @@ ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", 
 SUPPORTED = {"type", "enum", "const", "properties", "required", "additionalProperties", "anyOf", "oneOf",
              "allOf", "$ref", "items", "prefixItems", "additionalItems", "minItems", "maxItems", "minLength",
              "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
-             "minProperties", "maxProperties", "uniqueItems", "patternProperties"}
+             "minProperties", "maxProperties", "uniqueItems", "patternProperties", "propertyNames"}
 # Validation keywords of the JSON Schema vocabularies this compiler does not enforce: always an error.
-UNSUPPORTED = {"not", "if", "then", "else", "multipleOf", "propertyNames",
+UNSUPPORTED = {"not", "if", "then", "else", "multipleOf",
                "dependencies", "dependentRequired", "dependentSchemas", "unevaluatedProperties",
                "unevaluatedItems", "contains", "minContains", "maxContains", "$dynamicRef", "$recursiveRef",
                "$dynamicAnchor", "$recursiveAnchor", "contentSchema", "extends", "disallow", "divisibleBy"}
 TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 TYPE_KEYWORDS = {
     "object": {"properties", "required", "additionalProperties", "minProperties", "maxProperties",
-               "patternProperties"},
+               "patternProperties", "propertyNames"},
     "array": {"items", "prefixItems", "additionalItems", "minItems", "maxItems", "uniqueItems"},
     "string": {"minLength", "maxLength", "pattern", "format"},
     "number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"},
@@ -654,42 +654,85 @@ class SchemaCompiler:
                     raise GrammarError(f"required property {r!r} is not in properties and additionalProperties "
                                        "is false", "required")
                 names.append(r)
+        name_ok, extra_key = self._property_names(s)
         members, flags = [], []
         for name in names:
             sub = props.get(name, addl)
-            value = self.node(sub)
+            value = self.node(sub) if name_ok(name) else ir.NOTHING
             if value == ir.NOTHING:
                 if name in required:
                     return ir.NOTHING
                 continue
             members.append(seq(literal(dumps(name)), literal(":"), value))
             flags.append(name in required)
-        n_extra_max = None
+        singles = list(members)                  # one member each (for maxProperties 1)
         pattern_member = self._pattern_member(s, names, addl)
-        if pattern_member is not None:
-            members.append(seq(pattern_member, rep(seq(literal(","), pattern_member), 0, None)))
-            flags.append(False)
-            n_extra_max = None
-        elif addl is not False:
+        if pattern_member is not None and extra_key is not None:
+            raise GrammarError("propertyNames together with patternProperties is not supported", "propertyNames")
+        extra = pattern_member
+        if extra is None and addl is not False:
             value = self.node(addl)
             if value != ir.NOTHING:
-                extra = seq(_string_not_in(names), literal(":"), value)
-                members.append(seq(extra, rep(seq(literal(","), extra), 0, None)))
-                flags.append(False)
-            else:
-                n_extra_max = 0
-        else:
-            n_extra_max = 0
+                if extra_key is not None and any(name_ok(n) for n in names):
+                    raise GrammarError("propertyNames with listed properties and additionalProperties is not "
+                                       "supported", "propertyNames")
+                extra = seq(extra_key if extra_key is not None else _string_not_in(names), literal(":"), value)
+        if extra is not None:
+            members.append(seq(extra, rep(seq(literal(","), extra), 0, None)))
+            flags.append(False)
+            singles.append(extra)
         n_req = sum(flags)
         lo_p = _count(s, "minProperties", 0)
         hi_p = _count(s, "maxProperties", None)
-        if lo_p > n_req:
-            raise GrammarError("minProperties above the number of required properties is not supported",
-                               "minProperties")
-        if hi_p is not None and (n_extra_max is None or hi_p < len(members)):
+        if hi_p is not None and hi_p < n_req:
+            return ir.NOTHING
+        if extra is None and lo_p > len(members):
+            raise GrammarError(f"minProperties {lo_p} exceeds the {len(members)} properties the grammar may write "
+                               "(unlisted properties need additionalProperties)", "minProperties")
+        if hi_p == 1 and (extra is not None or len(members) > 1):
+            # at most one member: the required one, or any single one (or none, without minProperties)
+            if n_req:
+                options = [singles[flags.index(True)]]
+            else:
+                options = singles + ([] if lo_p else [ir.EMPTY])
+            return seq(literal("{"), alt(*options), literal("}"))
+        if hi_p is not None and (extra is not None or hi_p < len(members)):
             raise GrammarError("maxProperties below the number of possible properties is not supported",
                                "maxProperties")
-        return seq(literal("{"), ("list", tuple(members), tuple(flags), literal(",")), literal("}"))
+        at_least_one = False
+        if lo_p > n_req:
+            if lo_p == 1 and members:
+                at_least_one = True              # {} is not allowed: the list must not be empty
+            else:
+                raise GrammarError("minProperties above the number of required properties is not supported",
+                                   "minProperties")
+        body = ("list", tuple(members), tuple(flags), literal(","), at_least_one)
+        return seq(literal("{"), body, literal("}"))
+
+    def _property_names(self, s):
+        """(predicate over listed names, key node for extra properties or None) from propertyNames, which
+        is enforced when it is a string schema of pattern / minLength / maxLength only."""
+        pn = s.get("propertyNames", True)
+        if pn is True or pn == {}:
+            return (lambda name: True), None
+        if pn is False:
+            return (lambda name: False), ir.NOTHING
+        allowed = {"type", "pattern", "minLength", "maxLength"}
+        if not isinstance(pn, dict) or set(pn) - allowed - ANNOTATIONS or pn.get("type", "string") != "string":
+            raise GrammarError("propertyNames other than a string pattern / minLength / maxLength is not supported",
+                               "propertyNames")
+        import re
+        try:
+            rx = re.compile(pn["pattern"]) if "pattern" in pn else None
+        except re.error as e:
+            raise GrammarError(f"propertyNames: bad pattern: {e}", "propertyNames") from None
+        lo, hi = _count(pn, "minLength", 0), _count(pn, "maxLength", None)
+
+        def ok(name: str) -> bool:
+            return (rx is None or rx.search(name) is not None) and lo <= len(name) and (hi is None or len(name) <= hi)
+
+        key = self._string({k: v for k, v in pn.items() if k != "type"})
+        return ok, key
 
 
 def _joined(nodes, sep) -> ir.GrammarNode:

@@ -90,7 +90,8 @@ class TokenVocabulary:
             self.levels.append((par, byt))
             if j:
                 n_parents = len(index[j - 1])
-                self._child_start.append(np.searchsorted(par, np.arange(n_parents + 1)).astype(np.int64))
+                # intp: np.repeat takes its counts as intp only (int32 on wasm32, where int64 fails)
+                self._child_start.append(np.searchsorted(par, np.arange(n_parents + 1)).astype(np.intp))
             else:
                 self._child_start.append(None)
         offsets = np.cumsum([0] + [len(lv) for lv in index])

@@ -14,7 +14,10 @@ draft length k in 0..num_speculative_tokens that maximises the expected tokens p
 ``(1 + alpha + ... + alpha^k) / cost(k)``. ``cost(k)`` is measured as the engine runs: the whole-step time
 (propose + forward + verify) of decode steps whose longest draft is k, over that of plain decode steps with as
 many sequences (a plain step is forced now and then to keep that baseline fresh); a k not measured yet is
-priced optimistically, ``1 + PRIOR_COST * k``, so that each length is tried once while acceptance is good.
+priced optimistically, ``1 + (PRIOR_COST + r) * k`` where r is the proposer's cost per draft token relative to
+a target decode step (0 for n-gram lookup, the weight ratio for a draft model), so that each length is tried
+once while acceptance is good. An expensive proposer backed off to k = 0 probes with one draft now and then,
+but only when a perfect draft could pay at all.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ ALPHA_WEIGHT = 0.15        # weight of one accept/reject trial in the per-sequen
 TIME_WEIGHT = 0.2          # weight of one step's time in its (batch size, k) average
 PROBE_GAP = 8              # an expensive proposer backed off to k=0 drafts 1 token after 8 steps, then after
 PROBE_GAP_MAX = 256        # twice as many steps after each probe that did not pay (up to 256)
+PROBE_MIN_GAIN = 1.2       # ... when always-accepted drafts would make decoding at least 1.2x faster
 BASELINE_EVERY = 64        # one forced plain decode step in 64 keeps cost(0) measured (~1.5% of the steps)
 
 
@@ -115,6 +119,7 @@ class SpeculativeDecoder:
         self.num_accepted_tokens = 0
         self.accepted_per_position = [0] * config.num_speculative_tokens
         self._time: dict[tuple[int, int], float] = {}   # (batch-size bucket, longest draft) -> step seconds
+        self.relative_cost = float(getattr(proposer, "relative_cost", 0.0))
         self._steps = 0
 
     # choosing k ---------------------------------------------------------------------------------
@@ -130,14 +135,15 @@ class SpeculativeDecoder:
         if base is None or self._steps % BASELINE_EVERY == 0:
             return 0                          # measure what a plain step costs first
         alpha = seq.spec_alpha
-        best, best_k = 1.0, 0
+        best, best_k, best_perfect = 1.0, 0, 0.0
         for k in range(1, room + 1):
             t = self._time.get((b, k))
-            cost = t / base if t is not None else 1.0 + PRIOR_COST * k
+            cost = t / base if t is not None else 1.0 + (PRIOR_COST + self.relative_cost) * k
             rate = expected_tokens(alpha, k) / cost
+            best_perfect = max(best_perfect, (k + 1) / cost)
             if rate > best:
                 best, best_k = rate, k
-        if best_k == 0 and not self.proposer.free:
+        if best_k == 0 and not self.proposer.free and best_perfect > PROBE_MIN_GAIN:
             # probe now and then: the only way to notice that acceptance has risen
             if seq.spec_probe_at is None:
                 seq.spec_probe_at = self._steps + seq.spec_probe_gap

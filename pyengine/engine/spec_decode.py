@@ -13,7 +13,10 @@ for a free proposer, over the guesses it would have made while not speculating),
 draft length k in 0..num_speculative_tokens that maximises the expected tokens per unit of cost,
 ``(1 + alpha + ... + alpha^k) / cost(k)``. ``cost(k)`` is measured as the engine runs: the whole-step time
 (propose + forward + verify) of decode steps whose longest draft is k, over that of plain decode steps with as
-many sequences (a plain step is forced now and then to keep that baseline fresh); a k not measured yet is
+many sequences (a plain step is forced now and then to keep that baseline fresh). Each time is a slowly rising
+minimum of its samples (a shared host only ever adds delays), and one not re-measured for REMEASURE_AFTER
+steps is taken halfway back to the prior, so one unlucky sample cannot rule a draft length out for good. A k
+not measured is
 priced optimistically, ``1 + (PRIOR_COST + r) * k`` where r is the proposer's cost per draft token relative to
 a target decode step (0 for n-gram lookup, the weight ratio for a draft model), so that each length is tried
 once while acceptance is good. An expensive proposer backed off to k = 0 probes with one draft now and then,
@@ -31,7 +34,8 @@ METHODS = ("ngram", "draft_model")
 PRIOR_COST = 0.1
 ALPHA_PRIOR = 0.6          # acceptance assumed before a sequence has any evidence
 ALPHA_WEIGHT = 0.15        # weight of one accept/reject trial in the per-sequence average
-TIME_WEIGHT = 0.2          # weight of one step's time in its (batch size, k) average
+TIME_DRIFT = 0.05          # a step-time estimate is min(sample, estimate * 1.05): it follows slowdowns in ~15 samples
+REMEASURE_AFTER = 32       # steps after which an unused draft length's cost is taken halfway back to the prior
 PROBE_GAP = 8              # an expensive proposer backed off to k=0 drafts 1 token after 8 steps, then after
 PROBE_GAP_MAX = 256        # twice as many steps after each probe that did not pay (up to 256)
 PROBE_MIN_GAIN = 1.2       # ... when always-accepted drafts would make decoding at least 1.2x faster
@@ -119,6 +123,7 @@ class SpeculativeDecoder:
         self.num_accepted_tokens = 0
         self.accepted_per_position = [0] * config.num_speculative_tokens
         self._time: dict[tuple[int, int], float] = {}   # (batch-size bucket, longest draft) -> step seconds
+        self._measured: dict[tuple[int, int], int] = {}  # ... -> step of its last sample
         self.relative_cost = float(getattr(proposer, "relative_cost", 0.0))
         self._steps = 0
 
@@ -137,8 +142,11 @@ class SpeculativeDecoder:
         alpha = seq.spec_alpha
         best, best_k, best_perfect = 1.0, 0, 0.0
         for k in range(1, room + 1):
+            prior = 1.0 + (PRIOR_COST + self.relative_cost) * k
             t = self._time.get((b, k))
-            cost = t / base if t is not None else 1.0 + (PRIOR_COST + self.relative_cost) * k
+            cost = prior if t is None else t / base
+            if t is not None and self._steps - self._measured[(b, k)] > REMEASURE_AFTER:
+                cost = (cost + prior) / 2
             rate = expected_tokens(alpha, k) / cost
             best_perfect = max(best_perfect, (k + 1) / cost)
             if rate > best:
@@ -209,7 +217,8 @@ class SpeculativeDecoder:
             return
         key = (_bucket(num_decodes), longest_draft)
         old = self._time.get(key)
-        self._time[key] = seconds if old is None else old + TIME_WEIGHT * (seconds - old)
+        self._time[key] = seconds if old is None else min(seconds, old * (1.0 + TIME_DRIFT))
+        self._measured[key] = self._steps
 
     def release(self, seq) -> None:
         self.proposer.release(seq)

@@ -244,7 +244,7 @@ def test_ngram_engine_on_a_repetitive_prompt_accepts_and_matches_reference():
 
 def priced(engine):
     """Feed the back-off a fixed cost model instead of the fake runner's (noisy, near-zero) step times:
-    a step whose longest draft is k costs 1 + 0.5 + 0.1 k plain steps (like the real runner)."""
+    a step with k drafts in all costs 1 + 0.5 + 0.1 k plain steps (like the real runner)."""
     observe = engine.spec.observe_step
     engine.spec.observe_step = lambda seconds, n, k: observe(1.0 + (0.5 + 0.1 * k if k else 0.0), n, k)
     return engine

@@ -267,12 +267,12 @@ class LLMEngine:
         self.scheduler.on_step_done(sched)
 
         deltas: dict[str, dict[int, list]] = {}
-        longest_draft = max((len(s.spec_token_ids) for s, _ in sched.scheduled), default=0)
+        num_drafts = sum(len(s.spec_token_ids) for s, _ in sched.scheduled)
         if sampled:
             self._sample(sampled, logits, deltas)
         if self.spec is not None:
             if decode_only:
-                self.spec.observe_step(time.perf_counter() - t_start, len(sched.scheduled), longest_draft)
+                self.spec.observe_step(time.perf_counter() - t_start, len(sched.scheduled), num_drafts)
             for seq, _ in sched.scheduled:
                 seq.spec_token_ids, seq.spec_draft_probs = [], None
         outputs = []

@@ -12,7 +12,7 @@ estimate ``alpha`` of its per-token acceptance (an exponential average over the 
 for a free proposer, over the guesses it would have made while not speculating), and each step takes the
 draft length k in 0..num_speculative_tokens that maximises the expected tokens per unit of cost,
 ``(1 + alpha + ... + alpha^k) / cost(k)``. ``cost(k)`` is measured as the engine runs: the whole-step time
-(propose + forward + verify) of decode steps whose longest draft is k, over that of plain decode steps with as
+(propose + forward + verify) of decode steps with k drafts per sequence (rounded up), over that of plain steps with as
 many sequences (a plain step is forced now and then to keep that baseline fresh). Each time is a slowly rising
 minimum of its samples (a shared host only ever adds delays), and one not re-measured for REMEASURE_AFTER
 steps is taken halfway back to the prior, so one unlucky sample cannot rule a draft length out for good. A k
@@ -122,7 +122,7 @@ class SpeculativeDecoder:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_position = [0] * config.num_speculative_tokens
-        self._time: dict[tuple[int, int], float] = {}   # (batch-size bucket, longest draft) -> step seconds
+        self._time: dict[tuple[int, int], float] = {}   # (batch-size bucket, drafts per sequence) -> seconds
         self._measured: dict[tuple[int, int], int] = {}  # ... -> step of its last sample
         self.relative_cost = float(getattr(proposer, "relative_cost", 0.0))
         self._steps = 0
@@ -210,12 +210,12 @@ class SpeculativeDecoder:
         if num_accepted < num_draft:
             self._trial(seq, False)
 
-    def observe_step(self, seconds: float, num_decodes: int, longest_draft: int) -> None:
+    def observe_step(self, seconds: float, num_decodes: int, num_draft_tokens: int) -> None:
         """Time of one whole step (propose + forward + verify) of ``num_decodes`` decodes and no prefill,
-        whose longest draft had ``longest_draft`` tokens."""
+        with ``num_draft_tokens`` drafts among them (keyed by drafts per sequence, rounded up)."""
         if num_decodes <= 0:
             return
-        key = (_bucket(num_decodes), longest_draft)
+        key = (_bucket(num_decodes), -(-num_draft_tokens // num_decodes))
         old = self._time.get(key)
         self._time[key] = seconds if old is None else min(seconds, old * (1.0 + TIME_DRIFT))
         self._measured[key] = self._steps

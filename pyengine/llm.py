@@ -24,7 +24,8 @@ from pyengine.sampling_params import SamplingParams
 class LLM:
     def __init__(self, model=None, **engine_kwargs):
         """``model``: None (default model), a GGUF path, or the file's bytes. Other keyword arguments
-        go to `LLMEngine` (max_model_len, block_size, num_blocks, max_num_seqs, seed, ...)."""
+        go to `LLMEngine` (max_model_len, block_size, num_blocks, max_num_seqs, seed, ...), among them S14's
+        ``speculative_config={"method": "ngram", "num_speculative_tokens": 4}`` (or "draft_model" + "model")."""
         from pyengine.engine.llm_engine import LLMEngine   # lazy: `import pyengine` stays light
 
         self.llm_engine = LLMEngine(model=model, **engine_kwargs)

@@ -244,7 +244,7 @@ def test_ngram_engine_on_a_repetitive_prompt_accepts_and_matches_reference():
 
 def priced(engine):
     """Feed the back-off a fixed cost model instead of the fake runner's (noisy, near-zero) step times:
-    a step whose longest draft is k costs 1 + 0.5 + 0.1 k plain steps (like the real runner)."""
+    a step with k drafts in all costs 1 + 0.5 + 0.1 k plain steps (like the real runner)."""
     observe = engine.spec.observe_step
     engine.spec.observe_step = lambda seconds, n, k: observe(1.0 + (0.5 + 0.1 * k if k else 0.0), n, k)
     return engine
@@ -306,6 +306,7 @@ def test_an_expensive_proposer_probes_less_and_less_when_it_does_not_pay():
     final = run_all(eng, check=invariants)
     assert final["r0"].outputs[0].token_ids == reference_greedy(ps[0], 300, ignore_eos=True)
     st = eng.stats()
-    # a first round at the prior, then probes after 8, 16, 32, 64, 128 steps: a handful in 300 tokens
-    assert 2 <= st["spec_decode_num_drafts"] <= 8, st["spec_decode_num_drafts"]
+    # each unmeasured draft length tried once (4, 3, 2, 1) while the prior acceptance lasts, then probes
+    # after 8, 16, 32, 64, 128 steps: about ten rounds in 300 tokens, instead of 300
+    assert 5 <= st["spec_decode_num_drafts"] <= 10, st["spec_decode_num_drafts"]
     assert PROBE_GAP == 8

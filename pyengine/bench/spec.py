@@ -3,8 +3,9 @@
 For three workloads — code editing (the prompt holds the code the answer repeats with changes), summarising a
 given passage, open-ended chat — greedy decode tok/s of one stream and of 8 sequences at once, without
 speculation, with the n-gram proposer and with a draft model, and each proposer's acceptance. Every figure is
-a ratio to the same workload's plain decode in the same run. The decode phase is timed from the step at which
-every sequence has its first token to the end (prefill excluded).
+a ratio to the same workload's plain decode in the same run (plain runs first and last, around the others, and
+counts as their median: the shared host's speed drifts). The decode phase is timed from the step at which every
+sequence has its first token to the end (prefill excluded).
 
 ``--draft-model`` defaults to a copy of the target's first 24 layers written with the `gguf` package (the only
 model with SmolLM2's vocabulary at hand; it accepts rarely, which shows the back-off). ``--llama-cpp PY``
@@ -19,6 +20,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+import numpy as np
 
 HELP = "speculative decoding: decode tok/s with and without each proposer on three workloads (+ llama.cpp)"
 LLAMA_CPP_AUTO = "/work/llamacpp-venv/bin/python"
@@ -69,6 +72,8 @@ def add_arguments(p) -> None:
     p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per sequence (default 64)")
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens (default 4)")
     p.add_argument("--streams", default="1,8", help="sequences decoding at once (default 1,8)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="runs of each method per row (medians; plain also runs once more, last)")
     p.add_argument("--only", default="", help="comma list of workloads (code-edit,summarise,chat)")
     p.add_argument("--draft-model", default=None,
                    help="draft GGUF ('none': skip draft_model; default: the target's first 24 layers)")
@@ -205,11 +210,17 @@ def run(args) -> int:
     ours_single: dict[str, float] = {}
     for w, ps in prompts.items():
         for B in streams:
-            base = None
-            for name, spec in configs.items():
-                rate, toks, acc, mal, drafted = _decode(runner, draft_runner, ps[:B], spec, args.max_tokens, k)
-                if base is None:
-                    base, base_toks = rate, toks
+            # plain first and last (and each method once per repeat in between): the host's speed drifts, so
+            # plain is the median of its runs around the others
+            runs: dict[str, list] = {name: [] for name in configs}
+            order = [n for _ in range(args.repeat) for n in configs] + ["plain"]
+            for name in order:
+                runs[name].append(_decode(runner, draft_runner, ps[:B], configs[name], args.max_tokens, k))
+            base = float(np.median([r[0] for r in runs["plain"]]))
+            base_toks = runs["plain"][0][1]
+            for name, rs in runs.items():
+                rate = float(np.median([r[0] for r in rs]))
+                _, toks, acc, mal, drafted = rs[-1]
                 same = sum(a == b for a, b in zip(toks, base_toks))
                 rows.append((w, B, name, rate, rate / base, acc, mal))
                 if B == 1:

@@ -275,17 +275,19 @@ class LLMEngine:
         for seq in sched.preempted:
             self._seq_owner[seq.seq_id].metrics.num_preemptions += 1
 
+        # S14's back-off prices draft lengths by the times of steps that only decode (no prompt chunks)
+        decode_only = all(n == 1 + len(s.spec_token_ids) for s, n in sched.scheduled) and not sched.preempted
         batch, sampled = self._build_batch(sched)
         logits = self.runner.run(batch) if batch.token_ids.size else None
         self.scheduler.on_step_done(sched)
 
         deltas: dict[str, dict[int, list]] = {}
-        longest_draft = max((len(s.spec_token_ids) for s, _ in sched.scheduled), default=0)
+        num_drafts = sum(len(s.spec_token_ids) for s, _ in sched.scheduled)
         if sampled:
             self._sample(sampled, logits, deltas)
         if self.spec is not None:
-            if all(not s.is_prefill for s, _ in sched.scheduled) and not sched.preempted:
-                self.spec.observe_step(time.perf_counter() - t_start, len(sched.scheduled), longest_draft)
+            if decode_only:
+                self.spec.observe_step(time.perf_counter() - t_start, len(sched.scheduled), num_drafts)
             for seq, _ in sched.scheduled:
                 seq.spec_token_ids, seq.spec_draft_probs = [], None
         outputs = []

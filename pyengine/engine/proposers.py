@@ -101,6 +101,9 @@ class DraftModelProposer:
         if target_runner is not None:
             check_same_vocabulary(draft_runner, target_runner)
         self.runner = draft_runner
+        # cost of one draft token in target decode steps, until measured: the ratio of the weights read
+        d, t = (getattr(getattr(r, "config", None), "n_params", 0) or 0 for r in (draft_runner, target_runner))
+        self.relative_cost = d / t if d and t else 0.5
         self.bm = BlockManager(draft_runner.num_blocks, draft_runner.block_size, enable_prefix_caching=False)
         self.budget = getattr(draft_runner, "max_num_batched_tokens", None) or 2048
         self.states: dict[int, _DraftState] = {}

@@ -12,25 +12,33 @@ estimate ``alpha`` of its per-token acceptance (an exponential average over the 
 for a free proposer, over the guesses it would have made while not speculating), and each step takes the
 draft length k in 0..num_speculative_tokens that maximises the expected tokens per unit of cost,
 ``(1 + alpha + ... + alpha^k) / cost(k)``. ``cost(k)`` is measured as the engine runs: the whole-step time
-(propose + forward + verify) of decode steps whose longest draft is k, over that of plain decode steps with as
-many sequences (a plain step is forced now and then to keep that baseline fresh); a k not measured yet is
-priced by a model, ``1 + FIXED_COST + PER_TOKEN_COST * k``, which tries it.
+(propose + forward + verify) of decode steps with k drafts per sequence (rounded up), over that of plain steps with as
+many sequences (a plain step is forced now and then to keep that baseline fresh). Each time is a slowly rising
+minimum of its samples (a shared host only ever adds delays), and one not re-measured for REMEASURE_AFTER
+steps is taken halfway back to the prior, so one unlucky sample cannot rule a draft length out for good. A k
+not measured is
+priced optimistically, ``1 + (PRIOR_COST + r) * k`` where r is the proposer's cost per draft token relative to
+a target decode step (0 for n-gram lookup, the weight ratio for a draft model), so that each length is tried
+once while acceptance is good. An expensive proposer backed off to k = 0 probes with one draft now and then,
+but only when a perfect draft could pay at all.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 METHODS = ("ngram", "draft_model")
-# Cost of a step whose decodes carry k drafts, relative to a plain decode step, before online correction:
-# measured single-stream on SmolLM2 Q4_1 (the runner's multi-token path): 1 + 1 draft 1.6x, 4 drafts 2.0x,
-# 8 drafts 2.6x -> a fixed 0.45 for leaving the decode path plus 0.15 per draft token.
-FIXED_COST = 0.45
-PER_TOKEN_COST = 0.15
+# Cost of a step whose decodes carry k drafts, relative to a plain decode step, until it is measured: below
+# the real cost on purpose (measured single-stream on SmolLM2 Q4_1 with today's runner: 1 draft 1.6x, 2 drafts
+# 1.5x, 4 drafts 2.0x, 8 drafts 2.6x; docs/performance.md), so that every k is tried once and then priced
+# by its measured step time. A prior above the truth would hide the best k (2 or 3 drafts cost less than 1).
+PRIOR_COST = 0.1
 ALPHA_PRIOR = 0.6          # acceptance assumed before a sequence has any evidence
 ALPHA_WEIGHT = 0.15        # weight of one accept/reject trial in the per-sequence average
-TIME_WEIGHT = 0.2          # weight of one step's time in its (batch size, k) average
+TIME_DRIFT = 0.05          # a step-time estimate is min(sample, estimate * 1.05): it follows slowdowns in ~15 samples
+REMEASURE_AFTER = 32       # steps after which an unused draft length's cost is taken halfway back to the prior
 PROBE_GAP = 8              # an expensive proposer backed off to k=0 drafts 1 token after 8 steps, then after
 PROBE_GAP_MAX = 256        # twice as many steps after each probe that did not pay (up to 256)
+PROBE_MIN_GAIN = 1.2       # ... when always-accepted drafts would make decoding at least 1.2x faster
 BASELINE_EVERY = 64        # one forced plain decode step in 64 keeps cost(0) measured (~1.5% of the steps)
 
 
@@ -114,7 +122,9 @@ class SpeculativeDecoder:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_position = [0] * config.num_speculative_tokens
-        self._time: dict[tuple[int, int], float] = {}   # (batch-size bucket, longest draft) -> step seconds
+        self._time: dict[tuple[int, int], float] = {}   # (batch-size bucket, drafts per sequence) -> seconds
+        self._measured: dict[tuple[int, int], int] = {}  # ... -> step of its last sample
+        self.relative_cost = float(getattr(proposer, "relative_cost", 0.0))
         self._steps = 0
 
     # choosing k ---------------------------------------------------------------------------------
@@ -130,14 +140,18 @@ class SpeculativeDecoder:
         if base is None or self._steps % BASELINE_EVERY == 0:
             return 0                          # measure what a plain step costs first
         alpha = seq.spec_alpha
-        best, best_k = 1.0, 0
+        best, best_k, best_perfect = 1.0, 0, 0.0
         for k in range(1, room + 1):
+            prior = 1.0 + (PRIOR_COST + self.relative_cost) * k
             t = self._time.get((b, k))
-            cost = t / base if t is not None else 1.0 + FIXED_COST + PER_TOKEN_COST * k
+            cost = prior if t is None else t / base
+            if t is not None and self._steps - self._measured[(b, k)] > REMEASURE_AFTER:
+                cost = (cost + prior) / 2
             rate = expected_tokens(alpha, k) / cost
+            best_perfect = max(best_perfect, (k + 1) / cost)
             if rate > best:
                 best, best_k = rate, k
-        if best_k == 0 and not self.proposer.free:
+        if best_k == 0 and not self.proposer.free and best_perfect > PROBE_MIN_GAIN:
             # probe now and then: the only way to notice that acceptance has risen
             if seq.spec_probe_at is None:
                 seq.spec_probe_at = self._steps + seq.spec_probe_gap
@@ -196,14 +210,15 @@ class SpeculativeDecoder:
         if num_accepted < num_draft:
             self._trial(seq, False)
 
-    def observe_step(self, seconds: float, num_decodes: int, longest_draft: int) -> None:
+    def observe_step(self, seconds: float, num_decodes: int, num_draft_tokens: int) -> None:
         """Time of one whole step (propose + forward + verify) of ``num_decodes`` decodes and no prefill,
-        whose longest draft had ``longest_draft`` tokens."""
+        with ``num_draft_tokens`` drafts among them (keyed by drafts per sequence, rounded up)."""
         if num_decodes <= 0:
             return
-        key = (_bucket(num_decodes), longest_draft)
+        key = (_bucket(num_decodes), -(-num_draft_tokens // num_decodes))
         old = self._time.get(key)
-        self._time[key] = seconds if old is None else old + TIME_WEIGHT * (seconds - old)
+        self._time[key] = seconds if old is None else min(seconds, old * (1.0 + TIME_DRIFT))
+        self._measured[key] = self._steps
 
     def release(self, seq) -> None:
         self.proposer.release(seq)

@@ -152,3 +152,18 @@ def test_gemma3_sliding_layers_read_only_their_window(tmp_path):
     (run_local,), (run_full,) = plan.kinds[0].attention.runs, plan.kinds[1].attention.runs
     assert (run_local.keys.first, run_local.offset) == (100 - SLIDING_WINDOW + 1, SLIDING_WINDOW - 1)
     assert (run_full.keys.first, run_full.offset) == (0, 100)
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (4, 1), (1, 2), (2, 2)])
+def test_mpi_parallel_equals_one_process(tiny, tmp_path, tp, pp):
+    """S17 over MPI (tests/mpi_check.py under mpiexec): Megatron tensor parallelism by heads and FFN columns (4
+    ranks: more than the 2 KV heads, so each KV head is replicated on 2 ranks that split its query heads),
+    pipeline stages, and both: a 33-token prompt, a decode and a 20-token pass equal one process."""
+    from test_mpi_parallel import reference, run_mpi
+    _, path, _ = tiny
+    passes = [[33, 5], [1, 6], [20, 7]]
+    res, got = run_mpi(tmp_path, path, tp, pp, kw=KW, logits=passes)
+    want, _ = reference(path, kw=KW, logits=passes)
+    for a, b in zip(got, want):
+        assert close(a, b)
+    assert len(res["stats"]) == tp * pp

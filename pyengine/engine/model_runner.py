@@ -28,12 +28,15 @@ class ModelRunner:
     max_logits        logits rows planned in the arena per run (default max_num_seqs; more rows still work)
     flash_min_query   sequences with at least this many new tokens use tiled flash attention
     tensor_parallel_size  > 1: worker processes share every linear layer and decode attention (S17; Linux x86-64)
+    parallel          S17 over MPI: a `pyengine.parallel.mpi.MPIGroup`; this process builds only its rank's part
+                      (its stage's layers, its heads and FFN columns, its KV heads) and ``run`` on rank 0 first
+                      broadcasts the step to the other ranks (which run ``parallel.worker_loop(runner)``)
     """
 
     def __init__(self, model, max_model_len: int = 2048, num_blocks: int | None = None, block_size: int = 16,
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 64, weights_mode: str = "resident",
                  kv_budget_bytes: int = DEFAULT_KV_BUDGET_BYTES, max_logits: int | None = None,
-                 flash_min_query: int | None = None, tensor_parallel_size: int = 1):
+                 flash_min_query: int | None = None, tensor_parallel_size: int = 1, parallel=None):
         from pyengine.gguf.reader import GGUFFile
         from pyengine.models import load_config, load_model
         from pyengine.models.base import Buffers
@@ -58,6 +61,7 @@ class ModelRunner:
         self.max_num_batched_tokens = int(max_num_batched_tokens)
         self.max_num_seqs = int(max_num_seqs)
         self.flash_min_query = tuning.FLASH_MIN_QUERY if flash_min_query is None else int(flash_min_query)
+        # from the whole model's shape, so that every rank of a parallel group agrees on num_blocks
         per_block = PagedKVCache.bytes_per_block(c.n_layers, block_size, c.n_kv_heads, c.head_dim)
         if num_blocks is None:
             # enough for every sequence at full length, unless that exceeds the memory budget
@@ -65,7 +69,16 @@ class ModelRunner:
             num_blocks = max(-(-max_model_len // block_size), min(want, kv_budget_bytes // per_block))
         self.num_blocks = int(num_blocks)
 
-        _, self.weights, self.model = load_model(self.gguf, weights_mode)
+        self.parallel = parallel
+        if parallel is not None:
+            if tensor_parallel_size != 1 or weights_mode != "resident":
+                raise ValueError("an MPI parallel runner takes resident weights and no tensor_parallel_size")
+            from pyengine.parallel.shard import load_shard            # lazy: CPython + mpi4py only
+            parallel.setup(c)
+            c, self.weights, self.model = load_shard(self.gguf, parallel.part, parallel, parallel.part.stage == 0)
+        else:
+            _, self.weights, self.model = load_model(self.gguf, weights_mode)
+        self.rank_config = c          # this process's part of the model (the whole one without `parallel`)
         self.max_logits = int(max_logits or max(max_num_seqs, 1))
         # batched short queries: padded K/V of several sequences; always room for one full-length context
         full = -(-self.max_model_len // block_size) * block_size
@@ -86,6 +99,9 @@ class ModelRunner:
             self.arena = Arena.from_specs(specs)
         self.kv_cache = PagedKVCache(self.arena, c.n_layers, self.num_blocks, block_size, c.n_kv_heads,
                                      c.head_dim)
+        if parallel is not None:      # what this rank holds (float32 weights, KV cache), for the benchmark
+            parallel.held = {"weights_bytes": sum(lin.nbytes for _, lin in self.weights.linears()),
+                             "kv_bytes": self.kv_cache.k.nbytes + self.kv_cache.v.nbytes}
         self.buffers = Buffers.from_arena(self.arena, n_kinds)
         self.weights.bind_scratch(self.buffers.lean)
         self.model.prepare(self.buffers)
@@ -106,6 +122,9 @@ class ModelRunner:
                              f"{self.max_num_batched_tokens}")
         if batch.context_lens and max(batch.context_lens) > self.max_model_len:
             raise ValueError(f"context length {max(batch.context_lens)} exceeds max_model_len {self.max_model_len}")
+        if self.parallel is not None:
+            self.parallel.send_step(batch)                          # S17: every rank runs its part of it
+            return self.parallel.step(self, batch)
         tp = self.tensor_parallel
         split = tp is not None and tp.begin(batch.num_tokens)     # S17: the workers awake for this pass
         try:
@@ -124,6 +143,8 @@ class ModelRunner:
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (also done when the runner is garbage-collected)."""
+        if self.parallel is not None and self.parallel.is_driver:
+            self.parallel.stop()
         if self.tensor_parallel is not None:
             self.tensor_parallel.close()
 

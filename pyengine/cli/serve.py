@@ -31,7 +31,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="worker processes sharing each linear layer (S17; pays for batches of ~9-40 tokens)")
+                   help="S17: ranks splitting every layer by heads / FFN columns (MPI; one Allreduce per sub-layer)")
+    p.add_argument("--pipeline-parallel-size", type=int, default=1,
+                   help="S17: pipeline stages of contiguous layers (MPI; N x M ranks with --tensor-parallel-size)")
+    p.add_argument("--parallel-backend", default="mpi", choices=["mpi", "shm"],
+                   help="mpi: ranks started through mpiexec (one host, or many under the user's mpiexec "
+                        "--hostfile); shm: the one-host shared-memory worker processes (tensor parallelism only)")
+    p.add_argument("--parallel-timeout", type=float, default=None,
+                   help="seconds a step may wait on another rank before the server declares it stuck (default 60)")
     p.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
     p.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
@@ -44,12 +51,28 @@ def build_engine(args):
     from pyengine.model_files import resolve_model
 
     path = resolve_model(args.model)
-    engine = LLMEngine(path, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+    runner, tp = None, getattr(args, "tensor_parallel_size", 1)
+    if uses_mpi(args):
+        from pyengine.parallel.launch import mpi_runner
+        # rank 0 gets its runner back; the other ranks compute in mpi_runner until the server stops
+        runner = mpi_runner(path, tp, args.pipeline_parallel_size, args.parallel_timeout,
+                            max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                            max_num_batched_tokens=args.max_num_batched_tokens)
+        tp = 1
+    engine = LLMEngine(path, runner=runner, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        enable_prefix_caching=not args.no_prefix_cache,
                        enable_chunked_prefill=not args.no_chunked_prefill, max_waiting=args.max_waiting,
-                       tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
+                       tensor_parallel_size=tp)
     return engine, path
+
+
+def uses_mpi(args) -> bool:
+    """S17: more than one rank on the MPI backend."""
+    n = getattr(args, "tensor_parallel_size", 1) * getattr(args, "pipeline_parallel_size", 1)
+    if getattr(args, "parallel_backend", "mpi") == "shm" and getattr(args, "pipeline_parallel_size", 1) > 1:
+        raise SystemExit("--pipeline-parallel-size needs --parallel-backend mpi")
+    return n > 1 and getattr(args, "parallel_backend", "mpi") == "mpi"
 
 
 def demo_app(model_path: str):
@@ -82,11 +105,20 @@ def run(args) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"warning: serving on {args.host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)
+    if uses_mpi(args):
+        from pyengine.parallel.mpi import launched_under_mpi
+        if not launched_under_mpi():          # one host: this same command line as N x M ranks
+            from pyengine.parallel.launch import relaunch
+            n = args.tensor_parallel_size * args.pipeline_parallel_size
+            return relaunch(n, ["-m", "pyengine"] + sys.argv[1:])
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     app, engine, model_id = make_app(args)
     print(f"pyengine serve: model {model_id} on http://{args.host}:{args.port} "
           f"(prefix cache {'off' if args.no_prefix_cache else 'on'}, chunked prefill "
           f"{'off' if args.no_chunked_prefill else 'on'}, max waiting {args.max_waiting})", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, http="h11", ws="none",
-                timeout_graceful_shutdown=5)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, http="h11", ws="none",
+                    timeout_graceful_shutdown=5)
+    finally:
+        engine.runner.close()                 # S17: stops every rank
     return 0

@@ -134,6 +134,11 @@ class ModelRunner:
             if split:
                 tp.end()
 
+    @property
+    def failure(self) -> str | None:
+        """S17 over MPI: why the parallel group cannot run steps any more (a rank stopped answering), or None."""
+        return None if self.parallel is None else self.parallel.failure
+
     def plan(self, batch: ForwardBatch):
         """The step plan of a (validated) batch."""
         b = self.buffers

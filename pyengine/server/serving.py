@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from pyengine.server import protocol as P
-from pyengine.server.engine_loop import Aborted, EngineFailure, EngineLoop
+from pyengine.server.engine_loop import Aborted, EngineFailure, EngineLoop, EngineUnavailable
 from pyengine.server.streaming import DONE, sse
 
 
@@ -24,7 +24,18 @@ def is_overloaded(exc: BaseException) -> bool:
     return any(c.__name__ == "EngineOverloaded" for c in type(exc).__mro__)
 
 
+def is_unavailable(exc: BaseException) -> bool:
+    """S17: the engine lost a parallel rank (its ParallelError, recognised by name, or EngineUnavailable)."""
+    return isinstance(exc, EngineUnavailable) or any(c.__name__ == "ParallelError" for c in type(exc).__mro__)
+
+
+def unavailable_error(exc: BaseException) -> P.APIError:
+    return P.APIError(503, f"engine unavailable: {exc}", type="server_error", code="engine_unavailable")
+
+
 def engine_error(exc: Exception) -> P.APIError:
+    if is_unavailable(exc):
+        return unavailable_error(exc)
     if is_overloaded(exc):
         return P.APIError(429, f"The server is overloaded: {exc}. Retry later.", type="rate_limit_exceeded",
                           code="engine_overloaded", headers={"retry-after": "1"})
@@ -162,6 +173,8 @@ class Generation:
 
 def _failure_error(gen: Generation) -> P.APIError | None:
     """Why a generation ended without finishing, as an API error (None if it finished)."""
+    if gen.failure is not None and is_unavailable(gen.failure):
+        return unavailable_error(gen.failure)
     if gen.failure is not None:
         return P.APIError(500, f"engine error: {gen.failure!r}", type="server_error", code="engine_error")
     if gen.abort_reason is not None:

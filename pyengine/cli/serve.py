@@ -108,7 +108,12 @@ def run(args) -> int:
     if uses_mpi(args):
         from pyengine.parallel.mpi import launched_under_mpi
         if not launched_under_mpi():          # one host: this same command line as N x M ranks
-            from pyengine.parallel.launch import relaunch
+            from pyengine.parallel.launch import check_split, relaunch
+            try:                              # a split the model cannot take is refused before any rank starts
+                check_split(args.model, args.tensor_parallel_size, args.pipeline_parallel_size)
+            except ValueError as exc:
+                print(f"pyengine serve: {exc}", file=sys.stderr)
+                return 2
             n = args.tensor_parallel_size * args.pipeline_parallel_size
             return relaunch(n, ["-m", "pyengine"] + sys.argv[1:])
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")

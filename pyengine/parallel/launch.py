@@ -35,6 +35,20 @@ def mpiexec_command(n: int, argv: list[str], oversubscribe: bool = True) -> list
     return [exe, "-n", str(n)] + (["--oversubscribe"] if oversubscribe else []) + [sys.executable] + argv
 
 
+def check_split(model: str | None, tp: int, pp: int) -> None:
+    """ValueError saying what to change if the model cannot be split over tp x pp ranks (or MPI is missing)."""
+    from pyengine.gguf.reader import GGUFFile
+    from pyengine.model_files import resolve_model
+    from pyengine.models import load_config
+    from pyengine.parallel.layout import plan_ranks
+    plan_ranks(load_config(GGUFFile(resolve_model(model))), tp, pp)
+    mpiexec_command(1, [])
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        raise ValueError("parallel runs need mpi4py: pip install 'pyengine[parallel]'") from None
+
+
 def relaunch(n: int, argv: list[str]) -> int:
     """Run ``python argv`` as ``n`` MPI ranks on this host and wait; Ctrl-C / SIGTERM go to mpiexec, which
     passes them to every rank (so stopping the server stops them all)."""

@@ -16,6 +16,7 @@ BENCHMARKS = {
     "paging": "pyengine.bench.paging",        # S06/S07/S09/S11: KV waste, prefix cache TTFT, batching, chunking
     "serve": "pyengine.bench.serve",          # S20: Poisson load against an OpenAI-compatible server
     "tuning": "pyengine.bench.tuning",        # sweep one constant of pyengine/tuning.py
+    "parallel": "pyengine.bench.parallel",    # S17: one process vs TP / PP over MPI (and the shm protocol)
 }
 
 

@@ -99,3 +99,28 @@ def test_parallel_equals_one_process_and_hf(one, tmp_path, tp, pp, tcp):
     assert sum(s["kv_bytes"] for s in stats) == total_kv * (1 if tp <= 3 else tp // 3)
     layer_w = sum(s["weights_bytes"] for s in stats)
     assert layer_w < 1.05 * 4 * 134_515_008                  # no rank holds more than its part (about 1x total)
+
+
+def test_llm_api_under_mpiexec(tmp_path):
+    """`LLM(tensor_parallel_size=2, pipeline_parallel_size=2)` in a program started with mpiexec -n 4: rank 0
+    generates what one process generates, the other ranks compute and exit with it."""
+    from pyengine import LLM
+    from pyengine.parallel.launch import mpiexec_command, rank_env
+    from pyengine.sampling_params import SamplingParams
+    script = tmp_path / "gen.py"
+    script.write_text(
+        "import json, sys\nfrom pyengine import LLM, SamplingParams\n"
+        "llm = LLM(sys.argv[1], tensor_parallel_size=2, pipeline_parallel_size=2, max_model_len=256, max_num_seqs=4)\n"
+        "out = llm.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))\n"
+        "print('OUT ' + json.dumps([o.outputs[0].token_ids for o in out]))\n")
+    prompts = EXTRA[:3]
+    p = subprocess.run(mpiexec_command(4, [str(script), model_path("smollm2"), json.dumps(prompts)]),
+                       env=rank_env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("OUT ")]
+    assert len(lines) == 1                                   # rank 0 only
+    want = LLM(model_path("smollm2"), max_model_len=256, max_num_seqs=4).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert json.loads(lines[0][4:]) == [o.outputs[0].token_ids for o in want]
+    with pytest.raises(ValueError, match="mpiexec -n 4"):
+        LLM(model_path("smollm2"), tensor_parallel_size=2, pipeline_parallel_size=2, max_model_len=64)

@@ -50,10 +50,28 @@ class LLMEngine:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, max_waiting: int | None = None, *,
                  runner=None, tokenizer=None, seed: int | None = None, watermark: float = 0.03,
-                 aging_steps: int = 64, tensor_parallel_size: int = 1, weights_mode: str = "resident"):
+                 aging_steps: int = 64, tensor_parallel_size: int = 1, weights_mode: str = "resident",
+                 pipeline_parallel_size: int = 1):
         """``runner``/``tokenizer`` (keyword-only extension): inject any object with the ModelRunner contract
         (tests use a fake one); by default a `ModelRunner` is built for ``model`` (path, bytes, GGUFFile or
-        None for the default model); ``weights_mode`` "resident" or "lean" goes to that runner."""
+        None for the default model); ``weights_mode`` "resident" or "lean" goes to that runner.
+        S17: inside an MPI job (``mpiexec -n N*M python script.py``), ``tensor_parallel_size`` N and
+        ``pipeline_parallel_size`` M run over MPI: rank 0 gets the engine, the other ranks compute in here until
+        rank 0 is done, then exit. Outside one, tensor_parallel_size uses the one-host shared-memory workers."""
+        if runner is None and tensor_parallel_size * pipeline_parallel_size > 1:
+            from pyengine.parallel.mpi import launched_under_mpi    # lazy: mpi4py only when asked for
+            if launched_under_mpi():
+                from pyengine.model_files import resolve_model
+                from pyengine.parallel.launch import mpi_runner
+                runner = mpi_runner(resolve_model(model) if model is None or isinstance(model, str) else model,
+                                    tensor_parallel_size, pipeline_parallel_size, max_model_len=max_model_len,
+                                    num_blocks=num_blocks, block_size=block_size,
+                                    max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
+                tensor_parallel_size = pipeline_parallel_size = 1
+            elif pipeline_parallel_size > 1:
+                raise ValueError(f"pipeline_parallel_size {pipeline_parallel_size} runs over MPI: start this program "
+                                 f"with mpiexec -n {tensor_parallel_size * pipeline_parallel_size} (pip install "
+                                 f"'pyengine[parallel]'), or use pyengine serve, which starts its ranks itself")
         if runner is None:
             from pyengine.engine.model_runner import ModelRunner
             if model is None or isinstance(model, str):

@@ -114,6 +114,9 @@ class MPIGroup:
         self.steps = 0
         # who is where: (host, pid) of every rank, to name a stuck one
         self.where = self.world.allgather((socket.gethostname(), os.getpid()))
+        if self.rank == 0:                # a driver that exits without closing its runner still sends STOP
+            import atexit
+            atexit.register(self.stop)
 
     # --- layout -----------------------------------------------------------------------------------
     def setup(self, config) -> None:

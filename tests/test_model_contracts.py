@@ -1,7 +1,7 @@
 """S03/S06/S09/S17: the contracts every architecture in the registry keeps, on tiny random GGUFs of each
 (tests/tiny_models.py): the fast paged forward equals the readable ``forward_reference``; chunked prefill and
 decode steps equal it too; a ragged batch equals each sequence alone; shuffled block tables equal contiguous
-ones; lean weights equal resident ones; tensor parallelism equals one process. A new architecture gets all of
+ones; lean weights equal resident ones; tensor and pipeline parallelism over MPI equal one process. A new architecture gets all of
 these by adding its shape to tests/tiny_models.py."""
 from __future__ import annotations
 
@@ -112,21 +112,6 @@ def test_lean_weights_equal_resident(tiny):
     b = lean.run(lean.contiguous_batch(toks, 0, logits_all=True))
     assert close(a, b, 1e-5)
     assert close(lean.model.forward_reference(toks), a)
-
-
-def test_tensor_parallel_equals_one_process(tiny):
-    """Two processes (every matrix split by output columns): a prompt and batched decodes."""
-    _, path, r = tiny
-    two = ModelRunner(path, tensor_parallel_size=2, **KW)
-    try:
-        for runner in (r, two):
-            runner.run(runner.contiguous_batch(ids(33, 5), 0))
-        a = r.run(r.contiguous_batch(ids(20, 6), 33, logits_all=True)).copy()
-        b = two.run(two.contiguous_batch(ids(20, 6), 33, logits_all=True)).copy()
-        assert close(a, b)
-        assert two.tensor_parallel.disabled_reason is None
-    finally:
-        two.close()
 
 
 def test_unsupported_weights_mode_and_architecture_are_refused(tiny, tmp_path):

@@ -124,3 +124,5 @@ def test_llm_api_under_mpiexec(tmp_path):
     assert json.loads(lines[0][4:]) == [o.outputs[0].token_ids for o in want]
     with pytest.raises(ValueError, match="mpiexec -n 4"):
         LLM(model_path("smollm2"), tensor_parallel_size=2, pipeline_parallel_size=2, max_model_len=64)
+    with pytest.raises(ValueError, match="mpiexec -n 2"):               # outside an MPI job
+        LLM(model_path("smollm2"), tensor_parallel_size=2, max_model_len=64)

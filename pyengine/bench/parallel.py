@@ -1,5 +1,5 @@
-"""S17: `pyengine bench parallel` — one process, tensor parallelism and pipeline parallelism over MPI (and the
-one-host shared-memory protocol), measured in the same run on the same workload.
+"""S17: `pyengine bench parallel` — one process, tensor parallelism and pipeline parallelism over MPI, measured
+in the same run on the same workload.
 
 Per setup (each its own job: `mpiexec -n N python -m pyengine.bench.parallel --job ...`, or one process):
 single-stream greedy decode, the aggregate decode of 32 sequences (median step), a 512-token prefill, the
@@ -20,15 +20,14 @@ import time
 
 import numpy as np
 
-HELP = "S17: decode / prefill / memory / communication for 1 process, TP and PP over MPI (and the shm protocol)"
-SETUPS = {"one": (1, 1, None), "shm-tp2": (2, 1, "shm"), "tp2": (2, 1, "mpi"), "pp2": (1, 2, "mpi"),
-          "tp2pp2": (2, 2, "mpi")}
+HELP = "S17: decode / prefill / memory / communication for 1 process, TP and PP over MPI"
+SETUPS = {"one": (1, 1, None), "tp2": (2, 1, "mpi"), "pp2": (1, 2, "mpi"), "tp2pp2": (2, 2, "mpi")}
 MSG_ROWS = (1, 32, 512)              # activations of a decode, of a 32-sequence step, of a 512-token prefill
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None)
-    p.add_argument("--setups", default="one,shm-tp2,tp2,pp2", help=f"comma list of {', '.join(SETUPS)}")
+    p.add_argument("--setups", default="one,tp2,pp2", help=f"comma list of {', '.join(SETUPS)}")
     p.add_argument("--sequences", type=int, default=32)
     p.add_argument("--steps", type=int, default=12, help="decode steps timed per setup")
     p.add_argument("--prefill", type=int, default=512)
@@ -54,7 +53,7 @@ def _job(spec: dict) -> None:
             group.worker_loop(runner)
             return
     else:
-        runner = ModelRunner(spec["model"], tensor_parallel_size=tp, **kw)
+        runner = ModelRunner(spec["model"], **kw)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1000, 30000, size=int(rng.integers(8, 48))).tolist() for _ in range(n)]
     out = {}
@@ -93,9 +92,7 @@ def _job(spec: dict) -> None:
     out["prefill"] = spec["prefill"] / min(times)
     if group is None:
         w = sum(lin.nbytes for _, lin in runner.weights.linears())
-        if runner.tensor_parallel is not None:     # shm: every slice lives in memory rank 0 maps: one copy
-            w = w / tp
-        out["held"] = [{"weights_bytes": w, "kv_bytes": runner.kv_cache.k.nbytes * 2}] * tp
+        out["held"] = [{"weights_bytes": w, "kv_bytes": runner.kv_cache.k.nbytes * 2}]
     else:
         out["held"] = [{k: s[k] for k in ("weights_bytes", "kv_bytes")} for s in out[f"ranks_{n}"]]
     runner.close()
@@ -183,9 +180,6 @@ def run(args) -> int:
                          for q in ranks) if ranks else "-"
         print(f"  {s:9} {r['decode_1']:8.1f}{rel('decode_1'):>7} {r['decode_n']:7.1f}{rel('decode_n'):>7} "
               f"{r['prefill']:7.0f}{rel('prefill'):>7}   {held:30}  {comm}")
-    if "tp2" in results and "shm-tp2" in results:
-        a, b = results["tp2"]["decode_n"], results["shm-tp2"]["decode_n"]
-        print(f"  MPI TP 2 / shared-memory protocol TP 2, {n}-sequence decode: {a / b:.2f}x ({a:.1f} vs {b:.1f})")
     if args.hf_python:
         from types import SimpleNamespace
 

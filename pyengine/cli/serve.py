@@ -34,9 +34,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="S17: ranks splitting every layer by heads / FFN columns (MPI; one Allreduce per sub-layer)")
     p.add_argument("--pipeline-parallel-size", type=int, default=1,
                    help="S17: pipeline stages of contiguous layers (MPI; N x M ranks with --tensor-parallel-size)")
-    p.add_argument("--parallel-backend", default="mpi", choices=["mpi", "shm"],
-                   help="mpi: ranks started through mpiexec (one host, or many under the user's mpiexec "
-                        "--hostfile); shm: the one-host shared-memory worker processes (tensor parallelism only)")
     p.add_argument("--parallel-timeout", type=float, default=None,
                    help="seconds a step may wait on another rank before the server declares it stuck (default 60)")
     p.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
@@ -51,28 +48,23 @@ def build_engine(args):
     from pyengine.model_files import resolve_model
 
     path = resolve_model(args.model)
-    runner, tp = None, getattr(args, "tensor_parallel_size", 1)
+    runner = None
     if uses_mpi(args):
         from pyengine.parallel.launch import mpi_runner
         # rank 0 gets its runner back; the other ranks compute in mpi_runner until the server stops
-        runner = mpi_runner(path, tp, args.pipeline_parallel_size, args.parallel_timeout,
+        runner = mpi_runner(path, args.tensor_parallel_size, args.pipeline_parallel_size, args.parallel_timeout,
                             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=args.max_num_batched_tokens)
-        tp = 1
     engine = LLMEngine(path, runner=runner, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        enable_prefix_caching=not args.no_prefix_cache,
-                       enable_chunked_prefill=not args.no_chunked_prefill, max_waiting=args.max_waiting,
-                       tensor_parallel_size=tp)
+                       enable_chunked_prefill=not args.no_chunked_prefill, max_waiting=args.max_waiting)
     return engine, path
 
 
 def uses_mpi(args) -> bool:
-    """S17: more than one rank on the MPI backend."""
-    n = getattr(args, "tensor_parallel_size", 1) * getattr(args, "pipeline_parallel_size", 1)
-    if getattr(args, "parallel_backend", "mpi") == "shm" and getattr(args, "pipeline_parallel_size", 1) > 1:
-        raise SystemExit("--pipeline-parallel-size needs --parallel-backend mpi")
-    return n > 1 and getattr(args, "parallel_backend", "mpi") == "mpi"
+    """S17: more than one rank (started through mpiexec)."""
+    return getattr(args, "tensor_parallel_size", 1) * getattr(args, "pipeline_parallel_size", 1) > 1
 
 
 def demo_app(model_path: str):

@@ -57,7 +57,7 @@ class LLMEngine:
         None for the default model); ``weights_mode`` "resident" or "lean" goes to that runner.
         S17: inside an MPI job (``mpiexec -n N*M python script.py``), ``tensor_parallel_size`` N and
         ``pipeline_parallel_size`` M run over MPI: rank 0 gets the engine, the other ranks compute in here until
-        rank 0 is done, then exit. Outside one, tensor_parallel_size uses the one-host shared-memory workers."""
+        rank 0 is done, then exit (``pyengine serve`` starts its ranks itself)."""
         if runner is None and tensor_parallel_size * pipeline_parallel_size > 1:
             from pyengine.parallel.mpi import launched_under_mpi    # lazy: mpi4py only when asked for
             if launched_under_mpi():
@@ -68,10 +68,11 @@ class LLMEngine:
                                     num_blocks=num_blocks, block_size=block_size,
                                     max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
                 tensor_parallel_size = pipeline_parallel_size = 1
-            elif pipeline_parallel_size > 1:
-                raise ValueError(f"pipeline_parallel_size {pipeline_parallel_size} runs over MPI: start this program "
-                                 f"with mpiexec -n {tensor_parallel_size * pipeline_parallel_size} (pip install "
-                                 f"'pyengine[parallel]'), or use pyengine serve, which starts its ranks itself")
+            else:
+                raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = "
+                                 f"{tensor_parallel_size * pipeline_parallel_size} ranks run over MPI: start this "
+                                 f"program with mpiexec -n {tensor_parallel_size * pipeline_parallel_size} (pip "
+                                 f"install 'pyengine[parallel]'), or use pyengine serve, which starts its ranks")
         if runner is None:
             from pyengine.engine.model_runner import ModelRunner
             if model is None or isinstance(model, str):
@@ -79,9 +80,9 @@ class LLMEngine:
                 model = resolve_model(model)
             runner = ModelRunner(model, max_model_len=max_model_len, num_blocks=num_blocks, block_size=block_size,
                                  max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                 tensor_parallel_size=tensor_parallel_size, weights_mode=weights_mode)
-        elif tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size is a ModelRunner option: pass it to the runner you inject")
+                                 weights_mode=weights_mode)
+        elif tensor_parallel_size * pipeline_parallel_size != 1:
+            raise ValueError("tensor_parallel_size / pipeline_parallel_size build the runner: do not inject one")
         for name, want in (("max_model_len", max_model_len), ("max_num_batched_tokens", max_num_batched_tokens),
                            ("max_num_seqs", max_num_seqs)):
             have = getattr(runner, name, None)

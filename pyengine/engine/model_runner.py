@@ -27,7 +27,6 @@ class ModelRunner:
     kv_budget_bytes   cap on the KV cache when num_blocks is None (default: max_num_seqs full-length sequences)
     max_logits        logits rows planned in the arena per run (default max_num_seqs; more rows still work)
     flash_min_query   sequences with at least this many new tokens use tiled flash attention
-    tensor_parallel_size  > 1: worker processes share every linear layer and decode attention (S17; Linux x86-64)
     parallel          S17 over MPI: a `pyengine.parallel.mpi.MPIGroup`; this process builds only its rank's part
                       (its stage's layers, its heads and FFN columns, its KV heads) and ``run`` on rank 0 first
                       broadcasts the step to the other ranks (which run ``parallel.worker_loop(runner)``)
@@ -36,7 +35,7 @@ class ModelRunner:
     def __init__(self, model, max_model_len: int = 2048, num_blocks: int | None = None, block_size: int = 16,
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 64, weights_mode: str = "resident",
                  kv_budget_bytes: int = DEFAULT_KV_BUDGET_BYTES, max_logits: int | None = None,
-                 flash_min_query: int | None = None, tensor_parallel_size: int = 1, parallel=None):
+                 flash_min_query: int | None = None, parallel=None):
         from pyengine.gguf.reader import GGUFFile
         from pyengine.models import load_config, load_model
         from pyengine.models.base import Buffers
@@ -45,8 +44,6 @@ class ModelRunner:
                             ("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs)):
             if not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not isinstance(tensor_parallel_size, (int, np.integer)) or tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")
         if num_blocks is not None and (not isinstance(num_blocks, (int, np.integer)) or num_blocks < 1):
             raise ValueError(f"num_blocks must be a positive integer or None, got {num_blocks!r}")
         if weights_mode not in ("resident", "lean"):
@@ -71,8 +68,8 @@ class ModelRunner:
 
         self.parallel = parallel
         if parallel is not None:
-            if tensor_parallel_size != 1 or weights_mode != "resident":
-                raise ValueError("an MPI parallel runner takes resident weights and no tensor_parallel_size")
+            if weights_mode != "resident":
+                raise ValueError("a parallel runner takes resident weights (lean ones are not split yet)")
             from pyengine.parallel.shard import load_shard            # lazy: CPython + mpi4py only
             parallel.setup(c)
             c, self.weights, self.model = load_shard(self.gguf, parallel.part, parallel, parallel.part.stage == 0)
@@ -88,15 +85,7 @@ class ModelRunner:
         specs = (Buffers.specs(c, n_kinds, self.max_num_batched_tokens, self.max_model_len, self.max_logits,
                                decode_slots, self.weights.lean_floats, self.flash_min_query)
                  + PagedKVCache.arena_specs(c.n_layers, self.num_blocks, block_size, c.n_kv_heads, c.head_dim))
-        self.tensor_parallel = None
-        if tensor_parallel_size > 1:
-            from pyengine.engine.tensor_parallel import TensorParallelGroup   # lazy: processes, CPython only
-            # the workers map the same arena (KV cache, activations): it lives in shared memory
-            self.tensor_parallel = TensorParallelGroup(self.weights, tensor_parallel_size, specs, self.num_blocks,
-                                                       block_size, self.max_model_len, attn_scale=self.model.scale)
-            self.arena = self.tensor_parallel.arena
-        else:
-            self.arena = Arena.from_specs(specs)
+        self.arena = Arena.from_specs(specs)
         self.kv_cache = PagedKVCache(self.arena, c.n_layers, self.num_blocks, block_size, c.n_kv_heads,
                                      c.head_dim)
         if parallel is not None:      # what this rank holds (float32 weights, KV cache), for the benchmark
@@ -125,14 +114,8 @@ class ModelRunner:
         if self.parallel is not None:
             self.parallel.send_step(batch)                          # S17: every rank runs its part of it
             return self.parallel.step(self, batch)
-        tp = self.tensor_parallel
-        split = tp is not None and tp.begin(batch.num_tokens)     # S17: the workers awake for this pass
-        try:
-            plan = self.plan(batch)
-            return self.model.forward(plan, self.kv_cache, self.buffers.rows(plan.num_tokens))
-        finally:
-            if split:
-                tp.end()
+        plan = self.plan(batch)
+        return self.model.forward(plan, self.kv_cache, self.buffers.rows(plan.num_tokens))
 
     @property
     def failure(self) -> str | None:
@@ -143,15 +126,12 @@ class ModelRunner:
         """The step plan of a (validated) batch."""
         b = self.buffers
         return plan_step(batch, self.block_size, self.model.windows, b.rope_tables, b.rope_rows,
-                         min(tuning.DECODE_SLOTS, b.k_batch.shape[0]), self.flash_min_query,
-                         shared=self.tensor_parallel)
+                         min(tuning.DECODE_SLOTS, b.k_batch.shape[0]), self.flash_min_query)
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any (also done when the runner is garbage-collected)."""
+        """S17: rank 0 stops every rank of its parallel group (also done at exit); else nothing to do."""
         if self.parallel is not None and self.parallel.is_driver:
             self.parallel.stop()
-        if self.tensor_parallel is not None:
-            self.tensor_parallel.close()
 
     # --- helpers for tests and benchmarks (the real generation loop is the engine's) -------------------
     def contiguous_batch(self, token_ids, start: int, logits_all: bool = False) -> ForwardBatch:

@@ -90,3 +90,13 @@ def test_serve_refuses_a_bad_split_before_starting_ranks():
     p = subprocess.run([sys.executable, "-m", "pyengine", "serve", "--tensor-parallel-size", "4"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "at most 3 ranks or a multiple of 3" in p.stderr
+
+
+def test_serve_under_a_mismatched_mpiexec_says_what_to_change():
+    """The user's mpiexec (or hostfile) gives 2 ranks for TP 3: every rank refuses with the numbers."""
+    from pyengine.parallel.launch import mpiexec_command, rank_env
+    p = subprocess.run(mpiexec_command(2, ["-m", "pyengine", "serve", "--tensor-parallel-size", "3"]),
+                       env=rank_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0
+    assert "the MPI job has 2 ranks but tensor_parallel_size 3 x pipeline_parallel_size 1 = 3" in p.stderr
+    assert "mpiexec -n 3" in p.stderr

@@ -109,7 +109,13 @@ def run(args) -> int:
             n = args.tensor_parallel_size * args.pipeline_parallel_size
             return relaunch(n, ["-m", "pyengine"] + sys.argv[1:])
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    app, engine, model_id = make_app(args)
+    try:
+        app, engine, model_id = make_app(args)
+    except ValueError as exc:                 # e.g. an mpiexec -n that is not N x M: say what to change
+        if not uses_mpi(args):
+            raise
+        print(f"pyengine serve: {exc}", file=sys.stderr)
+        return 2
     print(f"pyengine serve: model {model_id} on http://{args.host}:{args.port} "
           f"(prefix cache {'off' if args.no_prefix_cache else 'on'}, chunked prefill "
           f"{'off' if args.no_chunked_prefill else 'on'}, max waiting {args.max_waiting})", file=sys.stderr)

@@ -126,3 +126,17 @@ def test_llm_api_under_mpiexec(tmp_path):
         LLM(model_path("smollm2"), tensor_parallel_size=2, pipeline_parallel_size=2, max_model_len=64)
     with pytest.raises(ValueError, match="mpiexec -n 2"):               # outside an MPI job
         LLM(model_path("smollm2"), tensor_parallel_size=2, max_model_len=64)
+
+
+def test_gemma3_tp2_replicates_its_single_kv_head(tmp_path):
+    """Gemma 3 270M (4 query heads, 1 KV head) over 2 ranks: each rank holds 2 query heads and a copy of the KV
+    head; a 40-token prompt, a decode and a 20-token pass equal one process (sliding-window layers included)."""
+    kw = dict(max_model_len=256, num_blocks=64, block_size=16, max_num_batched_tokens=256, max_num_seqs=4,
+              max_logits=64)
+    passes = [[40, 1], [1, 2], [20, 3]]
+    res, got = run_mpi(tmp_path, model_path("gemma3"), 2, 1, kw=kw, logits=passes)
+    want, _ = reference(model_path("gemma3"), kw=kw, logits=passes)
+    for a, b in zip(got, want):
+        assert np.abs(a - b).max() <= 1e-4 * max(1.0, np.abs(b).max())
+        assert (a.argmax(-1) == b.argmax(-1)).all()
+    assert [(p["q_heads"], p["kv_heads"]) for p in res["parts"]] == [([0, 1], [0]), ([2, 3], [0])]

@@ -4,6 +4,7 @@ tokens as one process (the reference: LLM in this process). Faults: a rank that 
 (SIGSTOP) makes the in-flight request fail with a clear 503 within the timeout, /health turns unhealthy naming
 the rank, new requests get 503, and stopping the server stops every rank."""
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -134,7 +135,8 @@ def test_stuck_rank_fails_requests_with_503_and_health_names_it():
             c.completions.create(model="SmolLM2-135M-Instruct", prompt="Hi", max_tokens=2)
         assert err.value.status_code == 503
         m = httpx.get(s.url + "/metrics", timeout=5).text
-        assert "pyengine" in m
+        used = re.search(r"^\w*kv_cache_used_blocks (\S+)$", m, re.M)
+        assert used and float(used.group(1)) == 0.0            # the failed request's KV blocks were freed
     finally:
         s.stop()
     time.sleep(1)

@@ -21,11 +21,5 @@ FLASH_MIN_QUERY = 128       # queries from which prefill attention is tiled (bou
 FLASH_TILE = 256            # keys per flash tile
 FLASH_Q_TILE = 128          # queries per flash tile
 
-# --- tensor parallelism on one machine (engine/tensor_parallel.py) -------------------------------------
-SMALL_GEMM_MNK = 1_000_000  # OpenBLAS multiplies without packing when M*N*K <= 1e6 (AVX-512 small-matrix kernel)
-MIN_BLOCK_ROWS = 16         # weight rows per block of a rank's product, at least
-SPLIT_ROWS = 40             # passes of at most this many tokens split; longer ones amortize sgemm's packing
-RANK0_EXTRA = 0.06          # rank 0's slice is this much larger: the workers start each product a little later
-
 SWEEPABLE = ("LINEAR_ROW_LOOP_MAX", "HEAD_ROW_LOOP_MAX", "DECODE_SLOTS", "DECODE_KEY_CHUNK", "KEY_TREE_MIN",
              "SHORT_QUERY_MAX")

@@ -1,7 +1,7 @@
 """S03/S06/S09/S17: the contracts every architecture in the registry keeps, on tiny random GGUFs of each
 (tests/tiny_models.py): the fast paged forward equals the readable ``forward_reference``; chunked prefill and
 decode steps equal it too; a ragged batch equals each sequence alone; shuffled block tables equal contiguous
-ones; lean weights equal resident ones; tensor parallelism equals one process. A new architecture gets all of
+ones; lean weights equal resident ones; tensor and pipeline parallelism over MPI equal one process. A new architecture gets all of
 these by adding its shape to tests/tiny_models.py."""
 from __future__ import annotations
 
@@ -114,21 +114,6 @@ def test_lean_weights_equal_resident(tiny):
     assert close(lean.model.forward_reference(toks), a)
 
 
-def test_tensor_parallel_equals_one_process(tiny):
-    """Two processes (every matrix split by output columns): a prompt and batched decodes."""
-    _, path, r = tiny
-    two = ModelRunner(path, tensor_parallel_size=2, **KW)
-    try:
-        for runner in (r, two):
-            runner.run(runner.contiguous_batch(ids(33, 5), 0))
-        a = r.run(r.contiguous_batch(ids(20, 6), 33, logits_all=True)).copy()
-        b = two.run(two.contiguous_batch(ids(20, 6), 33, logits_all=True)).copy()
-        assert close(a, b)
-        assert two.tensor_parallel.disabled_reason is None
-    finally:
-        two.close()
-
-
 def test_unsupported_weights_mode_and_architecture_are_refused(tiny, tmp_path):
     _, path, _ = tiny
     with pytest.raises(ValueError, match="weights mode"):
@@ -152,3 +137,18 @@ def test_gemma3_sliding_layers_read_only_their_window(tmp_path):
     (run_local,), (run_full,) = plan.kinds[0].attention.runs, plan.kinds[1].attention.runs
     assert (run_local.keys.first, run_local.offset) == (100 - SLIDING_WINDOW + 1, SLIDING_WINDOW - 1)
     assert (run_full.keys.first, run_full.offset) == (0, 100)
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (4, 1), (1, 2), (2, 2)])
+def test_mpi_parallel_equals_one_process(tiny, tmp_path, tp, pp):
+    """S17 over MPI (tests/mpi_check.py under mpiexec): Megatron tensor parallelism by heads and FFN columns (4
+    ranks: more than the 2 KV heads, so each KV head is replicated on 2 ranks that split its query heads),
+    pipeline stages, and both: a 33-token prompt, a decode and a 20-token pass equal one process."""
+    from test_mpi_parallel import reference, run_mpi
+    _, path, _ = tiny
+    passes = [[33, 5], [1, 6], [20, 7]]
+    res, got = run_mpi(tmp_path, path, tp, pp, kw=KW, logits=passes)
+    want, _ = reference(path, kw=KW, logits=passes)
+    for a, b in zip(got, want):
+        assert close(a, b)
+    assert len(res["stats"]) == tp * pp

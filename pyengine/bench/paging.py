@@ -8,7 +8,7 @@ prefill buy, each measured against its baseline in the same run.
   batching  (S09) the same requests with heavy-tailed output lengths: static batches (a batch of N runs
             until its longest member ends, finished members keep their slots) vs continuous batching
             (target >= 2x useful tokens/s); plus the aggregate decode rate with N = 32 sequences running
-            (target >= 330 tok/s), also with --tensor-parallel-size ranks (S17) and its ratio to one process.
+            (target >= 330 tok/s); S17's parallel setups are `pyengine bench parallel`.
   chunked   (S11) 8 running decodes while a long prompt arrives: ITL p99 / median with and without
             chunked prefill (target with chunking <= 3x). The median is the decodes' own: that of the same
             decodes run alone for as many steps (their contexts grow by one token a step, so the steps of a
@@ -34,8 +34,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF path (default model otherwise)")
     p.add_argument("--quick", action="store_true", help="smaller sizes everywhere (minutes instead of tens of minutes; ratios understate)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="(c) also times the aggregate decode rate with this many tensor-parallel ranks (S17)")
     g = p.add_argument_group("waste")
     g.add_argument("--waste-requests", type=int, default=400)
     g.add_argument("--max-model-len", type=int, default=2048)
@@ -230,8 +228,7 @@ def bench_batching(args) -> None:
         _line(name, f"{useful / t_cont[k]:.1f} vs {useful / t_static[k]:.1f} tok/s", ratio, ">= 2x", ratio >= 2.0)
     # aggregate decode rate with `conc` sequences all decoding (and with tensor-parallel ranks, if asked)
     steps = 6 if args.quick else args.decode_steps
-    tp = args.tensor_parallel_size
-    setups = [("", _runner(args))] + ([(f", tensor parallel {tp}", _tp_runner(args, conc))] if tp > 1 else [])
+    setups = [("", _runner(args))]          # tensor / pipeline parallelism: `pyengine bench parallel` (S17)
     engines = []
     for label, runner in setups:
         eng = _engine(args, runner, max_num_seqs=conc, max_num_batched_tokens=max(2048, conc))
@@ -258,9 +255,6 @@ def bench_batching(args) -> None:
         rates.append(rate)
         _line(f"aggregate decode rate, {conc} sequences{label} (median step)", f"{rate:.1f} tok/s (mean {mean:.1f})",
               rate / 330.0, ">= 330" if conc >= 32 else "(at 32)", rate >= 330.0 and conc >= 32)
-    if tp > 1:
-        _line(f"  tensor parallel {tp} / one process", f"{rates[1]:.1f} vs {rates[0]:.1f} tok/s",
-              rates[1] / rates[0], "(S17)", rates[1] > rates[0])
     if args.hf_python:
         job = _hf_batched_rate(args, [prompts[i % len(prompts)] for i in range(conc)], steps)
         hf = job["decode_tok_s"]
@@ -271,16 +265,6 @@ def bench_batching(args) -> None:
             ours = (rate + after) / 2
             _line(f"  / HF transformers batched generate ({job['threads']} threads){label}",
                   f"{ours:.1f} ({rate:.0f}, {after:.0f}) vs {hf:.1f} tok/s", ours / hf, ">= 1.5x", ours >= 1.5 * hf)
-    for label, runner in setups[1:]:
-        runner.close()
-
-
-def _tp_runner(args, conc: int):
-    """A second runner whose linear layers are split over ``--tensor-parallel-size`` processes (S17)."""
-    from pyengine.engine.model_runner import ModelRunner
-    from pyengine.model_files import resolve_model
-    return ModelRunner(resolve_model(args.model), max_model_len=2048, max_num_batched_tokens=max(2048, conc),
-                       max_num_seqs=conc, tensor_parallel_size=args.tensor_parallel_size)
 
 
 def _hf_batched_rate(args, prompts: list[list[int]], steps: int) -> dict:

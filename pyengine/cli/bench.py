@@ -20,6 +20,7 @@ BENCHMARKS = {
     "kv": "pyengine.bench.kv",                # S08: KV cache dtypes and weight formats: memory, PPL/KL, speed
     "structured": "pyengine.bench.structured",  # S15: grammar compile/mask time, coverage, validity vs peers
     "moe": "pyengine.bench.moe",              # S16: MoE vs dense (same active / same total parameters)
+    "parallel": "pyengine.bench.parallel",    # S17: one process vs TP / PP over MPI
 }
 
 

@@ -68,7 +68,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="worker processes sharing each linear layer (S17; pays for batches of ~9-40 tokens)")
+                   help="S17: ranks splitting every layer by heads / FFN columns (MPI; one Allreduce per sub-layer)")
+    p.add_argument("--pipeline-parallel-size", type=int, default=1,
+                   help="S17: pipeline stages of contiguous layers (MPI; N x M ranks with --tensor-parallel-size)")
+    p.add_argument("--parallel-timeout", type=float, default=None,
+                   help="seconds a step may wait on another rank before the server declares it stuck (default 60)")
     add_speculative_argument(p)
     p.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
     p.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
@@ -108,13 +112,26 @@ def build_engine(args):
     path = resolve_model(args.model)
     if getattr(args, "max_model_len", None) is None:
         args.max_model_len = default_max_model_len(GGUFFile(path))
-    engine = LLMEngine(path, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+    kv_cache_dtype = getattr(args, "kv_cache_dtype", "auto")
+    runner = None
+    if uses_mpi(args):
+        from pyengine.parallel.launch import mpi_runner
+        # rank 0 gets its runner back; the other ranks compute in mpi_runner until the server stops
+        runner = mpi_runner(path, args.tensor_parallel_size, args.pipeline_parallel_size, args.parallel_timeout,
+                            max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                            max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=kv_cache_dtype)
+        kv_cache_dtype = "auto"                               # the runner has it
+    engine = LLMEngine(path, runner=runner, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        enable_prefix_caching=not args.no_prefix_cache,
                        enable_chunked_prefill=not args.no_chunked_prefill, max_waiting=args.max_waiting,
-                       tensor_parallel_size=getattr(args, "tensor_parallel_size", 1), speculative_config=spec,
-                       kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
+                       speculative_config=spec, kv_cache_dtype=kv_cache_dtype)
     return engine, path
+
+
+def uses_mpi(args) -> bool:
+    """S17: more than one rank (started through mpiexec)."""
+    return getattr(args, "tensor_parallel_size", 1) * getattr(args, "pipeline_parallel_size", 1) > 1
 
 
 def demo_app(model_path: str):
@@ -156,11 +173,34 @@ def run(args) -> int:
     from pyengine.server.runner import bind_socket, uvicorn_server
 
     warn_if_exposed("serve", args.host, args.api_key)
-    sock = bind_socket(args.host, args.port)      # before the model loads: a taken port fails at once
+    if uses_mpi(args):
+        from pyengine.parallel.mpi import launched_under_mpi
+        if not launched_under_mpi():          # one host: this same command line as N x M ranks
+            from pyengine.parallel.launch import check_split, relaunch
+            try:                              # a split the model cannot take is refused before any rank starts
+                check_split(args.model, args.tensor_parallel_size, args.pipeline_parallel_size)
+            except ValueError as exc:
+                print(f"pyengine serve: {exc}", file=sys.stderr)
+                return 2
+            bind_socket(args.host, args.port).close()     # a taken port fails before any rank starts
+            n = args.tensor_parallel_size * args.pipeline_parallel_size
+            return relaunch(n, ["-m", "pyengine"] + sys.argv[1:])
+    # only the HTTP rank listens (rank 0 of an MPI job); before the model loads, so a taken port fails at once
+    rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0"))) if uses_mpi(args) else 0
+    sock = bind_socket(args.host, args.port) if rank == 0 else None
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    app, engine, model_id = make_app(args)
+    try:
+        app, engine, model_id = make_app(args)
+    except ValueError as exc:                 # e.g. an mpiexec -n that is not N x M: say what to change
+        if not uses_mpi(args):
+            raise
+        print(f"pyengine serve: {exc}", file=sys.stderr)
+        return 2
     print(f"pyengine serve: model {model_id} on http://{args.host}:{args.port} "
           f"(context {args.max_model_len}, prefix cache {'off' if args.no_prefix_cache else 'on'}, chunked prefill "
           f"{'off' if args.no_chunked_prefill else 'on'}, max waiting {args.max_waiting} sequences)", file=sys.stderr)
-    uvicorn_server(app, args.host, args.port, args.log_level).run(sockets=[sock])
+    try:
+        uvicorn_server(app, args.host, args.port, args.log_level).run(sockets=[sock])
+    finally:
+        engine.runner.close()                 # S17: stops every rank
     return 0

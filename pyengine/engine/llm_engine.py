@@ -57,13 +57,34 @@ class LLMEngine:
                  enable_chunked_prefill: bool = True, max_waiting: int | None = None, *,
                  runner=None, tokenizer=None, seed: int | None = None, watermark: float = 0.03,
                  aging_steps: int = 64, tensor_parallel_size: int = 1, speculative_config=None,
-                 draft_runner=None, weights_mode: str = "resident", kv_cache_dtype: str = "auto"):
+                 draft_runner=None, weights_mode: str = "resident", kv_cache_dtype: str = "auto",
+                 pipeline_parallel_size: int = 1):
         """``runner``/``tokenizer`` (keyword-only extension): inject any object with the ModelRunner contract
         (tests use a fake one); by default a `ModelRunner` is built for ``model`` (path, bytes, GGUFFile or
-        None for the default model), its weights in ``weights_mode`` ("resident" or "lean").
+        None for the default model), its weights in ``weights_mode`` ("resident" or "lean"), its KV cache in
+        ``kv_cache_dtype``.
         ``speculative_config`` (S14, vLLM's dict): ``{"method": "ngram" | "draft_model",
         "num_speculative_tokens": k, "prompt_lookup_min", "prompt_lookup_max", "model"}``; ``draft_runner``
-        (extension) injects the draft model's runner."""
+        (extension) injects the draft model's runner.
+        S17: inside an MPI job (``mpiexec -n N*M python script.py``), ``tensor_parallel_size`` N and
+        ``pipeline_parallel_size`` M run over MPI: rank 0 gets the engine, the other ranks compute in here until
+        rank 0 is done, then exit (``pyengine serve`` starts its ranks itself)."""
+        if runner is None and tensor_parallel_size * pipeline_parallel_size > 1:
+            from pyengine.parallel.mpi import launched_under_mpi    # lazy: mpi4py only when asked for
+            if launched_under_mpi():
+                from pyengine.model_files import resolve_model
+                from pyengine.parallel.launch import mpi_runner
+                runner = mpi_runner(resolve_model(model) if model is None or isinstance(model, str) else model,
+                                    tensor_parallel_size, pipeline_parallel_size, max_model_len=max_model_len,
+                                    num_blocks=num_blocks, block_size=block_size,
+                                    max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                                    kv_cache_dtype=kv_cache_dtype)
+                tensor_parallel_size, pipeline_parallel_size, kv_cache_dtype = 1, 1, "auto"   # the runner has them
+            else:
+                raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = "
+                                 f"{tensor_parallel_size * pipeline_parallel_size} ranks run over MPI: start this "
+                                 f"program with mpiexec -n {tensor_parallel_size * pipeline_parallel_size} (pip "
+                                 f"install 'pyengine[parallel]'), or use pyengine serve, which starts its ranks")
         if runner is None:
             from pyengine.engine.model_runner import ModelRunner
             if model is None or isinstance(model, str):
@@ -71,11 +92,10 @@ class LLMEngine:
                 model = resolve_model(model)
             runner = ModelRunner(model, max_model_len=max_model_len, num_blocks=num_blocks, block_size=block_size,
                                  max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                 tensor_parallel_size=tensor_parallel_size, weights_mode=weights_mode,
-                                 kv_cache_dtype=kv_cache_dtype)
-        elif tensor_parallel_size != 1 or kv_cache_dtype != "auto":
-            raise ValueError("tensor_parallel_size and kv_cache_dtype are ModelRunner options: pass them to the "
-                             "runner you inject")
+                                 weights_mode=weights_mode, kv_cache_dtype=kv_cache_dtype)
+        elif tensor_parallel_size * pipeline_parallel_size != 1 or kv_cache_dtype != "auto":
+            raise ValueError("tensor_parallel_size, pipeline_parallel_size and kv_cache_dtype build the runner: "
+                             "pass them to the runner you inject")
         for name, want in (("max_model_len", max_model_len), ("max_num_batched_tokens", max_num_batched_tokens),
                            ("max_num_seqs", max_num_seqs)):
             have = getattr(runner, name, None)

@@ -27,15 +27,17 @@ class ModelRunner:
     kv_budget_bytes   cap on the KV cache when num_blocks is None (default: max_num_seqs full-length sequences)
     max_logits        logits rows planned in the arena per run (default max_num_seqs; more rows still work)
     flash_min_query   sequences with at least this many new tokens use tiled flash attention
-    tensor_parallel_size  > 1: worker processes share every linear layer and decode attention (S17; Linux x86-64)
     kv_cache_dtype    KV cache storage (S08): "auto" (float32), "fp16", "q8_0", "q4_0" (see kv_cache.py); the
                       default budget then holds 2x / 3.8x / 7.1x the blocks
+    parallel          S17 over MPI: a `pyengine.parallel.mpi.MPIGroup`; this process builds only its rank's part
+                      (its stage's layers, its heads and FFN columns, its KV heads) and ``run`` on rank 0 first
+                      broadcasts the step to the other ranks (which run ``parallel.worker_loop(runner)``)
     """
 
     def __init__(self, model, max_model_len: int = 2048, num_blocks: int | None = None, block_size: int = 16,
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 64, weights_mode: str = "resident",
                  kv_budget_bytes: int = DEFAULT_KV_BUDGET_BYTES, max_logits: int | None = None,
-                 flash_min_query: int | None = None, tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto"):
+                 flash_min_query: int | None = None, parallel=None, kv_cache_dtype: str = "auto"):
         from pyengine.gguf.reader import GGUFFile
         from pyengine.models import load_config, load_model
         from pyengine.models.base import Buffers
@@ -44,8 +46,6 @@ class ModelRunner:
                             ("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs)):
             if not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not isinstance(tensor_parallel_size, (int, np.integer)) or tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")
         if num_blocks is not None and (not isinstance(num_blocks, (int, np.integer)) or num_blocks < 1):
             raise ValueError(f"num_blocks must be a positive integer or None, got {num_blocks!r}")
         if weights_mode not in ("resident", "lean"):
@@ -61,6 +61,7 @@ class ModelRunner:
         self.max_num_seqs = int(max_num_seqs)
         self.flash_min_query = tuning.FLASH_MIN_QUERY if flash_min_query is None else int(flash_min_query)
         self.kv_cache_dtype = check_kv_dtype(kv_cache_dtype, c.head_dim)
+        # from the whole model's shape, so that every rank of a parallel group agrees on num_blocks
         per_block = PagedKVCache.bytes_per_block(c.n_layers, block_size, c.n_kv_heads, c.head_dim, kv_cache_dtype)
         if num_blocks is None:
             # enough for every sequence at full length, unless that exceeds the memory budget
@@ -68,7 +69,16 @@ class ModelRunner:
             num_blocks = max(-(-max_model_len // block_size), min(want, kv_budget_bytes // per_block))
         self.num_blocks = int(num_blocks)
 
-        _, self.weights, self.model = load_model(self.gguf, weights_mode)
+        self.parallel = parallel
+        if parallel is not None:
+            if weights_mode != "resident":
+                raise ValueError("a parallel runner takes resident weights (lean ones are not split yet)")
+            from pyengine.parallel.shard import load_shard            # lazy: CPython + mpi4py only
+            parallel.setup(c)
+            c, self.weights, self.model = load_shard(self.gguf, parallel.part, parallel, parallel.part.stage == 0)
+        else:
+            _, self.weights, self.model = load_model(self.gguf, weights_mode)
+        self.rank_config = c          # this process's part of the model (the whole one without `parallel`)
         self.max_logits = int(max_logits or max(max_num_seqs, 1))
         # batched short queries: padded K/V of several sequences; always room for one full-length context
         full = -(-self.max_model_len // block_size) * block_size
@@ -79,17 +89,12 @@ class ModelRunner:
                                decode_slots, self.weights.lean_floats, self.flash_min_query)
                  + PagedKVCache.arena_specs(c.n_layers, self.num_blocks, block_size, c.n_kv_heads, c.head_dim,
                                             kv_cache_dtype))
-        self.tensor_parallel = None
-        if tensor_parallel_size > 1:
-            from pyengine.engine.tensor_parallel import TensorParallelGroup   # lazy: processes, CPython only
-            # the workers map the same arena (KV cache, activations): it lives in shared memory
-            self.tensor_parallel = TensorParallelGroup(self.weights, tensor_parallel_size, specs, self.num_blocks,
-                                                       block_size, self.max_model_len, attn_scale=self.model.scale)
-            self.arena = self.tensor_parallel.arena
-        else:
-            self.arena = Arena.from_specs(specs)
+        self.arena = Arena.from_specs(specs)
         self.kv_cache = PagedKVCache(self.arena, c.n_layers, self.num_blocks, block_size, c.n_kv_heads,
                                      c.head_dim, kv_cache_dtype)
+        if parallel is not None:      # what this rank holds (float32 weights, KV cache), for the benchmark
+            parallel.held = {"weights_bytes": sum(lin.nbytes for _, lin in self.weights.linears()),
+                             "kv_bytes": self.kv_cache.k.nbytes + self.kv_cache.v.nbytes}
         self.buffers = Buffers.from_arena(self.arena, n_kinds)
         self.weights.bind_scratch(self.buffers.lean)
         self.model.prepare(self.buffers)
@@ -110,26 +115,27 @@ class ModelRunner:
                              f"{self.max_num_batched_tokens}")
         if batch.context_lens and max(batch.context_lens) > self.max_model_len:
             raise ValueError(f"context length {max(batch.context_lens)} exceeds max_model_len {self.max_model_len}")
-        tp = self.tensor_parallel
-        split = tp is not None and tp.begin(batch.num_tokens)     # S17: the workers awake for this pass
-        try:
-            plan = self.plan(batch)
-            return self.model.forward(plan, self.kv_cache, self.buffers.rows(plan.num_tokens))
-        finally:
-            if split:
-                tp.end()
+        if self.parallel is not None:
+            self.parallel.send_step(batch)                          # S17: every rank runs its part of it
+            return self.parallel.step(self, batch)
+        plan = self.plan(batch)
+        return self.model.forward(plan, self.kv_cache, self.buffers.rows(plan.num_tokens))
+
+    @property
+    def failure(self) -> str | None:
+        """S17 over MPI: why the parallel group cannot run steps any more (a rank stopped answering), or None."""
+        return None if self.parallel is None else self.parallel.failure
 
     def plan(self, batch: ForwardBatch):
         """The step plan of a (validated) batch."""
         b = self.buffers
         return plan_step(batch, self.block_size, self.model.windows, b.rope_tables, b.rope_rows,
-                         min(tuning.DECODE_SLOTS, b.k_batch.shape[0]), self.flash_min_query,
-                         shared=self.tensor_parallel)
+                         min(tuning.DECODE_SLOTS, b.k_batch.shape[0]), self.flash_min_query)
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any (also done when the runner is garbage-collected)."""
-        if self.tensor_parallel is not None:
-            self.tensor_parallel.close()
+        """S17: rank 0 stops every rank of its parallel group (also done at exit); else nothing to do."""
+        if self.parallel is not None and self.parallel.is_driver:
+            self.parallel.stop()
 
     # --- helpers for tests and benchmarks (the real generation loop is the engine's) -------------------
     def contiguous_batch(self, token_ids, start: int, logits_all: bool = False) -> ForwardBatch:

@@ -38,11 +38,10 @@ class StepPlan(NamedTuple):
 
 
 def plan_step(batch, block_size: int, windows: list, rope_tables: list, rope_rows: list, max_slots: int,
-              flash_min_query: int | None = None, shared=None) -> StepPlan:
+              flash_min_query: int | None = None) -> StepPlan:
     """The plan of one step. ``windows``: per kind of layer its sliding window or None; ``rope_tables``: per kind
     (cos, sin) tables (max_model_len, hd/2); ``rope_rows``: per kind (cos, sin) buffers (>= T, H+Hkv, hd/2) to
-    fill; ``max_slots``: padded slots a group may gather; ``shared``: S17's tensor-parallel group (its workers
-    attend over some groups of a single-kind model)."""
+    fill; ``max_slots``: padded slots a group may gather."""
     flash_min = tuning.FLASH_MIN_QUERY if flash_min_query is None else flash_min_query
     positions = np.asarray(batch.positions, dtype=np.int64)
     T = len(positions)
@@ -55,31 +54,26 @@ def plan_step(batch, block_size: int, windows: list, rope_tables: list, rope_row
             long_.append((start, qlen, ctx, table))
         start += qlen
     slots = np.concatenate(slots) if slots else np.zeros(0, np.int64)
-    share = shared is not None and shared.active and len(windows) == 1 and len(short) > 1
     kinds = []
     for window, (tcos, tsin), (rcos, rsin) in zip(windows, rope_tables, rope_rows):
         cos, sin = rcos[:T], rsin[:T]
         # this step's cos/sin, repeated for the rotated heads once here rather than broadcast per layer
         np.copyto(cos, np.take(tcos, positions, axis=0)[:, None, :])
         np.copyto(sin, np.take(tsin, positions, axis=0)[:, None, :])
-        groups = query_groups(short, block_size, max_slots, window, ways=shared.size if share else 1)
-        if share:
-            groups = shared.share_decode_groups(groups, T)       # sends the workers theirs, returns ours
+        groups = query_groups(short, block_size, max_slots, window)
         runs = []
         for a, qlen, ctx, table in long_:
             first = 0 if window is None else max(0, ctx - qlen - window + 1)
             runs.append(QueryRun(slice(a, a + qlen), ContextView(table, ctx, block_size, first),
                                  ctx - qlen - first, qlen >= flash_min))
-        kinds.append(KindPlan(cos, sin, AttentionPlan(groups, runs, window, shared if share else None)))
+        kinds.append(KindPlan(cos, sin, AttentionPlan(groups, runs, window)))
     return StepPlan(T, np.asarray(batch.token_ids, dtype=np.int64), slots, kinds,
                     np.asarray(batch.logits_indices, dtype=np.int64))
 
 
-def query_groups(seqs, block_size: int, max_slots: int, window: int | None = None, ways: int = 1) -> list:
+def query_groups(seqs, block_size: int, max_slots: int, window: int | None = None) -> list:
     """Split sequences [(first row, q_len, context_len, block_table)] into `QueryGroup`s of one query length
-    whose padded contexts fit ``max_slots`` (a longer sequence forms a group of its own). ``ways`` > 1: the slots
-    of all of them padded to the longest are shared over at least that many groups (tensor parallelism's ranks
-    each take some)."""
+    whose padded contexts fit ``max_slots`` (a longer sequence forms a group of its own)."""
     out = []
     for q_len in sorted({s[1] for s in seqs}):
         same = [s for s in seqs if s[1] == q_len]
@@ -88,14 +82,12 @@ def query_groups(seqs, block_size: int, max_slots: int, window: int | None = Non
         for row, q, ctx, table in same:
             b0 = 0 if window is None else max(0, ctx - q - window + 1) // block_size
             reads.append((row, ctx, b0, -(-ctx // block_size) - b0, table))
-        out += _split_groups(reads, q_len, block_size, max_slots, window, ways)
+        out += _split_groups(reads, q_len, block_size, max_slots, window)
     return out
 
 
-def _split_groups(reads, q_len: int, block_size: int, max_slots: int, window, ways: int) -> list:
+def _split_groups(reads, q_len: int, block_size: int, max_slots: int, window) -> list:
     longest = max(r[3] for r in reads) * block_size
-    if ways > 1 and len(reads) > 1:
-        max_slots = min(max_slots, -(-len(reads) * longest // ways))
     if len(reads) * longest > max_slots:                  # must split: similar lengths together pad less
         reads = sorted(reads, key=lambda r: r[3])
     parts, cur, cur_nb = [], [], 0

@@ -9,7 +9,7 @@ Implementations (the model never asks which one it holds):
                    (tied embeddings read their rows from the head)
   LeanLinear       the GGUF's quantized rows, dequantized into shared scratch just before use (lean mode,
                    picoLM-style: one layer's worth of float32 at a time, for 32-bit browsers)
-  ColumnParallelLinear (engine/tensor_parallel.py, S17): output columns split over processes
+  ColumnParallelLinear, RowParallelLinear, VocabParallelHead (layers/parallel_linear.py, S17): Megatron's splits
 Why (in, out) and matvecs for few rows: OpenBLAS's sgemm packs the whole weight on every call, so 2 rows cost
 ~2.4x one row, while its matvec streams rows ("N" layout) ~1.4x faster than the (out, in) form. Numbers in
 docs/performance.md; the cut-offs live in pyengine/tuning.py.

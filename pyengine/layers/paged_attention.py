@@ -45,7 +45,6 @@ class AttentionPlan(NamedTuple):
     groups: list               # [QueryGroup]
     runs: list                 # [QueryRun]
     window: int | None         # sliding window (keys j visible to position i when i - j < window), or None
-    shared: object = None      # S17: a tensor-parallel group whose workers attend over some of the groups
 
 
 def group_mask(lens: np.ndarray, key_starts: np.ndarray, q_len: int, L: int, window: int | None) -> np.ndarray:
@@ -104,12 +103,7 @@ def paged_attention(layer: int, q: np.ndarray, kv, plan: AttentionPlan, out: np.
                     scale: float) -> np.ndarray:
     """out (T, H, hd) = attention of every sequence's new queries q (T, H, hd) over its cached context (this
     layer's K/V of the new tokens already written)."""
-    shared = plan.shared
-    if shared is not None:
-        shared.attention_begin(layer)         # the workers attend over their groups meanwhile
     for group in plan.groups:
-        group_attention(layer, q, kv, group, out, scratch, scale)
-    for group in (shared.attention_end() if shared is not None else ()):    # theirs, if a worker was lost
         group_attention(layer, q, kv, group, out, scratch, scale)
     for run in plan.runs:
         run_attention(layer, q, kv, run, out, scratch, scale, plan.window)

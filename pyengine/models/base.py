@@ -122,7 +122,8 @@ class Weights:
             for name, value in zip(L._fields, L):
                 if isinstance(value, Linear):
                     yield ("layer", i, name), value
-        yield ("head",), self.head
+        if self.head is not None:                  # None: a pipeline stage without the head (S17)
+            yield ("head",), self.head
 
     def map_linears(self, fn) -> None:
         """Replace every matrix by fn(where, Linear) (S17 wraps them in parallel ones); the tied embedding
@@ -294,21 +295,31 @@ class TransformerModel:
 
     def forward(self, plan, kv, b: Buffers) -> np.ndarray:
         """Logits (len(plan.logits_indices), V): a view of b.logits valid until the next call (a new array if more
-        rows are asked than were planned). ``b``: the buffers cut to this step's T rows."""
-        c, w = self.config, self.weights
-        w.embed(plan.token_ids, out=b.x)
+        rows are asked than were planned). ``b``: the buffers cut to this step's T rows. S17's pipeline stages
+        call the three parts on their own: embed (first stage), layers, logits (of rows sent back to it)."""
+        self.embed(plan.token_ids, b.x)
+        self.run_layers(plan, kv, b)
+        return self.logits(b.x, plan.logits_indices, b)
+
+    def embed(self, token_ids: np.ndarray, x: np.ndarray) -> None:
+        self.weights.embed(token_ids, out=x)
         if self.embed_scale is not None:
-            b.x *= np.float32(self.embed_scale)
-        for i, L in enumerate(w.layers):
+            x *= np.float32(self.embed_scale)
+
+    def run_layers(self, plan, kv, b: Buffers) -> None:
+        for i, L in enumerate(self.weights.layers):
             self.layer(i, L, plan.kinds[self.kind_of[i]], plan.slots, kv, b)
-        idx = plan.logits_indices
-        n = len(idx)
-        if n <= b.logits.shape[0]:
-            hx, hxn, logits = b.logits_x[:n], b.logits_xn[:n], b.logits[:n]
+
+    def logits(self, x: np.ndarray, idx: np.ndarray, b: Buffers, first: int = 0) -> np.ndarray:
+        """Logits of rows ``idx`` of x, in b.logits[first:first + len(idx)] (allocated if more than planned)."""
+        c, w = self.config, self.weights
+        n, end = len(idx), first + len(idx)
+        if end <= b.logits.shape[0]:
+            hx, hxn, logits = b.logits_x[first:end], b.logits_xn[first:end], b.logits[first:end]
         else:   # more rows than planned (e.g. prompt logprobs): rare, so allocate rather than fail
             hx, hxn = np.empty((n, c.d_model), np.float32), np.empty((n, c.d_model), np.float32)
             logits = np.empty((n, c.vocab_size), np.float32)
-        np.take(b.x, idx, axis=0, out=hx)
+        np.take(x, idx, axis=0, out=hx)
         rms_norm(hx, w.output_norm, c.rms_eps, out=hxn)
         w.head.matmul(hxn, logits)
         if self.logit_scale is not None:

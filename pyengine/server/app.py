@@ -25,7 +25,7 @@ from starlette.routing import Mount, Route
 from pyengine.server import guard
 from pyengine.server import protocol as P
 from pyengine.server import serving as S
-from pyengine.server.engine_loop import EngineLoop
+from pyengine.server.engine_loop import EngineLoop, engine_failure
 from pyengine.server.guard import ServerLimits
 from pyengine.server.metrics import ServerMetrics, stats_line
 from pyengine.server.streaming import DisconnectWatcher, EventStreamResponse
@@ -204,6 +204,9 @@ def create_app(engine, *, model_id: str | None = None, aliases=(), api_key: str 
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(request: Request) -> Response:
+        reason = engine_failure(state.loop.engine)
+        if reason:                                      # S17: a parallel rank stopped answering
+            return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
         if state.loop._task is not None and not state.loop.alive:
             return JSONResponse({"status": "engine loop stopped"}, status_code=503)
         return JSONResponse({"status": "ok"})

@@ -32,6 +32,15 @@ class EngineFailure:
         self.request_id, self.exc = request_id, exc
 
 
+class EngineUnavailable(RuntimeError):
+    """The engine cannot run steps any more (S17: a parallel rank stopped answering): 503 until restarted."""
+
+
+def engine_failure(engine) -> str | None:
+    """Why the engine's runner cannot run steps (S17's parallel runner sets it), or None."""
+    return getattr(getattr(engine, "runner", None), "failure", None)
+
+
 class EngineLoop:
     def __init__(self, engine, metrics=None):
         self.engine = engine
@@ -83,6 +92,9 @@ class EngineLoop:
         """Hand a request to the engine; its outputs will be put on `queue`. Engine errors (e.g.
         EngineOverloaded, ValueError) propagate to the caller, and nothing is left registered."""
         self.ensure_started()
+        reason = engine_failure(self.engine)
+        if reason:
+            raise EngineUnavailable(reason)
         async with self._lock:
             self.engine.add_request(request_id, prompt, params)
             self._queues[request_id] = queue

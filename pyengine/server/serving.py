@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from pyengine.server import protocol as P
-from pyengine.server.engine_loop import Aborted, EngineFailure, EngineLoop
+from pyengine.server.engine_loop import Aborted, EngineFailure, EngineLoop, EngineUnavailable
 from pyengine.server.streaming import DONE, sse
 
 log = logging.getLogger("pyengine.server")
@@ -41,7 +41,18 @@ def engine_failed() -> P.APIError:
                       type="server_error", code="engine_error", headers={"connection": "close"})
 
 
+def is_unavailable(exc: BaseException) -> bool:
+    """S17: the engine lost a parallel rank (its ParallelError, recognised by name, or EngineUnavailable)."""
+    return isinstance(exc, EngineUnavailable) or any(c.__name__ == "ParallelError" for c in type(exc).__mro__)
+
+
+def unavailable_error(exc: BaseException) -> P.APIError:
+    return P.APIError(503, f"engine unavailable: {exc}", type="server_error", code="engine_unavailable")
+
+
 def engine_error(exc: Exception) -> P.APIError:
+    if is_unavailable(exc):
+        return unavailable_error(exc)
     if is_overloaded(exc):
         return overloaded(str(exc))
     if isinstance(exc, ValueError):
@@ -210,6 +221,8 @@ class Generation:
 
 def _failure_error(gen: Generation) -> P.APIError | None:
     """Why a generation ended without finishing, as an API error (None if it finished)."""
+    if gen.failure is not None and is_unavailable(gen.failure):
+        return unavailable_error(gen.failure)
     if gen.failure is not None:
         return engine_failed()
     if gen.abort_reason is not None:

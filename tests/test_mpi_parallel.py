@@ -1,0 +1,142 @@
+"""S17 over MPI on the real model: tensor parallelism (Megatron split, SmolLM2's 9 query / 3 KV heads split
+unevenly), pipeline parallelism and both combined compute what one process computes. Each configuration is one
+MPI job (tests/mpi_check.py under the wheel's mpiexec, ranks oversubscribing the 2 cores) that writes logits of
+a prompt and of passes after it, and the batched greedy continuations of the golden prompts decoded together
+with other prompts. References: the same model in one process (logits within 1e-4 of the logits' scale; greedy
+tokens identical) and HF transformers' greedy continuations (tests/golden/generation_smollm2.json). Also with
+Open MPI forced onto TCP (no shared memory), as between hosts."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from model_paths import model_path
+
+pytestmark = pytest.mark.slow
+HERE = os.path.dirname(__file__)
+GOLDEN = os.path.join(HERE, "golden", "generation_smollm2.json")
+KW = dict(max_model_len=512, num_blocks=256, block_size=16, max_num_batched_tokens=512, max_num_seqs=16,
+          max_logits=64)
+LOGITS = [[3, 1], [1, 2], [24, 3], [100, 4]]      # a context, then a decode, a 24-token and a 100-token pass
+EXTRA = ["The three primary colors are", "In 1492, Columbus", "The quick brown fox", "Dear Sir or Madam,",
+         "Once upon a time", "def fib(n):", "Water boils at", "Hello, my name is", "To be or not to be,"]
+MAX_TOKENS = 8
+
+
+def run_mpi(tmp, model, tp, pp, tcp=False, kw=KW, logits=LOGITS, prompts=None, max_tokens=MAX_TOKENS):
+    """One MPI job of tp x pp ranks; returns (result dict, [logits arrays])."""
+    from pyengine.parallel.launch import mpiexec_command, rank_env
+    args = [os.path.join(HERE, "mpi_check.py"), "--model", model, "--tp", str(tp), "--pp", str(pp), "--out",
+            str(tmp), "--kw", json.dumps(kw), "--logits", json.dumps(logits), "--max-tokens", str(max_tokens)]
+    if prompts is not None:
+        path = os.path.join(tmp, "prompts.json")
+        json.dump(prompts, open(path, "w"))
+        args += ["--prompts", path]
+    env = rank_env(tcp)
+    env["PYTHONPATH"] = os.pathsep.join([HERE, env.get("PYTHONPATH", "")])
+    proc = subprocess.run(mpiexec_command(tp * pp, args), env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.load(open(os.path.join(tmp, "result.json")))
+    npz = np.load(os.path.join(tmp, "logits.npz"))
+    return res, [npz[f"arr_{i}"] for i in range(len(logits))]
+
+
+def reference(model, kw=KW, logits=LOGITS, prompts=None, max_tokens=MAX_TOKENS):
+    """The same passes and greedy continuations in one process."""
+    sys.path.insert(0, HERE)
+    from mpi_check import greedy
+    from pyengine.engine.model_runner import ModelRunner
+    r = ModelRunner(model, **kw)
+    out, pos = [], 0
+    for n, seed in logits:
+        ids = np.random.default_rng(seed).integers(3, r.config.vocab_size, n)
+        out.append(r.run(r.contiguous_batch(ids, pos, logits_all=True)).copy())
+        pos += n
+    return out, (greedy(r, prompts, max_tokens) if prompts is not None else None)
+
+
+def prompts():
+    golden = json.load(open(GOLDEN))["cases"]
+    return [{"prompt_token_ids": c["prompt_ids"]} for c in golden] + EXTRA
+
+
+@pytest.fixture(scope="module")
+def one():
+    return reference(model_path("smollm2"), prompts=prompts())
+
+
+CONFIGS = [(2, 1, False), (3, 1, False), (1, 2, False), (2, 2, False), (2, 1, True), (1, 2, True)]
+
+
+@pytest.mark.parametrize("tp,pp,tcp", CONFIGS, ids=[f"tp{t}-pp{p}{'-tcp' if c else ''}" for t, p, c in CONFIGS])
+def test_parallel_equals_one_process_and_hf(one, tmp_path, tp, pp, tcp):
+    ref_logits, ref_greedy = one
+    res, got = run_mpi(tmp_path, model_path("smollm2"), tp, pp, tcp, prompts=prompts())
+    for a, b in zip(got, ref_logits):
+        # float32 partial sums added in another order: rounding only
+        assert np.abs(a - b).max() <= 1e-4 * max(1.0, np.abs(b).max()), np.abs(a - b).max()
+    assert res["greedy"] == ref_greedy
+    golden = json.load(open(GOLDEN))["cases"]
+    for i, c in enumerate(golden):                  # the independent reference, as the single-process test
+        want = c["greedy_ids"][:MAX_TOKENS]
+        if res["greedy"][i] != want:
+            k = next(j for j, (x, y) in enumerate(zip(res["greedy"][i], want)) if x != y)
+            assert c["greedy_margins"][k] < 0.02, f"golden case {i} diverges from HF at step {k}"
+    parts, stats = res["parts"], res["stats"]
+    assert len(stats) == tp * pp and all(s["steps"] > 0 for s in stats)
+    if tp == 2:        # SmolLM2's 3 KV groups over 2 ranks: 2 + 1 groups (6 + 3 query heads)
+        assert [len(p["q_heads"]) for p in parts[:2]] == [6, 3] and [len(p["kv_heads"]) for p in parts[:2]] == [2, 1]
+    if tp == 3:
+        assert [len(p["q_heads"]) for p in parts] == [3, 3, 3]
+    if pp == 2:
+        (a0, a1), (b0, b1) = parts[0]["layers"], parts[-1]["layers"]
+        assert a0 == 0 and a1 == b0 and b1 == 30 and a1 < 15    # stage 0 also holds the LM head: fewer layers
+    # each rank holds about 1/N of the weights and of the KV cache (N = tp for the KV heads, x pp for layers)
+    total_kv = 2 * 30 * 256 * 16 * 3 * 64 * 4
+    assert sum(s["kv_bytes"] for s in stats) == total_kv * (1 if tp <= 3 else tp // 3)
+    layer_w = sum(s["weights_bytes"] for s in stats)
+    assert layer_w < 1.05 * 4 * 134_515_008                  # no rank holds more than its part (about 1x total)
+
+
+def test_llm_api_under_mpiexec(tmp_path):
+    """`LLM(tensor_parallel_size=2, pipeline_parallel_size=2)` in a program started with mpiexec -n 4: rank 0
+    generates what one process generates, the other ranks compute and exit with it."""
+    from pyengine import LLM
+    from pyengine.parallel.launch import mpiexec_command, rank_env
+    from pyengine.sampling_params import SamplingParams
+    script = tmp_path / "gen.py"
+    script.write_text(
+        "import json, sys\nfrom pyengine import LLM, SamplingParams\n"
+        "llm = LLM(sys.argv[1], tensor_parallel_size=2, pipeline_parallel_size=2, max_model_len=256, max_num_seqs=4)\n"
+        "out = llm.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))\n"
+        "print('OUT ' + json.dumps([o.outputs[0].token_ids for o in out]))\n")
+    prompts = EXTRA[:3]
+    p = subprocess.run(mpiexec_command(4, [str(script), model_path("smollm2"), json.dumps(prompts)]),
+                       env=rank_env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("OUT ")]
+    assert len(lines) == 1                                   # rank 0 only
+    want = LLM(model_path("smollm2"), max_model_len=256, max_num_seqs=4).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert json.loads(lines[0][4:]) == [o.outputs[0].token_ids for o in want]
+    with pytest.raises(ValueError, match="mpiexec -n 4"):
+        LLM(model_path("smollm2"), tensor_parallel_size=2, pipeline_parallel_size=2, max_model_len=64)
+    with pytest.raises(ValueError, match="mpiexec -n 2"):               # outside an MPI job
+        LLM(model_path("smollm2"), tensor_parallel_size=2, max_model_len=64)
+
+
+def test_gemma3_tp2_replicates_its_single_kv_head(tmp_path):
+    """Gemma 3 270M (4 query heads, 1 KV head) over 2 ranks: each rank holds 2 query heads and a copy of the KV
+    head; a 40-token prompt, a decode and a 20-token pass equal one process (sliding-window layers included)."""
+    kw = dict(max_model_len=256, num_blocks=64, block_size=16, max_num_batched_tokens=256, max_num_seqs=4,
+              max_logits=64)
+    passes = [[40, 1], [1, 2], [20, 3]]
+    res, got = run_mpi(tmp_path, model_path("gemma3"), 2, 1, kw=kw, logits=passes)
+    want, _ = reference(model_path("gemma3"), kw=kw, logits=passes)
+    for a, b in zip(got, want):
+        assert np.abs(a - b).max() <= 1e-4 * max(1.0, np.abs(b).max())
+        assert (a.argmax(-1) == b.argmax(-1)).all()
+    assert [(p["q_heads"], p["kv_heads"]) for p in res["parts"]] == [([0, 1], [0]), ([2, 3], [0])]

@@ -1,0 +1,144 @@
+"""S17 over MPI behind the OpenAI server: `pyengine serve --tensor-parallel-size 2` and `--pipeline-parallel-size
+2` start their ranks themselves (the wheel's mpiexec) and serve the official `openai` client the same greedy
+tokens as one process (the reference: LLM in this process). Faults: a rank that stops answering mid-step
+(SIGSTOP) makes the in-flight request fail with a clear 503 within the timeout, /health turns unhealthy naming
+the rank, new requests get 503, and stopping the server stops every rank."""
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from model_paths import model_path
+
+pytestmark = pytest.mark.slow
+PROMPTS = ["The capital of France is", "def fib(n):", "Once upon a time"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ranks_of(pid: int) -> dict[int, int]:
+    """MPI rank -> pid of every rank started under the process ``pid`` (from their environments)."""
+    out = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            env = open(f"/proc/{d}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        vals = dict(e.split(b"=", 1) for e in env if b"=" in e)
+        if vals.get(b"PYENGINE_TEST_SERVER") == str(pid).encode() and b"OMPI_COMM_WORLD_RANK" in vals:
+            out[int(vals[b"OMPI_COMM_WORLD_RANK"])] = int(d)
+    return out
+
+
+class Server:
+    """`python -m pyengine serve ...` in its own session; the ranks it starts inherit PYENGINE_TEST_SERVER (its
+    pid), by which the test finds them."""
+
+    def __init__(self, *extra):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-c", "import os, runpy, sys; os.environ['PYENGINE_TEST_SERVER'] = str(os.getpid()); "
+               "sys.argv = ['pyengine'] + sys.argv[1:]; runpy.run_module('pyengine', run_name='__main__')",
+               "serve", "--port", str(self.port), "--max-model-len", "256", "--max-num-seqs", "8",
+               "--max-num-batched-tokens", "256", *extra]
+        self.proc = subprocess.Popen(cmd, env=dict(os.environ, OPENBLAS_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout=240):
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            assert self.proc.poll() is None, self.proc.stdout.read().decode()[-3000:]
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError("server did not start")
+
+    def client(self):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from pyengine import LLM
+    from pyengine.sampling_params import SamplingParams
+    llm = LLM(model_path("smollm2"), max_model_len=256, max_num_seqs=8)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    return [o.outputs[0].text for o in outs]
+
+
+@pytest.mark.parametrize("flags", [["--tensor-parallel-size", "2"], ["--pipeline-parallel-size", "2"]],
+                         ids=["tp2", "pp2"])
+def test_openai_client_over_mpi_ranks(reference, flags):
+    s = Server(*flags)
+    try:
+        s.wait_ready()
+        ranks = ranks_of(s.proc.pid)
+        assert sorted(ranks) == [0, 1]                  # started through mpiexec, one process per rank
+        c = s.client()
+        got = [c.completions.create(model="SmolLM2-135M-Instruct", prompt=p, max_tokens=8, temperature=0,
+                                    extra_body={"ignore_eos": True}).choices[0].text for p in PROMPTS]
+        assert got == reference
+        chat = c.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=4, stream=True,
+                                         messages=[{"role": "user", "content": "Hi!"}])
+        assert "".join(ch.choices[0].delta.content or "" for ch in chat if ch.choices)
+    finally:
+        s.stop()
+    time.sleep(1)
+    assert all(not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+               for pid in ranks.values()), "a rank outlived the server"
+
+
+def test_stuck_rank_fails_requests_with_503_and_health_names_it():
+    s = Server("--tensor-parallel-size", "2", "--parallel-timeout", "3")
+    try:
+        s.wait_ready()
+        ranks = ranks_of(s.proc.pid)
+        c = s.client()
+        stream = c.completions.create(model="SmolLM2-135M-Instruct", prompt="Once upon a time", max_tokens=200,
+                                      temperature=0, stream=True, extra_body={"ignore_eos": True})
+        next(iter(stream))                               # generation is under way
+        os.kill(ranks[1], signal.SIGSTOP)
+        t0 = time.time()
+        with pytest.raises(openai.APIError) as err:
+            for _ in stream:
+                pass
+        assert time.time() - t0 < 30                     # detected within the timeout, not hung
+        assert "rank 1" in str(err.value.body or err.value) or "unavailable" in str(err.value)
+        h = httpx.get(s.url + "/health", timeout=5)
+        assert h.status_code == 503 and "rank 1" in h.json()["reason"] and "stopped" in h.json()["reason"]
+        with pytest.raises(openai.APIStatusError) as err:
+            c.completions.create(model="SmolLM2-135M-Instruct", prompt="Hi", max_tokens=2)
+        assert err.value.status_code == 503
+        m = httpx.get(s.url + "/metrics", timeout=5).text
+        used = re.search(r"^\w*kv_cache_used_blocks (\S+)$", m, re.M)
+        assert used and float(used.group(1)) == 0.0            # the failed request's KV blocks were freed
+    finally:
+        s.stop()
+    time.sleep(1)
+    for pid in ranks.values():
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"

@@ -144,8 +144,14 @@ def test_mpi_parallel_equals_one_process(tiny, tmp_path, tp, pp):
     """S17 over MPI (tests/mpi_check.py under mpiexec): Megatron tensor parallelism by heads and FFN columns (4
     ranks: more than the 2 KV heads, so each KV head is replicated on 2 ranks that split its query heads),
     pipeline stages, and both: a 33-token prompt, a decode and a 20-token pass equal one process."""
+    from pyengine.parallel.launch import check_split
+    from pyengine.parallel.layout import TP_UNSPLIT_ARCHS
     from test_mpi_parallel import reference, run_mpi
-    _, path, _ = tiny
+    variant, path, _ = tiny
+    if tp > 1 and ARCH_OF[variant] in TP_UNSPLIT_ARCHS:         # refused before any rank starts, saying why
+        with pytest.raises(ValueError, match="tensor parallelism is not defined for this MoE layout"):
+            check_split(path, tp, pp)
+        return
     passes = [[33, 5], [1, 6], [20, 7]]
     res, got = run_mpi(tmp_path, path, tp, pp, kw=KW, logits=passes)
     want, _ = reference(path, kw=KW, logits=passes)

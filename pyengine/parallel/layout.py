@@ -104,12 +104,22 @@ def split_layers(n_layers: int, pp: int, head_layers: float = 0.0) -> list[tuple
     return list(zip(cuts, cuts[1:]))
 
 
+# MoE architectures whose layers hold tensors without a per-rank slice (see plan_ranks)
+TP_UNSPLIT_ARCHS = ("olmoe", "qwen2moe")
+
+
 def plan_ranks(config, tp: int, pp: int) -> list[RankPart]:
     """Every rank's part for ``tp`` tensor x ``pp`` pipeline ranks; ValueError saying what to change."""
     for name, v in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
     c = config
+    moe = getattr(c, "moe", None)
+    if tp > 1 and moe is not None and (moe.shared_ffn or c.arch in TP_UNSPLIT_ARCHS):
+        # a shared expert's own FFN width, OLMoE's q/k norm over all heads at once and Qwen2's QKV biases
+        # have no per-rank slice here yet: such files run over pipeline stages (or one process)
+        raise ValueError(f"{c.arch}: tensor parallelism is not defined for this MoE layout (a shared expert, "
+                         "q/k norms over all heads or QKV biases); use --pipeline-parallel-size instead")
     heads = split_heads(c.n_heads, c.n_kv_heads, tp)
     ffn = split_ffn(c, heads, tp)
     layer_w = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim * c.d_model * 2 + 3 * c.ffn_dim * c.d_model

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from pyengine.layers.linear import DenseLinear
 from pyengine.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear, VocabParallelHead
 from pyengine.parallel.layout import rank_config
 
@@ -47,18 +48,21 @@ def shard_linear(lean, part, c, how: str, comm):
 
 def load_shard(gguf, part, comm, stage_first: bool):
     """(rank config, weights, model) of this rank: the layers of its stage, each split for its tensor rank;
-    stage 0 (``stage_first``) also the embedding (quantized rows, read per token) and its LM-head columns."""
+    stage 0 (``stage_first``) also the embedding (quantized rows, read per token) and its LM-head columns.
+    An MoE layer's routed experts are not `Linear`s: every rank of the stage keeps all of them (quantized, only
+    the routed ones dequantized per step) and computes the whole routed output, so only attention is split."""
     from pyengine.models import architecture
 
-    arch = architecture(gguf)
-    c = arch.read_config(gguf)
-    w = arch.load_weights(gguf, c, "lean")
+    c, w, full = architecture(gguf).build(gguf, "lean")     # quantized rows: only this rank's get dequantized
     a, b = part.layers
     layers = []
+    whole = len(part.q_heads) == c.n_heads and tuple(part.ffn) == (0, c.ffn_dim)   # pipeline only: no split
     for L in w.layers[a:b]:
         fields = {}
         for name, value in zip(L._fields, L):
-            if hasattr(value, "q"):
+            if hasattr(value, "q") and whole:
+                fields[name] = DenseLinear.from_quant(value.q, value.act)
+            elif hasattr(value, "q"):
                 if name not in SPLITS:
                     raise ValueError(f"{c.arch}: no tensor-parallel split is defined for the matrix {name!r}")
                 fields[name] = shard_linear(value, part, c, SPLITS[name], comm)
@@ -72,22 +76,7 @@ def load_shard(gguf, part, comm, stage_first: bool):
         w.tied = False           # the embedding keeps the quantized rows (the head holds only some columns)
     else:
         w.head, w.embed = None, None
-    cls = model_class(arch)
-    model = cls(rc, w)
-    model.kind_of = cls(c, _KindsOnly(w)).kind_of[a:b]   # the kinds of its layers, by their global index
+    model = type(full)(rc, w)
+    model.kind_of = full.kind_of[a:b]                        # the kinds of its layers, by their global index
     return rc, w, model
 
-
-class _KindsOnly:
-    """Weights stand-in for building a model object only to read its per-layer kinds (nothing is computed)."""
-
-    def __init__(self, w):
-        self.freq_factors = getattr(w, "freq_factors", None)
-
-
-def model_class(arch):
-    """The architecture module's model class (the TransformerModel subclass it defines)."""
-    from pyengine.models.base import TransformerModel
-    return next(v for v in vars(arch).values()
-                if isinstance(v, type) and issubclass(v, TransformerModel) and v is not TransformerModel
-                and v.__module__ == arch.__name__)

@@ -79,6 +79,9 @@ def add_arguments(p) -> None:
                    help="draft GGUF ('none': skip draft_model; default: the target's first 24 layers)")
     p.add_argument("--llama-cpp", default=None, metavar="PYTHON_OR_auto",
                    help="a Python with llama-cpp-python: also time llama.cpp's greedy decode (ratio)")
+    # 1 by default: on the shared 2-core host llama.cpp's 2-thread pool took 2.3 s per token (spinning threads
+    # preempted) against 13 ms with one thread; compare with OPENBLAS_NUM_THREADS=1 on our side
+    p.add_argument("--llama-threads", type=int, default=1, help="llama.cpp threads (default 1)")
 
 
 def write_truncated(src: str, dst, n_layers: int, rename_token: int | None = None) -> None:
@@ -150,7 +153,7 @@ LLAMA_CPP_SCRIPT = r'''
 import json, sys, time
 from llama_cpp import Llama
 job = json.load(sys.stdin)
-llm = Llama(model_path=job["model"], n_ctx=2048, n_threads=2, n_batch=512, verbose=False)
+llm = Llama(model_path=job["model"], n_ctx=2048, n_threads=job["threads"], n_batch=512, verbose=False)
 out = []
 for ids in job["prompts"]:
     llm.reset()
@@ -166,8 +169,8 @@ json.dump(out, sys.stdout)
 '''
 
 
-def _llama_cpp(python: str, model: str, prompts: list[list[int]], max_tokens: int) -> list[dict]:
-    job = json.dumps({"model": model, "prompts": prompts, "max_tokens": max_tokens})
+def _llama_cpp(python: str, model: str, prompts: list[list[int]], max_tokens: int, threads: int) -> list[dict]:
+    job = json.dumps({"model": model, "prompts": prompts, "max_tokens": max_tokens, "threads": threads})
     res = subprocess.run([python, "-c", LLAMA_CPP_SCRIPT], input=job, capture_output=True, text=True, timeout=600)
     if res.returncode != 0:
         raise RuntimeError(f"llama-cpp-python failed: {res.stderr.strip()[-400:]}")
@@ -236,7 +239,7 @@ def run(args) -> int:
             print(f"llama.cpp: {py} not found (build llama-cpp-python into a venv, see the issue)", file=sys.stderr)
             return 1
         for w, ps in prompts.items():
-            res = _llama_cpp(py, path, ps[:1], args.max_tokens)[0]
+            res = _llama_cpp(py, path, ps[:1], args.max_tokens, args.llama_threads)[0]
             lc = len(res["tokens"]) / res["seconds"]
             line = f"llama.cpp {w:<10} 1 stream {lc:7.1f} tok/s; ours plain {ours_single[(w, 'plain')] / lc:.2f}x"
             for name in configs:

@@ -43,7 +43,7 @@ def ratios_with_x(out: str) -> list[str]:
 
 def test_every_subcommand_has_a_quick_smoke_test():
     tested = {"engine", "dequant", "tokenizer", "paging", "serve", "tuning", "kv", "structured",
-              "spec", "moe"}                # spec, moe: tests/test_spec_bench.py, test_moe_bench.py
+              "spec", "moe", "parallel"}    # tests/test_spec_bench.py, test_moe_bench.py, test_bench_parallel.py
     assert set(BENCHMARKS) == tested
 
 

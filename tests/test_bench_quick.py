@@ -107,8 +107,9 @@ def test_bench_tuning_quick():
 
 
 def test_bench_kv_quick():
-    out = bench("kv", "--quick", "--only", "kv", "--dtypes", "auto,q8_0", "--steps", "2", "--windows", "1",
-                "--ctx", "128", "--batch-context", "128")
+    from pyengine.model_files import default_model_path
+    out = bench("kv", "--quick", "--only", "kv", "--model", default_model_path(), "--dtypes", "auto,q8_0",
+                "--steps", "2", "--windows", "1", "--ctx", "128", "--batch-context", "128")
     rows = re.findall(rf"^\s+(auto|q8_0)\s+(\d+)\s+(\d+)\s+(\d+)\s+({NUMBER})", out, re.M)
     assert [r[0] for r in rows] == ["auto", "q8_0"], out
     assert int(rows[1][1]) * 3 < int(rows[0][1])                      # q8_0 stores < 1/3 of the bytes per token

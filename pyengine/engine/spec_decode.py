@@ -12,15 +12,15 @@ estimate ``alpha`` of its per-token acceptance (an exponential average over the 
 for a free proposer, over the guesses it would have made while not speculating), and each step takes the
 draft length k in 0..num_speculative_tokens that maximises the expected tokens per unit of cost,
 ``(1 + alpha + ... + alpha^k) / cost(k)``. ``cost(k)`` is measured as the engine runs: the whole-step time
-(propose + forward + verify) of decode steps with k drafts per sequence (rounded up), over that of plain steps with as
-many sequences (a plain step is forced now and then to keep that baseline fresh). Each time is a slowly rising
-minimum of its samples (a shared host only ever adds delays), and one not re-measured for REMEASURE_AFTER
-steps is taken halfway back to the prior, so one unlucky sample cannot rule a draft length out for good. A k
-not measured is
-priced optimistically, ``1 + (PRIOR_COST + r) * k`` where r is the proposer's cost per draft token relative to
-a target decode step (0 for n-gram lookup, the weight ratio for a draft model), so that each length is tried
-once while acceptance is good. An expensive proposer backed off to k = 0 probes with one draft now and then,
-but only when a perfect draft could pay at all.
+(propose + forward + verify) of decode steps with k drafts per sequence (rounded up), over that of plain steps
+with as many sequences (a plain step is forced now and then to keep that baseline fresh). Each time is a slowly
+rising minimum of its samples (a shared host only ever adds delays), and one not re-measured for
+REMEASURE_AFTER steps is taken halfway back to its prior, so one unlucky sample cannot rule a draft length out
+for good. A k not measured is priced by the cheapest measured cost per draft token of the same batch size, or,
+before any, optimistically at ``1 + (PRIOR_COST + r) * k``, r being the proposer's cost per draft token in
+target decode steps (0 for n-gram lookup, the weight ratio for a draft model), so that each length is tried
+while acceptance is good. An expensive proposer backed off to k = 0 probes with one draft now and then, but
+only when perfect drafts could pay at all.
 """
 from __future__ import annotations
 
@@ -38,6 +38,9 @@ TIME_DRIFT = 0.05          # a step-time estimate is min(sample, estimate * 1.05
 REMEASURE_AFTER = 32       # steps after which an unused draft length's cost is taken halfway back to the prior
 PROBE_GAP = 8              # an expensive proposer backed off to k=0 drafts 1 token after 8 steps, then after
 PROBE_GAP_MAX = 256        # twice as many steps after each probe that did not pay (up to 256)
+MIN_GAIN = 1.1            # draft only for an expected 10% more tokens per unit of cost: alpha and cost are noisy
+                           # estimates, and a sequence drafts exactly when its alpha happens to look high
+                           # (bench spec, 8 chat sequences: 0.91-0.93x plain with no margin)
 PROBE_MIN_GAIN = 1.2       # ... when always-accepted drafts would make decoding at least 1.2x faster
 BASELINE_EVERY = 64        # one forced plain decode step in 64 keeps cost(0) measured (~1.5% of the steps)
 
@@ -140,9 +143,13 @@ class SpeculativeDecoder:
         if base is None or self._steps % BASELINE_EVERY == 0:
             return 0                          # measure what a plain step costs first
         alpha = seq.spec_alpha
-        best, best_k, best_perfect = 1.0, 0, 0.0
+        best, best_k, best_perfect = MIN_GAIN, 0, 0.0
+        # an unmeasured k is priced by the cheapest measured cost per draft of this batch size (in a batch
+        # that is the cost of every sequence drafting k), or by the optimistic prior before any measurement
+        slopes = [(t / base - 1.0) / j for (bb, j), t in self._time.items() if bb == b and j > 0]
+        slope = max(min(slopes), 0.0) if slopes else PRIOR_COST + self.relative_cost
         for k in range(1, room + 1):
-            prior = 1.0 + (PRIOR_COST + self.relative_cost) * k
+            prior = 1.0 + slope * k
             t = self._time.get((b, k))
             cost = prior if t is None else t / base
             if t is not None and self._steps - self._measured[(b, k)] > REMEASURE_AFTER:

@@ -1,7 +1,7 @@
 """S22 in Pyodide: Gemma 3 270M through the unchanged wheel and the browser worker's Python half (web/pyworker.py):
 top-20 log-probabilities within 1e-3 of HF transformers at every recorded position of every golden prompt
-(tests/golden/generation_gemma3.json), the 1000+-token prompt past the 512-token sliding window included, and
-greedy tokens through the worker's prompt -> engine.step() path. The worker picks lean weights for Gemma (its
+(tests/golden/generation_gemma3.json), the 1524-token prompt past the 512-token sliding window included, and
+greedy tokens through the worker's prompt -> engine.step() path (the shortest prompt; all of them in CPython). The worker picks lean weights for Gemma (its
 float32 weights exceed pyworker.RESIDENT_MAX_BYTES); the report's wasm heap size is printed."""
 from __future__ import annotations
 
@@ -38,8 +38,7 @@ for case in cases:
     logits = full_forward_logits(session.engine.runner, ids, [e['position'] for e in case['top_logprobs']])
     bad += check_top_logprobs(logits, case)
     print(f"{len(case['prompt_ids']):5d} prompt tokens: logprobs checked in {time.perf_counter() - t0:.1f}s")
-long = max(cases, key=lambda c: len(c['prompt_ids']))
-for case, n in ((cases[0], 16), (long, 8)):
+for case, n in ((cases[0], 16),):          # the long prompt's logits are checked above; its greedy run in CPython
     n_prompt = session.start('g', case['prompt'], max_tokens=n, temperature=0.0)
     if n_prompt != len(case['prompt_ids']):
         bad.append(f"{case['prompt'][:30]!r}: {n_prompt} prompt tokens, golden {len(case['prompt_ids'])}")

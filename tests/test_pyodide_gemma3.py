@@ -5,19 +5,17 @@ greedy tokens through the worker's prompt -> engine.step() path (the shortest pr
 float32 weights exceed pyworker.RESIDENT_MAX_BYTES); the report's wasm heap size is printed."""
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+
+from pyodide_harness import harness
 
 from model_paths import model_path
 
 pytestmark = [pytest.mark.pyodide, pytest.mark.slow]
 
 HERE = Path(__file__).resolve().parent
-_spec = importlib.util.spec_from_file_location("pyodide_harness", HERE / "pyodide" / "harness.py")
-harness = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(harness)
 
 SNIPPET = r"""
 import json, sys, time

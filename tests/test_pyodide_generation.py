@@ -9,18 +9,16 @@ which must then be HF's token there). Pyodide's NumPy has no BLAS (about 2 GFLOP
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
+from pyodide_harness import harness
+
 pytestmark = [pytest.mark.pyodide, pytest.mark.slow]
 
 HERE = Path(__file__).resolve().parent
-_spec = importlib.util.spec_from_file_location("pyodide_harness", HERE / "pyodide" / "harness.py")
-harness = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(harness)
 
 GOLDEN = HERE / "golden" / "generation_smollm2.json"
 WEB = HERE.parent / "web"

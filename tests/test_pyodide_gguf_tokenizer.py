@@ -7,7 +7,6 @@ References: the `gguf` package (run here in CPython) for dequantized values; tes
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -15,12 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pyodide_harness import harness
+
 pytestmark = [pytest.mark.pyodide, pytest.mark.slow]
 
 HERE = Path(__file__).resolve().parent
-_spec = importlib.util.spec_from_file_location("pyodide_harness", HERE / "pyodide" / "harness.py")
-harness = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(harness)
 sys.path.insert(0, str(HERE / "pyodide"))   # golden_checks: shared with the Pyodide snippets
 
 from model_paths import model_path  # noqa: E402

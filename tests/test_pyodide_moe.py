@@ -6,20 +6,18 @@ through the browser worker's Python half (web/pyworker.py: prompt text in, event
 logprobs once resident and once lean (experts dequantized per use)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+
+from pyodide_harness import harness
 
 from moe_models import VARIANTS, write_moe
 
 pytestmark = [pytest.mark.pyodide, pytest.mark.slow]
 
 HERE = Path(__file__).resolve().parent
-_spec = importlib.util.spec_from_file_location("pyodide_harness", HERE / "pyodide" / "harness.py")
-harness = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(harness)
 
 SNIPPET = r"""
 import json, sys

@@ -2,17 +2,15 @@
 config, drafts, verifies and emits the same greedy tokens as without speculation, on the unchanged wheel."""
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
+from pyodide_harness import harness
+
 pytestmark = [pytest.mark.pyodide, pytest.mark.slow]
 
 HERE = Path(__file__).resolve().parent
-_spec = importlib.util.spec_from_file_location("pyodide_harness", HERE / "pyodide" / "harness.py")
-harness = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(harness)
 
 SNIPPET = r"""
 import sys

@@ -127,11 +127,13 @@ class LLMEngine:
             self.spec = make_speculative_decoder(speculative_config, max_model_len, runner,
                                                  draft_runner=draft_runner, max_num_seqs=max_num_seqs)
         self._structured = None                 # S15: built on the first constrained request
+        self._draft_masks: dict[int, list] = {}  # S15 x S14: seq_id -> grammar masks of its verification rows
         self.requests: dict[str, _Request] = {}
         self._seq_owner: dict[int, _Request] = {}
         self._next_seq_id = 0
         self.counters = {"prompt_tokens": 0, "computed_prompt_tokens": 0, "generation_tokens": 0,
-                         "finished_requests": 0, "aborted_requests": 0, "steps": 0}
+                         "finished_requests": 0, "aborted_requests": 0, "steps": 0,
+                         "spec_decode_num_grammar_cut_tokens": 0}     # S15: draft tokens the grammar forbade
 
     # requests ------------------------------------------------------------------------------------
     def get_tokenizer(self):
@@ -263,13 +265,30 @@ class LLMEngine:
         seqs, rngs = [], []
         for seq in self.scheduler.running:
             seq.spec_token_ids, seq.spec_draft_probs = [], None
-            # S15: constrained sequences are not speculated on (their drafts would need the grammar's check)
-            if (seq.num_tokens - seq.num_computed_tokens == 1 and seq.params.speculative
-                    and self._seq_owner[seq.seq_id].matchers is None):
+            if seq.num_tokens - seq.num_computed_tokens == 1 and seq.params.speculative:
+                req = self._seq_owner[seq.seq_id]
                 seqs.append(seq)
-                rngs.append(self._seq_owner[seq.seq_id].rngs[seq.index])
+                rngs.append(req.rngs[seq.index])
+                # S15: a drafter may mask its own guesses with the sequence's grammar
+                seq.spec_grammar = req.matchers[seq.index] if req.matchers is not None else None
         if seqs:
             self.spec.propose(seqs, rngs)
+            self._check_drafts(seqs)
+
+    def _check_drafts(self, seqs) -> None:
+        """S15: cut each constrained draft at the first token its grammar forbids; keep the masks of its
+        verification rows for `_verify` (see structured/processor.py)."""
+        from pyengine.structured.processor import check_draft
+        self._draft_masks.clear()
+        for seq in seqs:
+            if seq.spec_grammar is None or not seq.spec_token_ids:
+                continue
+            k = len(seq.spec_token_ids)
+            seq.spec_token_ids, seq.spec_draft_probs, masks = check_draft(
+                seq.spec_grammar, seq.spec_token_ids, seq.spec_draft_probs)
+            self.counters["spec_decode_num_grammar_cut_tokens"] += k - len(seq.spec_token_ids)
+            if seq.spec_token_ids:
+                self._draft_masks[seq.seq_id] = masks
 
     def step(self) -> list[RequestOutput]:
         t_start = time.perf_counter()
@@ -310,6 +329,7 @@ class LLMEngine:
                 self.spec.observe_step(time.perf_counter() - t_start, len(sched.scheduled), num_drafts)
             for seq, _ in sched.scheduled:
                 seq.spec_token_ids, seq.spec_draft_probs = [], None
+            self._draft_masks.clear()
         outputs = []
         for rid, d in deltas.items():
             req = self.requests[rid]
@@ -366,9 +386,13 @@ class LLMEngine:
         from pyengine.layers.sampler import token_logprobs
 
         p = req.params
+        raw, masks = rows, self._draft_masks.get(seq.seq_id)
+        if masks is not None:                   # S15: row i masked with the grammar after the first i drafts
+            from pyengine.structured.processor import mask_rows
+            rows = mask_rows(rows, masks)
         toks = verify(rows, seq.spec_token_ids, seq.spec_draft_probs, p, req.rngs[seq.index],
                       seq.prompt_token_ids, seq.output_token_ids)
-        infos = [token_logprobs(rows[j], t, p.logprobs) if p.logprobs is not None else None
+        infos = [token_logprobs(raw[j], t, p.logprobs) if p.logprobs is not None else None
                  for j, t in enumerate(toks)]
         return toks, infos
 

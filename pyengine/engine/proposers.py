@@ -83,7 +83,8 @@ class DraftModelProposer:
     cached and what the sequence now holds is kept: rejected drafts roll back for free), in one ragged
     prefill over all sequences, then runs k-1 batched one-token decodes. Greedy requests get the draft's
     argmax; sampled ones a draw from the draft's distribution after the request's own processors, returned as
-    q for the rejection sampler. A sequence the draft cache has no room for gets no draft that step.
+    q for the rejection sampler; a constrained sequence's (S15, ``seq.spec_grammar``) after its grammar's mask
+    too. A sequence the draft cache has no room for gets no draft that step.
     """
     free = False
 
@@ -152,7 +153,7 @@ class DraftModelProposer:
 
     def propose(self, seqs, ks, rngs=None):
         from pyengine.layers.rejection_sampler import target_distribution
-        from pyengine.layers.sampler import process_logits
+        from pyengine.layers.sampler import apply_allowed_mask, process_logits
 
         rngs = rngs or [None] * len(seqs)
         out: list = [([], None)] * len(seqs)
@@ -178,6 +179,9 @@ class DraftModelProposer:
             seq, rng = seqs[i], rngs[i]
             p = seq.params
             output = list(seq.output_token_ids) + drafts[i]
+            grammar = getattr(seq, "spec_grammar", None)
+            if grammar is not None:            # S15: guess only what the grammar allows (q is the masked draft)
+                row = apply_allowed_mask(row, grammar.mask_after(drafts[i]))
             if p.greedy:
                 x = row if not (p.logit_bias or p.has_penalties) else process_logits(
                     row, p, seq.prompt_token_ids, output)

@@ -55,6 +55,7 @@ class Sequence:
         self.spec_shadow: tuple[int, list[int]] | None = None
         self.spec_probe_gap = PROBE_GAP       # back-off of an expensive proposer: steps to the next probe
         self.spec_probe_at: int | None = None
+        self.spec_grammar = None              # S15: the grammar matcher of a constrained sequence (for drafters)
 
     # token views ---------------------------------------------------------------------------------
     @property

@@ -160,6 +160,29 @@ class GrammarMatcher:
             n += 1
         return n
 
+    def draft_masks(self, token_ids) -> list[np.ndarray]:
+        """S14 x S15, the masks along a speculative draft: ``masks[i]`` is the allowed mask after
+        ``token_ids[:i]``, for the longest prefix the grammar allows (so ``len(masks) - 1`` draft tokens are
+        allowed). The matcher is rolled back to where it was: the tokens the model keeps are advanced later."""
+        masks = [self.allowed_mask()]
+        for t in token_ids:
+            if not self.advance(t):
+                break
+            masks.append(self.allowed_mask())
+        self.rollback(len(masks) - 1)
+        return masks
+
+    def mask_after(self, token_ids) -> np.ndarray:
+        """The allowed mask after ``token_ids`` (all allowed: a drafter masking its own guesses); the
+        matcher is left where it was."""
+        n = self.accept_draft(token_ids)
+        try:
+            if n < len(token_ids):
+                raise ValueError(f"draft token {token_ids[n]} is outside the grammar")
+            return self.allowed_mask()
+        finally:
+            self.rollback(n)
+
     def advance_bytes(self, data: bytes) -> bool:
         nxt = self.grammar.automaton.step(self.state, data)
         if not nxt:

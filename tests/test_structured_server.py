@@ -1,6 +1,8 @@
 """S15 on the OpenAI server with the official `openai` client: response_format (json_object, json_schema,
 `chat.completions.parse` with a Pydantic model), vLLM's structured_outputs extra body, and tools (named,
-required, parallel, auto), streamed and not. Outputs are checked with jsonschema / pydantic."""
+required, parallel, auto), streamed and not. Outputs are checked with jsonschema / pydantic. The same requests
+on a speculative server built from `pyengine serve --speculative-config` arguments: greedy output equals the
+plain server's, and its drafts of constrained sequences are accepted and cut by the grammar."""
 from __future__ import annotations
 
 import json
@@ -151,3 +153,62 @@ def test_bad_structured_requests_are_400(client, server):
         assert e.value.status_code == 400
     with pytest.raises(openai.BadRequestError, match="multipleOf"):
         client.chat.completions.create(model=server.model_id, messages=ASK, max_tokens=4, **cases[0])
+
+
+# --- S15 x S14: the same requests on a speculative server (`pyengine serve --speculative-config`) ------------
+PEOPLE = [{"role": "user", "content": 'Here are people as JSON: {"name":"Alice","age":31} {"name":"Bob","age":42} '
+                                      '{"name":"Carol","age":27}. Give one more person as JSON.'}]
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+          "age": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["name", "age"],
+          "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def spec_server():
+    import argparse
+
+    from pyengine.cli.serve import add_arguments, make_app
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--max-model-len", "1024", "--max-num-seqs", "8", "--no-tokenizer-process",
+                         "--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 4,
+                                                             "prompt_lookup_min": 1, "adaptive": False})])
+    app, engine, model_id = make_app(args)
+    with ServerThread(app) as srv:
+        srv.model_id, srv.engine = model_id, engine
+        yield srv
+
+
+def test_speculative_server_response_format_equals_plain(client, server, spec_server):
+    spec_client = openai.OpenAI(base_url=spec_server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    before = spec_server.engine.stats()
+    texts = []
+    for c, srv in ((client, server), (spec_client, spec_server)):
+        r = c.chat.completions.create(model=srv.model_id, messages=PEOPLE, temperature=0, max_tokens=40,
+                                      response_format=fmt)
+        assert r.choices[0].finish_reason == "stop"
+        texts.append(r.choices[0].message.content)
+    assert texts[1] == texts[0]                              # greedy: speculation changes nothing
+    jsonschema.validate(json.loads(texts[1]), PERSON)
+    st = spec_server.engine.stats()
+    assert st["spec_decode_num_accepted_tokens"] > before["spec_decode_num_accepted_tokens"]
+    assert st["spec_decode_num_grammar_cut_tokens"] > before["spec_decode_num_grammar_cut_tokens"]
+    # sampled, streamed, and through the client's parse with a Pydantic model
+    with spec_client.chat.completions.stream(model=spec_server.model_id, messages=PEOPLE, temperature=1.0, seed=9,
+                                             max_tokens=40, response_format=fmt) as s:
+        for _ in s:
+            pass
+        final = s.get_final_completion()
+    jsonschema.validate(json.loads(final.choices[0].message.content), PERSON)
+    r = spec_client.chat.completions.parse(model=spec_server.model_id, response_format=Capital, temperature=0.7,
+                                           seed=1, max_tokens=40, messages=[{"role": "user", "content":
+                                                                             "Give France's capital as JSON."}])
+    assert isinstance(r.choices[0].message.parsed, Capital)
+    r = spec_client.chat.completions.create(model=spec_server.model_id, messages=ASK, tools=[WEATHER, TIME],
+                                            max_tokens=60, tool_choice="required", parallel_tool_calls=False,
+                                            temperature=1.0, seed=6)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls) == 1
+    for call in ch.message.tool_calls:
+        args_of(call, {"get_weather": WEATHER, "get_time": TIME}[call.function.name])

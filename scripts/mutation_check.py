@@ -136,6 +136,16 @@ MUTATIONS = [
      "if not 0.0 < self.top_p <= 1.0:", "if not 0.0 <= self.top_p <= 1.0:", ["tests/test_sampling_params.py"]),
     ("sampling-params-stop-duplicates-kept", "pyengine/sampling_params.py",
      "return list(dict.fromkeys(stop))", "return list(stop)", ["tests/test_sampling_params.py"]),
+    # --- structured output x speculative decoding (S15 x S14)
+    ("structured-spec-rows-masked-with-the-first-state", "pyengine/structured/processor.py",
+     "apply_allowed_mask(rows[i], masks[i])", "apply_allowed_mask(rows[i], masks[0])",
+     ["tests/test_structured_spec.py"]),
+    ("structured-spec-draft-q-not-renormalised", "pyengine/structured/processor.py",
+     "return prefix, q / q.sum(axis=-1, keepdims=True), masks",
+     "return prefix, np.array(draft_probs[:k], dtype=np.float64), masks", ["tests/test_structured_spec.py"]),
+    ("structured-spec-draft-model-guesses-unmasked", "pyengine/engine/proposers.py",
+     "row = apply_allowed_mask(row, grammar.mask_after(drafts[i]))", "row = row",
+     ["tests/test_structured_spec.py"]),
 ]
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -8,6 +8,8 @@ calls ``step()`` while ``has_unfinished_requests()``.
 With speculative decoding (S14, ``speculative_config``) a step first asks the proposer for drafts of every
 decoding sequence; each then scores its last token and its k drafts in the same batch, the rejection sampler
 keeps an accepted prefix plus one token of the model's own, and the rejected drafts' KV slots are rolled back.
+A constrained sequence's (S15) draft is first cut where its grammar stops allowing it, and each of its k+1
+verification rows is masked with the grammar state after the drafts before it (structured/processor.py).
 
 A request with ``n > 1`` becomes n sequences. The first one prefills the prompt; the others wait until it
 has produced its first token, by which time the prompt's full blocks are in the prefix cache, so they

@@ -118,3 +118,17 @@ def test_sampled_constrained_speculation_is_valid(runner):
     assert sum(c.finish_reason == "stop" for o in outs[:4] for c in o.outputs) >= 4
     st = eng.stats()
     assert st["spec_decode_num_accepted_tokens"] > 0 and st["spec_decode_num_grammar_cut_tokens"] > 0
+
+
+def test_bench_structured_speculative_section():
+    """`pyengine bench structured --speculative` prints plain vs speculative constrained generation, with the same
+    tokens (greedy), drafts accepted, and finite ratios."""
+    from test_bench_quick import NUMBER, bench, finite_positive
+    out = bench("structured", "--limit", "1", "--engines", "pyengine", "--tokens", "10", "--speculative")
+    rows = re.findall(rf"^(plain|forced|adaptive)\s+(\d+)\s+(\d+)\s+({NUMBER})\s+({NUMBER})x\s+({NUMBER})\s+(\d+)$",
+                      out, re.M)
+    assert [r[0] for r in rows] == ["plain", "forced", "adaptive"], out
+    (_, ntok, steps, *_), (_, ntok_s, steps_s, _, _, accept, cuts) = rows[:2]
+    assert ntok == ntok_s and int(steps_s) < int(steps) and float(accept) > 1.0 and int(cuts) > 0
+    finite_positive(re.findall(rf"^(?:forced|adaptive) vs plain: ({NUMBER})x faster, same tokens: yes$", out, re.M),
+                    "speed ratios", 2)

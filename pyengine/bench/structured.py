@@ -10,6 +10,11 @@ and llguidance / xgrammar / outlines-core when importable: ``pip install -e '.[b
   picks the tokens; p50 / p99 over all walks;
 - validity: outputs that reached EOS, parsed and checked with jsonschema (when installed).
 
+``--speculative`` adds constrained generation on the model itself: the same JSON-Schema requests (greedy) without
+speculation and with n-gram drafts checked against the grammar, in one run: model forward passes, wall time,
+drafts cut by the grammar, mean acceptance length, and whether the tokens are the same (drafting forced at
+every decode, and with the default back-off).
+
 All engines get the same schemas, vocabulary (SmolLM2's 49152 tokens by default) and seeds in one run,
 so the printed ratios compare like with like.
 """
@@ -31,6 +36,8 @@ def add_arguments(p) -> None:
     p.add_argument("--suite", default=None, help="JSON Schema Test Suite tests/draft4 folder to add")
     p.add_argument("--engines", default="pyengine,llguidance,xgrammar,outlines-core")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--speculative", action="store_true",
+                   help="also: constrained greedy generation on the model, plain vs n-gram speculation (S14)")
     p.add_argument("--timeout", type=float, default=2.0,
                    help="seconds per schema and engine for compile + walk (each runs in a forked process); "
                         "past it the schema counts as not compiled (default 2: keeps the run near 2 minutes)")
@@ -292,4 +299,57 @@ def run(args) -> int:
                   f"coverage {len(ours['compiled'])} vs {len(r['compiled'])} "
                   f"(only {name}: {len(r['compiled'] - ours['compiled'])}, "
                   f"only pyengine: {len(ours['compiled'] - r['compiled'])})")
+    if getattr(args, "speculative", False):
+        speculative_section(resolve_model(args.model))
     return 0
+
+
+SPEC_SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 16}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "city": {"type": "string", "enum": ["Paris", "London", "Rome", "Berlin"]}},
+    "required": ["name", "age", "city"], "additionalProperties": False}
+SPEC_PROMPTS = [   # records in the prompt (as extraction or listing tasks have): what prompt lookup drafts from
+    'People as JSON:\n{"name":"Alice","age":31,"city":"Paris"}\n{"name":"Bob","age":42,"city":"Rome"}\n',
+    'Records:\n{"name":"Maria","age":25,"city":"Berlin"}\n{"name":"Tom","age":58,"city":"London"}\n',
+    'Users: {"name":"Ana","age":19,"city":"Rome"} {"name":"Luc","age":33,"city":"Paris"} ',
+    'Employee list:\n{"name":"Sam","age":44,"city":"London"}\n',
+]
+
+
+def speculative_section(model_path: str, max_tokens: int = 48) -> None:
+    """Greedy constrained generation of SPEC_PROMPTS, one request at a time, plain vs n-gram speculation."""
+    from pyengine.engine.llm_engine import LLMEngine
+    from pyengine.engine.model_runner import ModelRunner
+    from pyengine.sampling_params import SamplingParams, StructuredOutputsParams
+
+    runner = ModelRunner(model_path, max_model_len=512, max_num_seqs=4, max_logits=32)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                            structured_outputs=StructuredOutputsParams(json=SPEC_SCHEMA))
+    rows = {}
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    # "forced": every decode drafts (counts independent of timing); "adaptive": the default back-off (S14)
+    for name, spec in (("plain", None), ("forced", {**ngram, "adaptive": False}), ("adaptive", ngram)):
+        eng = LLMEngine(runner=runner, max_model_len=512, max_num_seqs=4, speculative_config=spec)
+        eng.add_request("warm", SPEC_PROMPTS[0], params.clone(max_tokens=2))   # first-use costs: vocabulary, grammar
+        while eng.has_unfinished_requests():
+            eng.step()
+        steps0, toks, t0 = eng.stats()["steps"], [], time.perf_counter()
+        for i, prompt in enumerate(SPEC_PROMPTS):
+            eng.add_request(f"q{i}", prompt, params)
+            while eng.has_unfinished_requests():
+                for out in eng.step():
+                    if out.finished:
+                        toks.append(out.outputs[0].token_ids)
+        st = eng.stats()
+        rows[name] = (time.perf_counter() - t0, st["steps"] - steps0, sum(map(len, toks)), toks, st)
+    print(f"\nconstrained greedy generation ({len(SPEC_PROMPTS)} JSON-Schema requests, one at a time), plain and "
+          f"with n-gram speculation (k = 4):")
+    print(f"{'':<10} {'tokens':>7} {'steps':>6} {'seconds':>8} {'time ratio':>11} {'accept len':>11} "
+          f"{'grammar cuts':>13}")
+    base = rows["plain"][0]
+    for name, (secs, steps, ntok, _, st) in rows.items():
+        print(f"{name:<10} {ntok:>7} {steps:>6} {secs:>8.2f} {secs / base:>10.2f}x "
+              f"{st['spec_decode_mean_acceptance_length']:>11.2f} {st['spec_decode_num_grammar_cut_tokens']:>13}")
+    for name in ("forced", "adaptive"):
+        same = rows["plain"][3] == rows[name][3]
+        print(f"{name} vs plain: {base / rows[name][0]:.2f}x faster, same tokens: {'yes' if same else 'no'}")

@@ -17,6 +17,7 @@ import jsonschema
 import numpy as np
 import pytest
 
+from engine_fakes import run_all
 from pyengine.sampling_params import SamplingParams, StructuredOutputsParams as SO
 
 pytestmark = pytest.mark.slow
@@ -57,11 +58,7 @@ def run(runner, spec, temperature=0.0, n=2, max_tokens=32):
     for i, (prompt, so, _) in enumerate(CASES):
         eng.add_request(f"q{i}", prompt, SamplingParams(temperature=temperature, seed=11 + i, max_tokens=max_tokens,
                                                         n=n if i == 0 else 1, structured_outputs=so))
-    final = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                final[out.request_id] = out
+    final = run_all(eng)                # also checks that the streamed deltas add up to the text
     assert eng.num_used_blocks() == 0
     return [final[f"q{i}"] for i in range(len(CASES))], eng
 

@@ -1,5 +1,6 @@
 """S14 inside Pyodide: the browser worker's Python half (web/pyworker.py), loaded with an n-gram speculative
-config, drafts, verifies and emits the same greedy tokens as without speculation, on the unchanged wheel."""
+config, drafts, verifies and emits the same greedy tokens as without speculation, on the unchanged wheel; the JSON
+toggle (S15) too, with its drafts checked against the grammar and the output valid JSON."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,7 +16,10 @@ HERE = Path(__file__).resolve().parent
 SNIPPET = r"""
 import sys
 sys.path.insert(0, '/work/web')
+import json
 from pyworker import WorkerSession
+SCHEMA = json.dumps({"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                     "age": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["name", "age"]})
 runs = {}
 for name, spec in (("plain", None), ("ngram", '{"method": "ngram", "num_speculative_tokens": 4}')):
     s = WorkerSession()
@@ -25,7 +29,13 @@ for name, spec in (("plain", None), ("ngram", '{"method": "ngram", "num_speculat
     while s.has_work():
         events += s.step()
     done = [e for e in events if e['type'] == 'done'][0]
-    runs[name] = (done, s.stats(), info)
+    # S15: the JSON toggle on the same session (drafts checked against the grammar)
+    s.start('j', 'People: {"name":"Ann","age":31} {"name":"Bob","age":42} {"name":"', max_tokens=16,
+            temperature=0.0, json_schema=SCHEMA)
+    events = []
+    while s.has_work():
+        events += s.step()
+    runs[name] = (done, s.stats(), info, [e for e in events if e['type'] == 'done'][0])
     del s
 plain, ngram = runs["plain"][0], runs["ngram"][0]
 st = runs["ngram"][1]
@@ -33,6 +43,10 @@ print("drafts", st["spec_decode_num_drafts"], "accepted", st["spec_decode_num_ac
 assert runs["ngram"][2]["speculative"] == "ngram"
 assert ngram["tokenIds"] == plain["tokenIds"], (ngram["tokenIds"], plain["tokenIds"])
 assert st["spec_decode_num_accepted_tokens"] > 0
+pj, nj = runs["plain"][3], runs["ngram"][3]
+print("json", nj["text"], nj["json"], "accepted", nj["numAcceptedTokens"], "cut", st["spec_decode_num_grammar_cut_tokens"])
+assert nj["tokenIds"] == pj["tokenIds"] and nj["json"] == "valid" and nj["numAcceptedTokens"] > 0
+json.loads(nj["text"])
 """
 
 

@@ -68,7 +68,7 @@ def alphabet(monkeypatch):
 
 def requests(name):
     so, prompt, _ = CASES[name]
-    greedy = SamplingParams(temperature=0.0, max_tokens=48, n=2, structured_outputs=so)
+    greedy = SamplingParams(temperature=0.0, max_tokens=48, n=2, logprobs=2, structured_outputs=so)
     sampled = SamplingParams(temperature=1.0, seed=7, max_tokens=48, structured_outputs=so)
     free = SamplingParams(temperature=0.0, max_tokens=20)
     return [(prompt, greedy), (prompt[::-1], free), (prompt, sampled), (prompt[3:], greedy)]
@@ -99,6 +99,8 @@ def test_greedy_constrained_speculation_equals_plain(name, spec, alphabet):
     outs, eng = generate(reqs, spec)
     # greedy rows (constrained with n = 2, and free) are token-identical; the sampled one is only valid
     assert tokens(outs, skip={2}) == tokens(plain, skip={2})
+    # logprobs are the model's raw distribution in both (not the masked rows')
+    assert [c.logprobs for c in outs[0].outputs] == [c.logprobs for c in plain[0].outputs]
     check = CASES[name][2]
     finished = [c for i in (0, 2, 3) for c in outs[i].outputs if c.finish_reason == "stop"]
     assert finished and all(check(c.text) for c in finished)

@@ -21,7 +21,8 @@ from pyworker import WorkerSession
 SCHEMA = json.dumps({"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                      "age": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["name", "age"]})
 runs = {}
-for name, spec in (("plain", None), ("ngram", '{"method": "ngram", "num_speculative_tokens": 4}')):
+FORCED = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "adaptive": false}'
+for name, spec in (("plain", None), ("ngram", '{"method": "ngram", "num_speculative_tokens": 4}'), ("forced", FORCED)):
     s = WorkerSession()
     info = s.load(MODEL_BYTES, max_model_len=128, speculative=spec)
     s.start('r', '1, 2, 3, 4, 1, 2, 3, 4, 1, 2,', max_tokens=12, temperature=0.0)
@@ -43,9 +44,12 @@ print("drafts", st["spec_decode_num_drafts"], "accepted", st["spec_decode_num_ac
 assert runs["ngram"][2]["speculative"] == "ngram"
 assert ngram["tokenIds"] == plain["tokenIds"], (ngram["tokenIds"], plain["tokenIds"])
 assert st["spec_decode_num_accepted_tokens"] > 0
-pj, nj = runs["plain"][3], runs["ngram"][3]
-print("json", nj["text"], nj["json"], "accepted", nj["numAcceptedTokens"], "cut", st["spec_decode_num_grammar_cut_tokens"])
-assert nj["tokenIds"] == pj["tokenIds"] and nj["json"] == "valid" and nj["numAcceptedTokens"] > 0
+# the JSON request: same greedy tokens in all three sessions; drafting forced at every decode, drafts are accepted
+pj, nj = runs["plain"][3], runs["forced"][3]
+print("json", nj["text"], nj["json"], "accepted", nj["numAcceptedTokens"],
+      "cut", runs["forced"][1]["spec_decode_num_grammar_cut_tokens"])
+assert nj["tokenIds"] == pj["tokenIds"] == runs["ngram"][3]["tokenIds"] and nj["json"] == "valid"
+assert nj["numAcceptedTokens"] > 0
 json.loads(nj["text"])
 """
 

@@ -157,9 +157,9 @@ TEMP, NTOK, RUNS, N = 0.9, 3, 40, 50
 ALPHA = 1e-3
 
 
-def choice_law(prompt):
+def choice_law(prompt, top_k=0):
     """P(t1, t2, t3) by hand: at each prefix, softmax(logits / T) over the next characters of the choice
-    strings that extend it (the fake model's logits; no grammar engine)."""
+    strings that extend it (the fake model's logits; no grammar engine), the ``top_k`` best of them if set."""
     tok = FakeTokenizer()
     law = {}
 
@@ -169,6 +169,9 @@ def choice_law(prompt):
             return
         nxt = sorted({s[len(prefix)] for s in CHOICES if s.startswith(prefix) and len(s) > len(prefix)})
         ids = [tok.encode(c)[0] for c in nxt]
+        if top_k:
+            keep = sorted(range(len(ids)), key=lambda j: -context_logits(ctx)[ids[j]])[:top_k]
+            nxt, ids = [nxt[j] for j in keep], [ids[j] for j in keep]
         x = context_logits(ctx).astype(np.float64)[ids] / TEMP
         w = np.exp(x - x.max())
         for c, i, pc in zip(nxt, ids, w / w.sum()):
@@ -203,13 +206,14 @@ SKEWED = {"a": 0.5, "U": 0.5}
 LETTERS = {"a": 0.4, "b": 0.3, "c": 0.2, "U": 0.1}
 
 
-def sampled_law(prompt, spec, proposer=None):
+def sampled_law(prompt, spec, proposer=None, top_k=0):
     eng = make_engine(num_blocks=1024, max_num_seqs=N, max_num_batched_tokens=512, speculative_config=spec,
                       draft_runner=PerturbedRunner(num_blocks=1024, block_size=4) if spec is DRAFT2 else None)
     if proposer is not None:
         eng.spec.proposer = proposer
     # room for the choice to end (its EOS): drafts of k = 2 then cover tokens 2 and 3
-    params = SamplingParams(n=N, temperature=TEMP, max_tokens=NTOK + 2, structured_outputs=SO(choice=CHOICES))
+    params = SamplingParams(n=N, temperature=TEMP, top_k=top_k, max_tokens=NTOK + 2,
+                            structured_outputs=SO(choice=CHOICES))
     for r in range(RUNS):
         eng.add_request(f"r{r}", {"prompt_token_ids": prompt}, params.clone(seed=3000 + r))
     final = run_all(eng)
@@ -241,6 +245,16 @@ def test_sampled_first_tokens_follow_the_constrained_law(drafter):
         assert st["spec_decode_num_accepted_tokens_per_pos"][1] > 100
     assert 0 < st["spec_decode_num_accepted_tokens"] < st["spec_decode_num_draft_tokens"]
     assert (st["spec_decode_num_grammar_cut_tokens"] == 0) == (drafter == "draft_model")
+    assert fits(samples, law)
+
+
+@pytest.mark.parametrize("drafter", ["sampled_q", "draft_model"])
+def test_sampled_law_with_top_k_after_the_mask(drafter):
+    """top-k 2 acts on the allowed tokens (mask first, as plain constrained sampling does)."""
+    law = choice_law(PROMPT, top_k=2)
+    samples, st = sampled_law(PROMPT, DRAFT2 if drafter == "draft_model" else ORACLE,
+                              LetterProposer(LETTERS) if drafter == "sampled_q" else None, top_k=2)
+    assert st["spec_decode_num_accepted_tokens"] > 500
     assert fits(samples, law)
 
 

@@ -115,6 +115,24 @@ def test_greedy_constrained_speculation_equals_plain(name, spec, alphabet):
         assert st["spec_decode_num_grammar_cut_tokens"] == 0
 
 
+def test_greedy_constrained_speculation_under_a_tight_budget_and_preemption(alphabet):
+    """Drafts trimmed by the scheduler (token budget 12) and sequences preempted (few blocks) still give
+    plain constrained decoding's tokens (JSON: the longest outputs)."""
+    alphabet("json")
+    reqs = requests("json")
+    plain, _ = generate(reqs)
+    tok = FakeTokenizer()
+    eng = make_engine(num_blocks=28, max_num_seqs=6, max_num_batched_tokens=12, speculative_config=NGRAM)
+    for i, (prompt, params) in enumerate(reqs):
+        eng.add_request(f"r{i}", {"prompt_token_ids": tok.encode(prompt)}, params)
+    final = run_all(eng)
+    outs = [final[f"r{i}"] for i in range(len(reqs))]
+    assert tokens(outs, skip={2}) == tokens(plain, skip={2})
+    st = eng.stats()
+    assert st["num_preemptions"] > 0 and st["spec_decode_num_accepted_tokens"] > 0
+    assert eng.num_used_blocks() == 0
+
+
 def test_negative_control_unmasked_verification_rows_fail(monkeypatch, alphabet):
     """Rows scored without the grammar's mask: the correction tokens leave the grammar (the engine refuses
     them) or the output differs from plain constrained decoding."""

@@ -320,7 +320,8 @@ class Router:
     # --- introspection -----------------------------------------------------------------------------
     def stats(self) -> dict:
         live = [i for i in self.instances.values() if i.dead is None]
-        total = lambda k: sum(i.stats.get(k, 0) for i in live)  # noqa: E731
+        total = lambda k, among=live: sum(i.stats.get(k, 0) for i in among)  # noqa: E731
+        ever = list(self.instances.values())          # counters keep what a dead instance did
         blocks = total("total_blocks")
         dec = [i.stats for i in live if i.role == "decode" and "prefix_cache_hit_rate" in i.stats]
         return {
@@ -328,7 +329,8 @@ class Router:
             "used_blocks": total("used_blocks"), "total_blocks": blocks,
             "kv_cache_usage": total("used_blocks") / blocks if blocks else 0.0,
             "prefix_cache_hit_rate": sum(s["prefix_cache_hit_rate"] for s in dec) / len(dec) if dec else 0.0,
-            "generation_tokens": total("generation_tokens"), "computed_prompt_tokens": total("computed_prompt_tokens"),
+            "generation_tokens": total("generation_tokens", ever),
+            "computed_prompt_tokens": total("computed_prompt_tokens", ever),
             "kv_transfer": dict(self.totals),
             "instances": [{"rank": i.rank, "role": i.role, "alive": i.dead is None, "dead": i.dead, **i.stats}
                           for i in self.instances.values()],

@@ -4,7 +4,7 @@ On an *offer* (prompt, params, the prefill side's block hashes) the engine regis
 blocks at once (``LLMEngine.add_prefilled``): the leading blocks its prefix cache already holds are hits, so it
 answers *have k* and only blocks k.. are sent. Each block message is checked (kv_transfer: size, CRC, and its
 prefix hash against this side's own hash chain of the prompt) and written straight into the block the sequence
-was given, ``ADOPT_BLOCKS_PER_POLL`` blocks between two decode steps, so a long prompt never stalls the running
+was given, for at most ``ADOPT_BUDGET_S`` between two decode steps, so a long prompt never stalls the running
 decodes for more than that. When every block is in and the *commit* (first token, sampler state) has arrived,
 ``LLMEngine.commit_prefilled`` starts the sequence decoding; its outputs go to the router like any engine's.
 
@@ -22,7 +22,11 @@ from pyengine.disagg.kv_transfer import TransferError, block_header, unpack_bloc
 from pyengine.disagg.prefill_worker import prompt_hashes
 from pyengine.engine.llm_engine import EngineOverloaded
 
-ADOPT_BLOCKS_PER_POLL = 32     # ~24 MB of SmolLM2 float32 KV between two decode steps: a few ms of copying
+# Adoption between two decode steps: checking + writing a block runs at ~0.7 GB/s here (SmolLM2 float32: 0.74 MB
+# a block, ~1 ms; docs/disaggregation.md), so 10 ms adds at most a quarter of a decode step to the running decodes'
+# ITL while a 4k-token prompt (256 blocks) still arrives in ~25 steps.
+ADOPT_BUDGET_S = 0.010
+ADOPT_BLOCKS_PER_POLL = 64
 
 
 class Adoption:
@@ -38,6 +42,11 @@ class Adoption:
 class DecodeWorker(Instance):
     role = "decode"
     blocks_per_poll = ADOPT_BLOCKS_PER_POLL
+
+    @property
+    def block_budget_s(self) -> float:
+        """Time for blocks in one turn: ADOPT_BUDGET_S while decodes run (their next step waits), else no limit."""
+        return ADOPT_BUDGET_S if self.engine.scheduler.running else float("inf")
 
     def __init__(self, engine, transport):
         super().__init__(engine, transport)

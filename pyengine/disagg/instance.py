@@ -116,10 +116,12 @@ class Instance:
         self.report(force=True)
 
     def receive(self) -> bool:
-        """Handle the messages that have arrived; at most ``blocks_per_poll`` KV blocks in one turn (the rest
-        wait in MPI's queue), so adopting a long prompt never holds up one step of the running decodes."""
+        """Handle the messages that have arrived; KV blocks only while this turn has spent less than
+        ``block_budget_s`` on them and at most ``blocks_per_poll`` (the rest wait in MPI's queue), so adopting a
+        long prompt holds up the running decodes' next step by about that budget, not by the whole prompt."""
         busy, blocks = False, 0
-        while blocks < self.blocks_per_poll:
+        t0 = time.perf_counter()
+        while blocks < self.blocks_per_poll and not (blocks and time.perf_counter() - t0 > self.block_budget_s):
             m = self.t.recv()
             if m is None:
                 break
@@ -135,6 +137,7 @@ class Instance:
 
     # role hooks
     blocks_per_poll = 1 << 30
+    block_budget_s = float("inf")
 
     def handle(self, src: int, msg: dict) -> None:
         raise ValueError(f"{self.role} instance: unknown message {msg.get('op')!r} from rank {src}")

@@ -10,8 +10,8 @@
     prefill: frees the blocks once all are packed; "shipped" (blocks, bytes, seconds) to the router
 
 While a transfer is under way no new engine step starts (a long prefill step would stall the transfer, whose
-messages MPI moves only while both sides take part); the decode side takes ``ADOPT_BLOCKS_PER_POLL`` blocks between
-two of its steps. A transfer whose decode instance stops answering for ``timeout`` seconds is given up: its request
+messages MPI moves only while both sides take part); the decode side takes blocks for ``ADOPT_BUDGET_S`` between two
+of its steps. A transfer whose decode instance stops answering for ``timeout`` seconds is given up: its request
 fails, its blocks are freed here.
 """
 from __future__ import annotations

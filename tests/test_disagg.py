@@ -75,7 +75,7 @@ class Cluster:
             self.turn()
             if until is not None and until():
                 return
-            if until is None and not self.router.has_unfinished_requests() and self.quiet():
+            if until is None and not self.router.requests and self.quiet():
                 return
         raise AssertionError("the cluster did not settle")
 

@@ -100,3 +100,14 @@ def test_killed_prefill_rank_fails_its_request_while_decode_keeps_serving():
         s.stop()
     time.sleep(1)
     assert gone(ranks.values()), "a rank outlived the server"
+
+
+@pytest.mark.parametrize("flags,says", [(["--prefill-instances", "1"], "--decode-instances must be >= 1"),
+                                        (["--prefill-instances", "1", "--decode-instances", "1",
+                                          "--tensor-parallel-size", "2"], "drop --tensor-parallel-size")])
+def test_bad_role_flags_are_refused_before_any_rank_starts(flags, says):
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "pyengine", "serve", "--port", "0", *flags], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and says in r.stderr

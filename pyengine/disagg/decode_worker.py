@@ -138,11 +138,7 @@ class DecodeWorker(Instance):
                                          f"{len(ad.seq.block_table) - ad.have} were needed"))
             return
         secs = time.monotonic() - ad.t0
-        k = self.counters
-        k["transfers"] += 1
-        k["blocks"] += ad.received
-        k["bytes"] += ad.bytes
-        k["transfer_s"] += secs
+        self.count_transfer(ad.received, ad.bytes, secs)
         self.to_router({"op": "adopted", "xid": xid, "blocks": ad.received, "cached": ad.have, "bytes": ad.bytes,
                         "seconds": secs})
         out = self.engine.commit_prefilled(ad.rid, c["token"], c["rng"], c["logprob"])

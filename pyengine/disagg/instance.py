@@ -81,6 +81,13 @@ class Instance:
             if out.finished:
                 self.forget(xid)
 
+    def count_transfer(self, blocks: int, nbytes: int, seconds: float) -> None:
+        c = self.counters
+        c["transfers"] += 1
+        c["blocks"] += blocks
+        c["bytes"] += nbytes
+        c["transfer_s"] += seconds
+
     def stats(self) -> dict:
         s = self.engine.stats()
         return {**{k: s[k] for k in STATS_KEYS if k in s}, **self.counters}

@@ -138,11 +138,7 @@ class PrefillWorker(Instance):
                 del self.transfers[xid]
                 self.forget(xid)
                 secs = time.monotonic() - tr.t0
-                c = self.counters
-                c["transfers"] += 1
-                c["blocks"] += tr.sent
-                c["bytes"] += tr.bytes
-                c["transfer_s"] += secs
+                self.count_transfer(tr.sent, tr.bytes, secs)
                 self.to_router({"op": "shipped", "xid": xid, "blocks": tr.sent, "bytes": tr.bytes, "seconds": secs})
         return busy
 

@@ -24,12 +24,13 @@ import time
 from dataclasses import dataclass, field
 
 from pyengine.disagg.instance import HEARTBEAT_S
-from pyengine.engine.llm_engine import EngineOverloaded, LLMEngine
+from pyengine.engine.llm_engine import EngineOverloaded, LLMEngine, check_prompt, stop_token_ids
 from pyengine.parallel.mpi import ParallelError, _proc_state
 from pyengine.server.engine_loop import EngineFailure
 
 STEP_WAIT_S = 0.02             # a step returns after this long without news (the server loop then steps again)
 LIVENESS_EVERY_S = 0.25
+DRAIN_S = 1.0                  # the server keeps stepping this long after the last request: the final reports
 
 
 @dataclass
@@ -88,6 +89,8 @@ class Router:
         self._next_xid = 1
         self._structured = None
         self._checked = 0.0
+        self._drain_until = 0.0
+        self._failed: list = []                      # failures found outside a step, returned by the next one
         self.transfers: list[dict] = []              # adopted transfers not yet seen by the metrics
         self.totals = {"transfers": 0, "blocks_sent": 0, "blocks_cached": 0, "bytes": 0, "transfer_s": 0.0,
                        "prefill_failures": 0}
@@ -123,18 +126,10 @@ class Router:
         """The refusals LLMEngine.add_request would give, decided here so that the client gets them at once."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
-        if not ids:
-            raise ValueError("prompt is empty (no tokens)")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is out of range for vocab size {self.vocab_size}")
-        params.validate_for_vocab(self.vocab_size)
+        max_tokens = check_prompt(ids, params, self.vocab_size, self.max_model_len)
         if params.n != 1:
             raise ValueError("n > 1 is not served by the disaggregated server (each choice would need its own "
                              "transfer): send n requests, or serve without --prefill-instances")
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
-        if max_tokens <= 0:
-            raise ValueError(f"prompt ({len(ids)} tokens) leaves no room in max_model_len ({self.max_model_len})")
         total = len(ids) + max_tokens
         if total > self.max_model_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
@@ -147,12 +142,8 @@ class Router:
         if params.structured_outputs is not None:        # a schema the grammar compiler refuses: refused here
             if self._structured is None:
                 from pyengine.structured.processor import StructuredOutputs
-                tok = self.tokenizer
-                eos = getattr(tok, "stop_token_ids", None)
-                if eos is None:
-                    eos = [tok.eos_token_id] if getattr(tok, "eos_token_id", None) is not None else []
-                eos = {int(t) for t in eos}
-                self._structured = StructuredOutputs(self.tokenizer, eos, self.vocab_size)
+                self._structured = StructuredOutputs(self.tokenizer, stop_token_ids(self.tokenizer),
+                                                     self.vocab_size)
             self._structured.matchers(params, 1)
         waiting = sum(1 for r in self.requests.values() if r.stage == "prefill")
         if self.max_waiting is not None and waiting >= self.max_waiting:
@@ -164,6 +155,7 @@ class Router:
         params = params if params is not None else SamplingParams()
         _, ids = self._encode(prompt)
         self._check(request_id, ids, params)
+        self._check_liveness(self._failed)           # the server may have been idle: route to live ones only
         decodes = self.alive("decode")
         if not decodes:
             raise ParallelError(self.failure())
@@ -193,7 +185,8 @@ class Router:
         return None
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Requests in flight, or the last one ended less than DRAIN_S ago (the instances' last reports)."""
+        return bool(self.requests) or time.monotonic() < self._drain_until
 
     def num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -203,7 +196,7 @@ class Router:
 
     def step(self) -> list:
         """Outputs (and failures) the instances have sent; waits up to ``wait_s`` for the first."""
-        outputs: list = []
+        outputs, self._failed = self._failed, []
         deadline = time.monotonic() + self.wait_s
         while True:
             got = self._poll_once(outputs)
@@ -239,6 +232,8 @@ class Router:
         if r.stage == "prefill" and r.prefill is not None:
             self.instances[r.prefill].prompt_tokens -= r.prompt_len
         self.instances[r.decode].seqs -= 1
+        if not self.requests:
+            self._drain_until = time.monotonic() + DRAIN_S
 
     def _poll_once(self, outputs: list) -> bool:
         from pyengine.disagg.kv_transfer import parse_message

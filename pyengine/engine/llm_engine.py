@@ -26,6 +26,28 @@ from pyengine.engine.sequence import Sequence, SequenceStatus
 from pyengine.engine.spec_decode import spec_stats
 
 
+def check_prompt(ids: list[int], params, vocab_size: int, max_model_len: int) -> int:
+    """ValueError if the prompt's ids or the params cannot run on this model; else the request's max_tokens."""
+    if not ids:
+        raise ValueError("prompt is empty (no tokens)")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token id {bad[0]} is out of range for vocab size {vocab_size}")
+    params.validate_for_vocab(vocab_size)
+    max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - len(ids)
+    if max_tokens <= 0:
+        raise ValueError(f"prompt ({len(ids)} tokens) leaves no room in max_model_len ({max_model_len})")
+    return max_tokens
+
+
+def stop_token_ids(tok) -> set[int]:
+    """The ids that end a sequence: the tokenizer's stop tokens, else its EOS."""
+    ids = getattr(tok, "stop_token_ids", None)
+    if ids is None:
+        ids = [tok.eos_token_id] if getattr(tok, "eos_token_id", None) is not None else []
+    return {int(t) for t in ids}
+
+
 class EngineOverloaded(RuntimeError):
     """The waiting queue is full (``max_waiting``); the HTTP server answers 429."""
 
@@ -116,10 +138,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self.rng = np.random.default_rng(seed)
         tok = self.tokenizer
-        stop_ids = getattr(tok, "stop_token_ids", None)
-        if stop_ids is None:
-            stop_ids = [tok.eos_token_id] if getattr(tok, "eos_token_id", None) is not None else []
-        self.eos_token_ids = {int(t) for t in stop_ids}
+        self.eos_token_ids = stop_token_ids(tok)
         self.vocab_size = int(getattr(tok, "vocab_size", 0) or runner.config.vocab_size)
         self.spec = None
         if speculative_config is not None:
@@ -176,15 +195,7 @@ class LLMEngine:
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an int, got {priority!r}")
         text, ids = self._encode(prompt)
-        if not ids:
-            raise ValueError("prompt is empty (no tokens)")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is out of range for vocab size {self.vocab_size}")
-        params.validate_for_vocab(self.vocab_size)
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
-        if max_tokens <= 0:
-            raise ValueError(f"prompt ({len(ids)} tokens) leaves no room in max_model_len ({self.max_model_len})")
+        max_tokens = check_prompt(ids, params, self.vocab_size, self.max_model_len)
         self.scheduler.check_fits(len(ids), max_tokens)
 
         req = _Request(request_id, text, ids, params, priority,

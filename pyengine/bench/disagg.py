@@ -42,6 +42,8 @@ def add_arguments(p) -> None:
     g.add_argument("--long-rate", type=float, default=0.1, help="Poisson rate of the long prompts (req/s)")
     g.add_argument("--slo-ttft", type=float, default=3.0, help="goodput SLO: time to first token (s)")
     g.add_argument("--slo-itl", type=float, default=0.15, help="goodput SLO: every inter-token gap (s)")
+    g.add_argument("--colocated-threads", type=int, default=2,
+                   help="BLAS threads of the colocated server (default 2: both cores, as the two ranks have)")
     g.add_argument("--colocated-args", default="", help="more `pyengine serve` options for the colocated server "
                    "(one string, e.g. the chunk budget options)")
 
@@ -178,7 +180,8 @@ def run(args) -> int:
           f"{kinds.count('long')} long ({args.long_prompt_len}-{args.long_prompt_max} -> {args.long_output_len}) at "
           f"{args.long_rate:g}/s; SLO TTFT <= {args.slo_ttft:g} s, every ITL <= {args.slo_itl:g} s", file=sys.stderr)
     rows = []
-    configs = [("colocated (chunked prefill, 2 threads)", common + args.colocated_args.split(), 2),
+    configs = [(f"colocated (chunked prefill, {args.colocated_threads} threads)",
+                common + args.colocated_args.split(), args.colocated_threads),
                ("disaggregated (1 prefill + 1 decode rank)",
                 common + ["--prefill-instances", "1", "--decode-instances", "1"], 1)]
     for label, extra, threads in configs:

@@ -4,8 +4,8 @@ On an *offer* (prompt, params, the prefill side's block hashes) the engine regis
 blocks at once (``LLMEngine.add_prefilled``): the leading blocks its prefix cache already holds are hits, so it
 answers *have k* and only blocks k.. are sent. Each block message is checked (kv_transfer: size, CRC, and its
 prefix hash against this side's own hash chain of the prompt) and written straight into the block the sequence
-was given, for at most ``ADOPT_BUDGET_S`` between two decode steps, so a long prompt never stalls the running
-decodes for more than that. When every block is in and the *commit* (first token, sampler state) has arrived,
+was given, for at most a quarter of a decode step's time between two steps (``ADOPT_STEP_SHARE``), so a long prompt
+never stalls the running decodes for more than that. When every block is in and the *commit* (first token, sampler state) has arrived,
 ``LLMEngine.commit_prefilled`` starts the sequence decoding; its outputs go to the router like any engine's.
 
 An offer that does not fit now (no sequence slot or not enough free blocks) waits, oldest first; the prefill side
@@ -23,10 +23,13 @@ from pyengine.disagg.prefill_worker import prompt_hashes
 from pyengine.engine.llm_engine import EngineOverloaded
 
 # Adoption between two decode steps: checking + writing a block runs at ~0.7 GB/s here (SmolLM2 float32: 0.74 MB
-# a block, ~1 ms; docs/disaggregation.md), so 10 ms adds at most a quarter of a decode step to the running decodes'
-# ITL while a 4k-token prompt (256 blocks) still arrives in ~25 steps.
+# a block, ~1 ms; docs/disaggregation.md). A turn may spend ADOPT_STEP_SHARE of the last decode step's time on
+# blocks (at least ADOPT_BUDGET_S): the running decodes' ITL grows by at most that share while a prompt arrives,
+# on a quiet host (40 ms steps: 10 ms, ~10 blocks a step) as on a loaded one (a bench run with 0.26 s steps took
+# 2.1 s per 26-block transfer with a fixed 10 ms budget).
 ADOPT_BUDGET_S = 0.010
-ADOPT_BLOCKS_PER_POLL = 64
+ADOPT_STEP_SHARE = 0.25
+ADOPT_BLOCKS_PER_POLL = 256
 
 
 class Adoption:
@@ -45,14 +48,21 @@ class DecodeWorker(Instance):
 
     @property
     def block_budget_s(self) -> float:
-        """Time for blocks in one turn: ADOPT_BUDGET_S while decodes run (their next step waits), else no limit."""
-        return ADOPT_BUDGET_S if self.engine.scheduler.running else float("inf")
+        """Time for blocks in one turn while decodes run (their next step waits): ADOPT_STEP_SHARE of the last
+        step, at least ADOPT_BUDGET_S; no limit when nothing runs."""
+        if not self.engine.scheduler.running:
+            return float("inf")
+        return max(ADOPT_BUDGET_S, ADOPT_STEP_SHARE * self.last_step_s)
+
+    def after_step(self) -> None:
+        self.last_step_s = time.perf_counter() - self.step_started
 
     def __init__(self, engine, transport):
         super().__init__(engine, transport)
         self.adopting: dict[int, Adoption] = {}
         self.offers: deque = deque()             # (src, msg) waiting for room
         self.counters.update(cached_blocks_hit=0)
+        self.step_started = self.last_step_s = 0.0
 
     def handle(self, src: int, msg: dict) -> None:
         op, xid = msg["op"], msg.get("xid")

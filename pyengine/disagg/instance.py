@@ -105,6 +105,7 @@ class Instance:
         busy = self.receive()
         busy = self.work() or busy
         if self.engine.scheduler.has_unfinished() and self.may_step():
+            self.step_started = time.perf_counter()
             self.send_outputs(self.engine.step())
             self.after_step()
             busy = True

@@ -9,9 +9,9 @@
     prefill --commit(xid, first token, sampler state)-->    decode
     prefill: frees the blocks once all are packed; "shipped" (blocks, bytes, seconds) to the router
 
-While a transfer is under way no new engine step starts (a long prefill step would stall the transfer, whose
-messages MPI moves only while both sides take part); the decode side takes blocks for ``ADOPT_BUDGET_S`` between two
-of its steps. A transfer whose decode instance stops answering for ``timeout`` seconds is given up: its request
+While a transfer is under way, or its offer has waited less than ``OFFER_WAIT_S`` for an answer, no new engine step
+starts (a long prefill step would stall the transfer, whose messages MPI moves only while both sides take part);
+the decode side takes blocks for a share of its step time between two of its steps (decode_worker.py). A transfer whose decode instance stops answering for ``timeout`` seconds is given up: its request
 fails, its blocks are freed here.
 """
 from __future__ import annotations
@@ -23,6 +23,8 @@ from pyengine.disagg.kv_transfer import pack_block
 from pyengine.engine.block_manager import hash_block
 
 WINDOW = 8                     # block messages in flight per transfer: enough to keep the link busy, little memory
+OFFER_WAIT_S = 1.0             # no new step while an offer waits for its answer this long (about one decode step on a
+                               # loaded host; a prefill step started meanwhile would hold the answer for seconds)
 
 
 def prompt_hashes(token_ids, block_size: int) -> list[bytes]:
@@ -143,4 +145,5 @@ class PrefillWorker(Instance):
         return busy
 
     def may_step(self) -> bool:
-        return not any(tr.next is not None for tr in self.transfers.values())
+        now = time.monotonic()
+        return not any(tr.next is not None or now - tr.t0 < OFFER_WAIT_S for tr in self.transfers.values())

@@ -92,7 +92,8 @@ class DecodeWorker(Instance):
         """Take waiting offers while they fit."""
         busy = False
         bs = self.engine.block_manager.block_size
-        while self.offers:
+        sch = self.engine.scheduler
+        while self.offers and len(sch.running) + len(self.adopting) < sch.max_num_seqs:
             src, msg = self.offers[0]
             xid = msg["xid"]
             try:

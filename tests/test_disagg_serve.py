@@ -111,3 +111,22 @@ def test_bad_role_flags_are_refused_before_any_rank_starts(flags, says):
     r = subprocess.run([sys.executable, "-m", "pyengine", "serve", "--port", "0", *flags], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and says in r.stderr
+
+
+def test_bench_serve_compare_disagg_quick():
+    """`pyengine bench serve --compare disagg --quick` runs both servers, prints both rows with the disaggregated
+    one's KV bytes per request and transfer time, and every same-run ratio is a finite positive number."""
+    import math
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-m", "pyengine", "bench", "serve", "--compare", "disagg", "--quick"],
+                          capture_output=True, text=True, timeout=600, env=dict(os.environ, OPENBLAS_NUM_THREADS="1"))
+    out = proc.stdout
+    assert proc.returncode == 0, (out + proc.stderr)[-3000:]
+    rows = {line.strip().split("  ")[0]: line for line in out.splitlines()
+            if line.lstrip().startswith(("colocated (", "disaggregated ("))}
+    assert sorted(k.split()[0] for k in rows) == ["colocated", "disaggregated"], out
+    dis = [v for k, v in rows.items() if k.startswith("disaggregated")][0].split()
+    assert float(dis[-2]) > 0 and float(dis[-1]) > 0             # KV MB per request, transfer seconds
+    ratios = [float(x) for x in re.findall(r"(\d+(?:\.\d+)?|nan|inf)x\b", out.split("[colocated] / [disaggregated]:")[1])]
+    assert len(ratios) == 5 and all(math.isfinite(r) and r > 0 for r in ratios), out

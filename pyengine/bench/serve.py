@@ -40,8 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shared-prefix", type=int, default=0, help="tokens of prefix shared by every prompt")
     p.add_argument("--no-prefix-cache", action="store_true")
     p.add_argument("--no-chunked-prefill", action="store_true")
-    p.add_argument("--compare", choices=["prefix-cache", "chunked-prefill"], default=None,
-                   help="in-process only: run every rate with the option on and off")
+    p.add_argument("--compare", choices=["prefix-cache", "chunked-prefill", "disagg"], default=None,
+                   help="in-process only: run every rate with the option on and off; disagg (S18): the colocated "
+                        "server against 1 prefill + 1 decode rank (pyengine/bench/disagg.py)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget per engine step (bounds how long a prefill can stall decoding)")
@@ -51,6 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.add_argument("--quick", action="store_true", help="6 short requests at 8 req/s on a small engine (a smoke test; "
                    "overrides the size options)")
+    from pyengine.bench import disagg
+    disagg.add_arguments(p)
 
 
 # --- workload ------------------------------------------------------------------------------------
@@ -292,6 +295,11 @@ QUICK = dict(num_requests=6, rate=[8.0], prompt_len=32, output_len=4, max_model_
 def run(args) -> int:
     if args.quick:
         vars(args).update(QUICK)
+    if args.compare == "disagg":
+        from pyengine.bench import disagg
+        if args.quick:
+            vars(args).update(disagg.QUICK)
+        return disagg.run(args)
     if args.num_requests < 1 or any(r <= 0 for r in args.rate):
         raise ValueError("--num-requests must be >= 1 and every --rate > 0")
     if args.shared_prefix >= args.prompt_len * (1 - (args.range_ratio if args.dist == "uniform" else 0)):

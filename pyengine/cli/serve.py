@@ -71,6 +71,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="S17: ranks splitting every layer by heads / FFN columns (MPI; one Allreduce per sub-layer)")
     p.add_argument("--pipeline-parallel-size", type=int, default=1,
                    help="S17: pipeline stages of contiguous layers (MPI; N x M ranks with --tensor-parallel-size)")
+    p.add_argument("--prefill-instances", type=int, default=0,
+                   help="S18: prefill engines (MPI ranks) computing prompts and shipping their KV blocks; with "
+                        "--decode-instances (1 + P + D ranks, the router on rank 0)")
+    p.add_argument("--decode-instances", type=int, default=0,
+                   help="S18: decode engines adopting the shipped KV blocks and streaming the rest")
     p.add_argument("--parallel-timeout", type=float, default=None,
                    help="seconds a step may wait on another rank before the server declares it stuck (default 60)")
     add_speculative_argument(p)
@@ -173,6 +178,10 @@ def run(args) -> int:
     from pyengine.server.runner import bind_socket, uvicorn_server
 
     warn_if_exposed("serve", args.host, args.api_key)
+    from pyengine.disagg.launch import uses_disagg
+    if uses_disagg(args):                     # S18: router + prefill and decode instances as MPI ranks
+        from pyengine.disagg.launch import run as run_disagg
+        return run_disagg(args)
     if uses_mpi(args):
         from pyengine.parallel.mpi import launched_under_mpi
         if not launched_under_mpi():          # one host: this same command line as N x M ranks

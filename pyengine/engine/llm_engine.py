@@ -24,8 +24,30 @@ import numpy as np
 from pyengine.engine.block_manager import BlockManager
 from pyengine.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, snapshot_metrics
 from pyengine.engine.scheduler import Scheduler, SchedulerOutput
-from pyengine.engine.sequence import Sequence
+from pyengine.engine.sequence import Sequence, SequenceStatus
 from pyengine.engine.spec_decode import spec_stats
+
+
+def check_prompt(ids: list[int], params, vocab_size: int, max_model_len: int) -> int:
+    """ValueError if the prompt's ids or the params cannot run on this model; else the request's max_tokens."""
+    if not ids:
+        raise ValueError("prompt is empty (no tokens)")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token id {bad[0]} is out of range for vocab size {vocab_size}")
+    params.validate_for_vocab(vocab_size)
+    max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - len(ids)
+    if max_tokens <= 0:
+        raise ValueError(f"prompt ({len(ids)} tokens) leaves no room in max_model_len ({max_model_len})")
+    return max_tokens
+
+
+def stop_token_ids(tok) -> set[int]:
+    """The ids that end a sequence: the tokenizer's stop tokens, else its EOS."""
+    ids = getattr(tok, "stop_token_ids", None)
+    if ids is None:
+        ids = [tok.eos_token_id] if getattr(tok, "eos_token_id", None) is not None else []
+    return {int(t) for t in ids}
 
 
 class EngineOverloaded(RuntimeError):
@@ -118,10 +140,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self.rng = np.random.default_rng(seed)
         tok = self.tokenizer
-        stop_ids = getattr(tok, "stop_token_ids", None)
-        if stop_ids is None:
-            stop_ids = [tok.eos_token_id] if getattr(tok, "eos_token_id", None) is not None else []
-        self.eos_token_ids = {int(t) for t in stop_ids}
+        self.eos_token_ids = stop_token_ids(tok)
         self.vocab_size = int(getattr(tok, "vocab_size", 0) or runner.config.vocab_size)
         self.spec = None
         if speculative_config is not None:
@@ -133,6 +152,10 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self._seq_owner: dict[int, _Request] = {}
         self._next_seq_id = 0
+        # S18 (pyengine/disagg/): a prefill instance's engine stops each sequence after its first token and
+        # parks it in ``prefilled`` with its blocks, until its KV cache is shipped (``release_prefilled``)
+        self.prefill_only = False
+        self.prefilled: list[Sequence] = []
         self.counters = {"prompt_tokens": 0, "computed_prompt_tokens": 0, "generation_tokens": 0,
                          "finished_requests": 0, "aborted_requests": 0, "steps": 0,
                          "spec_decode_num_grammar_cut_tokens": 0}     # S15: draft tokens the grammar forbade
@@ -176,15 +199,7 @@ class LLMEngine:
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an int, got {priority!r}")
         text, ids = self._encode(prompt)
-        if not ids:
-            raise ValueError("prompt is empty (no tokens)")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is out of range for vocab size {self.vocab_size}")
-        params.validate_for_vocab(self.vocab_size)
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
-        if max_tokens <= 0:
-            raise ValueError(f"prompt ({len(ids)} tokens) leaves no room in max_model_len ({self.max_model_len})")
+        max_tokens = check_prompt(ids, params, self.vocab_size, self.max_model_len)
         self.scheduler.check_fits(len(ids), max_tokens)
 
         req = _Request(request_id, text, ids, params, priority,
@@ -425,6 +440,9 @@ class LLMEngine:
         entry = deltas.setdefault(req.request_id, {}).setdefault(seq.index, [[], ""])
         entry[0].append(tok)      # a verification may emit several tokens in one step
         entry[1] += delta
+        if self.prefill_only and not seq.is_finished:      # S18: the decode instance takes it from here
+            self.scheduler.running.remove(seq)
+            self.prefilled.append(seq)
 
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
@@ -443,6 +461,72 @@ class LLMEngine:
                 cumulative_logprob=req.cumulative_logprob[seq.index]))
         return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), outs, req.finished,
                              snapshot_metrics(req.metrics))
+
+    # S18 disaggregation (pyengine/disagg/): hand a prefilled sequence from one engine to another ----------
+    def release_prefilled(self, request_id: str) -> None:
+        """Prefill side: the request's KV blocks have been shipped (or its transfer was given up): free its
+        blocks and forget it, without counting it as finished or aborted here."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        for seq in req.seqs:
+            if seq in self.prefilled:
+                self.prefilled.remove(seq)
+            if not seq.is_finished:
+                self._finish(seq)
+            self._seq_owner.pop(seq.seq_id, None)
+
+    def add_prefilled(self, request_id: str, prompt_token_ids: list[int], params, arrival_time=None) -> Sequence:
+        """Decode side: register a request whose prompt K/V another engine computed (n = 1). Its blocks are
+        allocated now, prefix-cache hits first: ``seq.num_cached_tokens`` tokens are already here, the caller
+        writes the rest into ``seq.block_table`` (engine/kv_cache.py layout), then calls `commit_prefilled`.
+        Until then the sequence is in no scheduler queue; `abort_request` frees its blocks as usual. Raises
+        ValueError like `add_request`, and EngineOverloaded when the blocks are not free now."""
+        if params is not None and params.n != 1:
+            raise ValueError("a prefilled request has exactly one sequence (n = 1)")
+        self.add_request(request_id, {"prompt_token_ids": prompt_token_ids}, params, arrival_time=arrival_time)
+        seq, bm = self.requests[request_id].seqs[0], self.block_manager
+        cached = bm.get_computed_blocks(seq)
+        need = seq.num_tokens - len(cached) * bm.block_size
+        if len(self.scheduler.running) >= self.scheduler.max_num_seqs or not bm.can_allocate(
+                seq, cached, need + 1, self.scheduler.watermark_blocks if self.scheduler.running else 0):
+            self.release_prefilled(request_id)
+            raise EngineOverloaded("no room for a prefilled sequence now")
+        self.scheduler.waiting.remove(seq)
+        bm.allocate(seq, cached, need)
+        return seq
+
+    def commit_prefilled(self, request_id: str, first_token: int, rng_state=None, logprob=None,
+                         arrival_time: float | None = None) -> RequestOutput | None:
+        """Decode side: every prompt block of `add_prefilled`'s sequence holds its K/V; append the first
+        token the prefill engine sampled (its stop checker and grammar advance, its text is not emitted
+        again: the prefill side streamed it) with the sampler state after it (``rng_state``: the numpy
+        bit-generator state; ``logprob``: its logprobs dict and cumulative logprob), and start decoding.
+        Returns the final output if that token ends the request here, else None."""
+        req = self.requests[request_id]
+        seq = req.seqs[0]
+        seq.num_computed_tokens = seq.num_tokens
+        self.block_manager.cache_computed_blocks(seq)
+        if rng_state is not None:
+            req.rngs[0].bit_generator.state = rng_state
+        now = time.monotonic()
+        req.admitted = True
+        m = req.metrics
+        m.first_scheduled_time = now
+        m.num_cached_tokens = seq.num_cached_tokens
+        self.counters["prompt_tokens"] += seq.num_prompt_tokens
+        self._append_token(seq, req, first_token, None, now, {})
+        if logprob is not None and req.logprobs[0] is not None:
+            req.logprobs[0].append(logprob[0])
+            req.cumulative_logprob[0] = logprob[1]
+        if seq.is_finished:
+            del self.requests[request_id]
+            self._seq_owner.pop(seq.seq_id, None)
+            self.counters["finished_requests"] += 1
+            return self._make_output(req, {})
+        seq.status = SequenceStatus.RUNNING
+        self.scheduler.running.append(seq)
+        return None
 
     # introspection -------------------------------------------------------------------------------
     def stats(self) -> dict:

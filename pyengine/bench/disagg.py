@@ -1,0 +1,203 @@
+"""S18 `pyengine bench serve --compare disagg`: prefill/decode disaggregation against the colocated engine.
+
+Both servers are `pyengine serve` processes on the same model and engine options, measured one after the other
+with the same seeded workload from this process's client:
+
+    colocated       one engine, chunked prefill as configured by default (both cores: its BLAS threads);
+                    --colocated-args passes more serve options to it (e.g. a chunk budget or ITL target)
+    disaggregated   --prefill-instances 1 --decode-instances 1: router + one prefill rank + one decode rank (one
+                    core each)
+
+Workload: --num-requests short requests (--prompt-len tokens, --output-len tokens) arrive at --rate and keep
+decoding, while --long-requests long prompts (uniform in --long-prompt-len .. --long-prompt-max tokens,
+--long-output-len tokens) arrive among them at Poisson rate --long-rate. Reported per server: TTFT and ITL
+p50 / p99 of the short decodes and of the long prompts, the short decodes' ITL p99 / p50 (the target: <= 1.5 with
+disaggregation), output throughput, goodput (share of requests meeting the SLO: TTFT <= --slo-ttft and every ITL
+<= --slo-itl, 3 s and 150 ms by default), and for the disaggregated server the KV bytes moved per transferred
+request and the mean transfer time (from its /metrics). Ratios are of the same run.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+
+QUICK = dict(num_requests=3, rate=[4.0], output_len=24, long_requests=1, long_prompt_len=120, long_prompt_max=160,
+             long_output_len=4, long_rate=2.0)
+
+
+def add_arguments(p) -> None:
+    g = p.add_argument_group("--compare disagg")
+    g.add_argument("--long-requests", type=int, default=4, help="long prompts arriving among the short decodes")
+    g.add_argument("--long-prompt-len", type=int, default=2048, help="shortest long prompt (tokens)")
+    g.add_argument("--long-prompt-max", type=int, default=4096, help="longest long prompt (tokens)")
+    g.add_argument("--long-output-len", type=int, default=8, help="tokens generated for each long prompt")
+    g.add_argument("--long-rate", type=float, default=0.1, help="Poisson rate of the long prompts (req/s)")
+    g.add_argument("--slo-ttft", type=float, default=3.0, help="goodput SLO: time to first token (s)")
+    g.add_argument("--slo-itl", type=float, default=0.15, help="goodput SLO: every inter-token gap (s)")
+    g.add_argument("--colocated-threads", type=int, default=2,
+                   help="BLAS threads of the colocated server (default 2: both cores, as the two ranks have)")
+    g.add_argument("--colocated-args", default="", help="more `pyengine serve` options for the colocated server "
+                   "(one string, e.g. the chunk budget options)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServeProcess:
+    """`python -m pyengine serve ...` in its own session; stopped with SIGTERM to the session (all its ranks)."""
+
+    def __init__(self, extra: list[str], threads: int):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "pyengine", "serve", "--port", str(self.port), "--log-level", "warning",
+               "--stats-interval", "0", *extra]
+        env = dict(os.environ, OPENBLAS_NUM_THREADS=str(threads))
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     start_new_session=True)
+
+    def __enter__(self):
+        import httpx
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 300:
+            if self.proc.poll() is not None:
+                raise RuntimeError("server exited: " + self.proc.stderr.read().decode()[-2000:])
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError("server did not start within 300 s")
+
+    def __exit__(self, *exc):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+def mixed_workload(args):
+    """(workload, kinds): short decodes at --rate, long prompts at --long-rate, merged in arrival order."""
+    from pyengine.bench.serve import Workload
+    rng = np.random.default_rng(args.seed)
+    events = []
+    t = 0.0
+    for _ in range(args.num_requests):
+        t += rng.exponential(1.0 / args.rate[0])
+        events.append((t, "short", rng.integers(1000, 30000, args.prompt_len).tolist(), args.output_len))
+    t = 0.0
+    for _ in range(args.long_requests):
+        t += rng.exponential(1.0 / args.long_rate)
+        n = int(rng.integers(args.long_prompt_len, args.long_prompt_max + 1))
+        events.append((t, "long", rng.integers(1000, 30000, n).tolist(), args.long_output_len))
+    events.sort(key=lambda e: e[0])
+    gaps = np.diff([0.0] + [e[0] for e in events]).tolist()
+    return Workload([e[2] for e in events], [e[3] for e in events], gaps), [e[1] for e in events]
+
+
+def goodput(results, ttft: float, itl: float) -> float:
+    ok = [r.ok and r.ttft <= ttft and all(x <= itl for x in r.itls) for r in results]
+    return sum(ok) / len(ok) if ok else float("nan")
+
+
+def measure(args, label: str, server: ServeProcess, work, kinds) -> dict:
+    from pyengine.bench.serve import Workload, run_load, scrape, summarize
+    model = "pyengine"
+    asyncio.run(run_load(server.url, model, Workload([[1000 + i for i in range(8)]], [2], [0.0]), args.timeout,
+                         "warm-up"))
+    b0 = scrape(server.url, "pyengine_kv_transfer_bytes_total") or 0.0
+    s0 = scrape(server.url, "pyengine_kv_transfer_seconds_sum") or 0.0
+    n0 = scrape(server.url, "pyengine_kv_transfer_seconds_count") or 0.0
+    results, wall = asyncio.run(run_load(server.url, model, work, args.timeout, label))
+    row = {"config": label, **summarize(results, wall)}
+    for kind in ("short", "long"):
+        sel = [r for r, k in zip(results, kinds) if k == kind]
+        s = summarize(sel, wall)
+        row.update({f"{kind}_{k}": s[k] for k in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "completed")})
+        row[f"{kind}_goodput"] = goodput(sel, args.slo_ttft, args.slo_itl)
+    row["goodput"] = goodput(results, args.slo_ttft, args.slo_itl)
+    row["short_itl_p99_over_p50"] = row["short_itl_p99"] / row["short_itl_p50"] if row["short_itl_p50"] else float("nan")
+    n = (scrape(server.url, "pyengine_kv_transfer_seconds_count") or 0.0) - n0
+    row["kv_bytes_per_request"] = ((scrape(server.url, "pyengine_kv_transfer_bytes_total") or 0.0) - b0) / n if n else None
+    row["transfer_s_mean"] = ((scrape(server.url, "pyengine_kv_transfer_seconds_sum") or 0.0) - s0) / n if n else None
+    return row
+
+
+def print_rows(rows: list[dict]) -> None:
+    cols = [("config", "config", "{}"), ("ok/fail", None, None), ("out tok/s", "out_tok_per_s", "{:.1f}"),
+            ("short TTFT p50", "short_ttft_p50", "{:.2f}"), ("short TTFT p99", "short_ttft_p99", "{:.2f}"),
+            ("short ITL p50", "short_itl_p50", "{:.3f}"), ("short ITL p99", "short_itl_p99", "{:.3f}"),
+            ("p99/p50", "short_itl_p99_over_p50", "{:.2f}"), ("long TTFT p50", "long_ttft_p50", "{:.2f}"),
+            ("long TTFT p99", "long_ttft_p99", "{:.2f}"), ("goodput", "goodput", "{:.2f}"),
+            ("short / long goodput", None, None), ("KV MB/req", "kv_bytes_per_request", "{:.1f}"),
+            ("transfer s", "transfer_s_mean", "{:.3f}")]
+    cells = []
+    for r in rows:
+        line = []
+        for name, key, fmt in cols:
+            if name == "ok/fail":
+                line.append(f"{r['completed']}/{r['failed']}")
+            elif key is None:
+                line.append(f"{r['short_goodput']:.2f} / {r['long_goodput']:.2f}")
+            elif r.get(key) is None:
+                line.append("-")
+            else:
+                line.append(fmt.format(r[key] / 1e6 if key == "kv_bytes_per_request" else r[key]))
+        cells.append(line)
+    widths = [max(len(c[0]), *(len(line[i]) for line in cells)) for i, c in enumerate(cols)]
+    print("  ".join(c[0].rjust(w) for c, w in zip(cols, widths)))
+    for line in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(line, widths)))
+
+
+def run(args) -> int:
+    if args.url:
+        raise ValueError("--compare disagg starts its own servers (drop --url)")
+    common = ["--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
+              "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--served-model-name", "pyengine"]
+    if args.model:
+        common += ["--model", args.model]
+    if args.no_prefix_cache:
+        common.append("--no-prefix-cache")
+    if args.long_prompt_max + args.long_output_len > args.max_model_len:
+        raise ValueError(f"--long-prompt-max + --long-output-len exceeds --max-model-len {args.max_model_len}")
+    work, kinds = mixed_workload(args)
+    print(f"workload: {kinds.count('short')} short ({args.prompt_len} -> {args.output_len} tokens) at {args.rate[0]:g}/s, "
+          f"{kinds.count('long')} long ({args.long_prompt_len}-{args.long_prompt_max} -> {args.long_output_len}) at "
+          f"{args.long_rate:g}/s; SLO TTFT <= {args.slo_ttft:g} s, every ITL <= {args.slo_itl:g} s", file=sys.stderr)
+    rows = []
+    configs = [(f"colocated (chunked prefill, {args.colocated_threads} threads)",
+                common + args.colocated_args.split(), args.colocated_threads),
+               ("disaggregated (1 prefill + 1 decode rank)",
+                common + ["--prefill-instances", "1", "--decode-instances", "1"], 1)]
+    for label, extra, threads in configs:
+        with ServeProcess(extra, threads) as server:
+            rows.append(measure(args, label, server, work, kinds))
+    print_rows(rows)
+    a, b = rows
+    ratio = lambda k: a[k] / b[k] if b.get(k) else float("nan")  # noqa: E731
+    print(f"[colocated] / [disaggregated]: short ITL p99 {ratio('short_itl_p99'):.2f}x, short ITL p50 "
+          f"{ratio('short_itl_p50'):.2f}x, short TTFT p99 {ratio('short_ttft_p99'):.2f}x, long TTFT p50 "
+          f"{ratio('long_ttft_p50'):.2f}x, output tok/s {ratio('out_tok_per_s'):.2f}x; goodput "
+          f"{a['goodput']:.2f} vs {b['goodput']:.2f}")
+    print(f"(SLO: TTFT <= {args.slo_ttft:g} s and every ITL <= {args.slo_itl:g} s; p99/p50 = the short decodes' "
+          "ITL p99 over their median)")
+    if args.json:
+        import json
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+    return 0 if all(r["failed"] == 0 for r in rows) else 1

@@ -1,0 +1,157 @@
+"""S18: a decode instance — adopts prefilled sequences into its own paged cache and continues their streams.
+
+On an *offer* (prompt, params, the prefill side's block hashes) the engine registers the request and allocates its
+blocks at once (``LLMEngine.add_prefilled``): the leading blocks its prefix cache already holds are hits, so it
+answers *have k* and only blocks k.. are sent. Each block message is checked (kv_transfer: size, CRC, and its
+prefix hash against this side's own hash chain of the prompt) and written straight into the block the sequence
+was given, for at most a quarter of a decode step's time between two steps (``ADOPT_STEP_SHARE``), so a long prompt
+never stalls the running decodes for more than that. When every block is in and the *commit* (first token, sampler state) has arrived,
+``LLMEngine.commit_prefilled`` starts the sequence decoding; its outputs go to the router like any engine's.
+
+An offer that does not fit now (no sequence slot or not enough free blocks) waits, oldest first; the prefill side
+keeps its blocks meanwhile (back-pressure). A *run* message is an ordinary request (the router's fallback when no
+prefill instance is alive: this instance then prefills too, as a colocated engine).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from pyengine.disagg.instance import Instance
+from pyengine.disagg.kv_transfer import TransferError, block_header, unpack_block
+from pyengine.disagg.prefill_worker import prompt_hashes
+from pyengine.engine.llm_engine import EngineOverloaded
+
+# Adoption between two decode steps: checking + writing a block runs at ~0.7 GB/s here (SmolLM2 float32: 0.74 MB
+# a block, ~1 ms; docs/disaggregation.md). A turn may spend ADOPT_STEP_SHARE of the last decode step's time on
+# blocks (at least ADOPT_BUDGET_S): the running decodes' ITL grows by at most that share while a prompt arrives,
+# on a quiet host (40 ms steps: 10 ms, ~10 blocks a step) as on a loaded one (a bench run with 0.26 s steps took
+# 2.1 s per 26-block transfer with a fixed 10 ms budget).
+ADOPT_BUDGET_S = 0.010
+ADOPT_STEP_SHARE = 0.25
+ADOPT_BLOCKS_PER_POLL = 256
+
+
+class Adoption:
+    """One prompt's blocks arriving: ``have`` leading blocks were prefix-cache hits, the rest come in."""
+
+    def __init__(self, xid: int, rid: str, src: int, seq, hashes: list[bytes], have: int):
+        self.xid, self.rid, self.src, self.seq, self.hashes, self.have = xid, rid, src, seq, hashes, have
+        self.received = self.bytes = 0
+        self.commit: dict | None = None
+        self.t0 = time.monotonic()
+
+
+class DecodeWorker(Instance):
+    role = "decode"
+    blocks_per_poll = ADOPT_BLOCKS_PER_POLL
+
+    @property
+    def block_budget_s(self) -> float:
+        """Time for blocks in one turn while decodes run (their next step waits): ADOPT_STEP_SHARE of the last
+        step, at least ADOPT_BUDGET_S; no limit when nothing runs."""
+        if not self.engine.scheduler.running:
+            return float("inf")
+        return max(ADOPT_BUDGET_S, ADOPT_STEP_SHARE * self.last_step_s)
+
+    def after_step(self) -> None:
+        self.last_step_s = time.perf_counter() - self.step_started
+
+    def __init__(self, engine, transport):
+        super().__init__(engine, transport)
+        self.adopting: dict[int, Adoption] = {}
+        self.offers: deque = deque()             # (src, msg) waiting for room
+        self.counters.update(cached_blocks_hit=0)
+        self.step_started = self.last_step_s = 0.0
+
+    def handle(self, src: int, msg: dict) -> None:
+        op, xid = msg["op"], msg.get("xid")
+        if op == "offer":
+            self.offers.append((src, msg))
+        elif op == "commit" and xid in self.adopting:
+            self.adopting[xid].commit = msg
+            self.maybe_commit(xid)
+        elif op == "commit":
+            pass                                  # aborted meanwhile
+        elif op == "run":                         # a whole request here (no prefill instance alive)
+            try:
+                self.engine.add_request(msg["rid"], {"prompt_token_ids": msg["ids"]}, msg["params"])
+            except Exception as exc:
+                self.fail(xid, exc)
+                return
+            self.track(xid, msg["rid"])
+        else:
+            super().handle(src, msg)
+
+    def abort(self, xid: int) -> None:
+        self.offers = deque((s, m) for s, m in self.offers if m["xid"] != xid)
+        self.adopting.pop(xid, None)
+        super().abort(xid)
+
+    def work(self) -> bool:
+        """Take waiting offers while they fit."""
+        busy = False
+        bs = self.engine.block_manager.block_size
+        sch = self.engine.scheduler
+        while self.offers and len(sch.running) + len(self.adopting) < sch.max_num_seqs:
+            src, msg = self.offers[0]
+            xid = msg["xid"]
+            try:
+                seq = self.engine.add_prefilled(msg["rid"], msg["ids"], msg["params"])
+            except EngineOverloaded:
+                break                            # no room yet: the oldest offer waits, and so do the others
+            except Exception as exc:
+                self.offers.popleft()
+                self.t.send(src, {"op": "refuse", "xid": xid, "error": str(exc)})
+                continue
+            self.offers.popleft()
+            mine = prompt_hashes(msg["ids"], bs)
+            if mine != list(msg["hashes"]):
+                self.engine.abort_request(msg["rid"])
+                self.t.send(src, {"op": "refuse", "xid": xid, "error": "block hashes disagree with this prompt"})
+                continue
+            self.track(xid, msg["rid"])
+            ad = self.adopting[xid] = Adoption(xid, msg["rid"], src, seq, mine, seq.num_cached_tokens // bs)
+            self.counters["cached_blocks_hit"] += ad.have
+            self.t.send(src, {"op": "have", "xid": xid, "have": ad.have})
+            busy = True
+        return busy
+
+    def on_block(self, src: int, buf) -> None:
+        xid, index, _ = block_header(buf)
+        ad = self.adopting.get(xid)
+        if ad is None:
+            return                               # its request was aborted: drop what is still in flight
+        try:
+            if not ad.have <= index < len(ad.seq.block_table):
+                raise TransferError(f"KV block {index} of transfer {xid} is outside the blocks it needs")
+            unpack_block(self.engine.runner.kv_cache, buf, ad.seq.block_table[index],
+                         ad.hashes[index] if index < len(ad.hashes) else None)
+        except TransferError as exc:
+            self.counters["transfer_failures"] += 1
+            self.t.send(ad.src, {"op": "abort", "xid": xid})
+            self.abort(xid)
+            self.fail(xid, exc)
+            return
+        ad.received += 1
+        ad.bytes += buf.size
+        self.maybe_commit(xid)
+
+    def maybe_commit(self, xid: int) -> None:
+        ad = self.adopting[xid]
+        if ad.commit is None or ad.received < ad.commit["blocks"]:
+            return
+        del self.adopting[xid]
+        c = ad.commit
+        if ad.received != len(ad.seq.block_table) - ad.have:
+            self.abort(xid)
+            self.fail(xid, TransferError(f"transfer {xid}: {ad.received} blocks arrived, "
+                                         f"{len(ad.seq.block_table) - ad.have} were needed"))
+            return
+        secs = time.monotonic() - ad.t0
+        self.count_transfer(ad.received, ad.bytes, secs)
+        self.to_router({"op": "adopted", "xid": xid, "blocks": ad.received, "cached": ad.have, "bytes": ad.bytes,
+                        "seconds": secs})
+        out = self.engine.commit_prefilled(ad.rid, c["token"], c["rng"], c["logprob"])
+        if out is not None:
+            self.send_outputs([out])

@@ -1,0 +1,163 @@
+"""S18: what a prefill and a decode instance share — an `LLMEngine` driven by messages instead of HTTP.
+
+An instance is one MPI rank (or, in tests, one end of a `LoopbackNet`) with its own engine, model runner and paged
+KV cache. Its loop (``run``): take every message that has arrived (``handle``, the role's own), do the role's
+transfer work, run one engine step if the engine has work, send the step's outputs to the router (rank 0), and
+tell the router its state (``stats``: running / waiting, KV usage, transfer counters) after any change and at
+least every ``HEARTBEAT_S`` while idle. Requests are named by the router's transfer id ``xid`` on the wire.
+"""
+from __future__ import annotations
+
+import time
+
+from pyengine.disagg.kv_transfer import TransferError, parse_message
+from pyengine.parallel.mpi import IDLE_SLEEP_S
+
+ROUTER = 0
+HEARTBEAT_S = 0.5              # an idle instance still reports this often (the router's liveness check)
+STATS_KEYS = ("running", "waiting", "used_blocks", "total_blocks", "kv_cache_usage", "cached_blocks",
+              "prefix_cache_hit_rate", "generation_tokens", "computed_prompt_tokens", "steps")
+
+
+class Instance:
+    role = "instance"
+
+    def __init__(self, engine, transport):
+        self.engine, self.t = engine, transport
+        self.rid_of: dict[int, str] = {}          # xid -> request id in this engine
+        self.xid_of: dict[str, int] = {}
+        self.stopped = False
+        self.counters = {"transfers": 0, "blocks": 0, "bytes": 0, "transfer_s": 0.0, "transfer_failures": 0}
+        self._last_report = 0.0
+        self.changed = True
+
+    # --- messages --------------------------------------------------------------------------------
+    def hello(self) -> dict:
+        import os
+        import socket
+        r = self.engine.runner
+        return {"op": "hello", "role": self.role, "pid": os.getpid(), "host": socket.gethostname(),
+                "num_blocks": r.num_blocks, "block_size": r.block_size, "max_model_len": self.engine.max_model_len,
+                "max_num_seqs": self.engine.scheduler.max_num_seqs}
+
+    def to_router(self, msg: dict) -> None:
+        self.t.send(ROUTER, msg)
+
+    def fail(self, xid: int, exc: BaseException) -> None:
+        """Tell the router request ``xid`` ended with an error here (its blocks are already freed)."""
+        self.to_router({"op": "error", "xid": xid, "kind": type(exc).__name__, "error": str(exc)})
+
+    def track(self, xid: int, rid: str) -> None:
+        self.rid_of[xid], self.xid_of[rid] = rid, xid
+
+    def forget(self, xid: int) -> str | None:
+        rid = self.rid_of.pop(xid, None)
+        if rid is not None:
+            self.xid_of.pop(rid, None)
+        return rid
+
+    def handle_common(self, msg: dict) -> bool:
+        """Stop and abort, for both roles; False if the message is the role's own."""
+        op = msg["op"]
+        if op == "stop":
+            self.stopped = True
+        elif op == "abort":
+            self.abort(msg["xid"])
+        else:
+            return False
+        return True
+
+    def abort(self, xid: int) -> None:
+        rid = self.forget(xid)
+        if rid is not None:
+            self.engine.abort_request(rid)
+
+    def send_outputs(self, outputs) -> None:
+        for out in outputs:
+            xid = self.xid_of.get(out.request_id)
+            if xid is None:
+                continue
+            self.to_router({"op": "out", "xid": xid, "out": out})
+            if out.finished:
+                self.forget(xid)
+
+    def count_transfer(self, blocks: int, nbytes: int, seconds: float) -> None:
+        c = self.counters
+        c["transfers"] += 1
+        c["blocks"] += blocks
+        c["bytes"] += nbytes
+        c["transfer_s"] += seconds
+
+    def stats(self) -> dict:
+        s = self.engine.stats()
+        return {**{k: s[k] for k in STATS_KEYS if k in s}, **self.counters}
+
+    def report(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or self.changed or now - self._last_report > HEARTBEAT_S:
+            self.to_router({"op": "stats", "stats": self.stats()})
+            self._last_report, self.changed = now, False
+
+    # --- the loop --------------------------------------------------------------------------------
+    def run_once(self) -> bool:
+        """One turn of the loop; True if anything happened."""
+        self.t.progress()
+        busy = self.receive()
+        busy = self.work() or busy
+        if self.engine.scheduler.has_unfinished() and self.may_step():
+            self.step_started = time.perf_counter()
+            self.send_outputs(self.engine.step())
+            self.after_step()
+            busy = True
+        self.changed = self.changed or busy
+        self.report()
+        return busy
+
+    def start(self) -> None:
+        self.to_router(self.hello())
+
+    def run(self) -> None:
+        self.start()
+        while not self.stopped:
+            if not self.run_once():
+                time.sleep(IDLE_SLEEP_S)
+        self.report(force=True)
+
+    def receive(self) -> bool:
+        """Handle the messages that have arrived; KV blocks only while this turn has spent less than
+        ``block_budget_s`` on them and at most ``blocks_per_poll`` (the rest wait in MPI's queue), so adopting a
+        long prompt holds up the running decodes' next step by about that budget, not by the whole prompt."""
+        busy, blocks = False, 0
+        t0 = time.perf_counter()
+        while blocks < self.blocks_per_poll and not (blocks and time.perf_counter() - t0 > self.block_budget_s):
+            m = self.t.recv()
+            if m is None:
+                break
+            src, buf = m
+            kind, payload = parse_message(buf)
+            if kind == "B":
+                blocks += 1
+                self.on_block(src, payload)
+            elif not self.handle_common(payload):
+                self.handle(src, payload)
+            busy = True
+        return busy
+
+    # role hooks
+    blocks_per_poll = 1 << 30
+    block_budget_s = float("inf")
+
+    def handle(self, src: int, msg: dict) -> None:
+        raise ValueError(f"{self.role} instance: unknown message {msg.get('op')!r} from rank {src}")
+
+    def on_block(self, src: int, buf) -> None:
+        raise TransferError(f"{self.role} instance: unexpected KV block from rank {src}")
+
+    def work(self) -> bool:
+        return False
+
+    def may_step(self) -> bool:
+        return True
+
+    def after_step(self) -> None:
+        pass

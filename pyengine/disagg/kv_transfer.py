@@ -1,0 +1,165 @@
+"""S18: moving a prompt's KV cache between engines — one block per message, checked on receipt.
+
+A block message carries every layer's K and V of one KV block (``PagedKVCache.k[:, b]`` and ``.v[:, b]``: the
+bytes as stored, float32 / fp16 / q8_0 / q4_0 alike, so both sides must use the same ``kv_cache_dtype``) behind a
+56-byte header:
+
+    b"B" | 3 pad | crc32 of the data (uint32) | transfer id (int64) | block index in the prompt (int64) | 32-byte hash
+
+The hash is the block's chained prefix-cache name (engine/block_manager.py ``hash_block``; zeros for the prompt's
+last, partial block). The receiver checks both: the CRC says the bytes arrived as sent, the hash says the block
+holds the tokens the receiver expects at that index (its own hash chain over the same prompt). A block that fails
+either check is refused with `TransferError` and nothing is written.
+
+Messages travel over a `Transport`: every message is one uint8 buffer whose first byte says its kind (``C``: a
+pickled control dict, ``B``: a block), sent on one MPI tag, so messages from one rank arrive in the order sent
+(MPI's non-overtaking rule). `MPITransport` is the real one (CPython + mpi4py); `LoopbackNet` connects engines in
+one process the same way (tests, and the reading of the protocol without MPI).
+"""
+from __future__ import annotations
+
+import pickle
+import struct
+import zlib
+from collections import deque
+
+import numpy as np
+
+HEADER = struct.Struct("<c3xIqq32s")      # 56 bytes
+NO_HASH = b"\0" * 32
+TAG = 1900                                 # the one MPI tag of the disaggregation protocol
+
+
+class TransferError(RuntimeError):
+    """A KV block arrived damaged, out of place or for a prompt that does not match."""
+
+
+def block_shape(kv) -> tuple[int, ...]:
+    """(layers, block_size, KV heads, row) of one block's K (or V) as stored."""
+    return (kv.k.shape[0],) + kv.k.shape[2:]
+
+
+def block_nbytes(kv) -> int:
+    """Data bytes of one block message (K and V of every layer)."""
+    return 2 * int(np.prod(block_shape(kv))) * kv.k.dtype.itemsize
+
+
+def pack_block(kv, block: int, xid: int, index: int, chain_hash: bytes | None) -> np.ndarray:
+    """The message of cache block ``block`` (the ``index``-th block of transfer ``xid``'s prompt)."""
+    n = block_nbytes(kv) // 2
+    buf = np.empty(HEADER.size + 2 * n, np.uint8)
+    data = buf[HEADER.size:]
+    data[:n].view(kv.k.dtype).reshape(block_shape(kv))[...] = kv.k[:, block]
+    data[n:].view(kv.v.dtype).reshape(block_shape(kv))[...] = kv.v[:, block]
+    HEADER.pack_into(buf, 0, b"B", zlib.crc32(data), xid, index, chain_hash or NO_HASH)
+    return buf
+
+
+def block_header(buf: np.ndarray) -> tuple[int, int, bytes]:
+    """(transfer id, block index, chain hash) of a block message, before any check."""
+    if buf.size < HEADER.size or bytes(buf[:1]) != b"B":
+        raise TransferError("not a KV block message")
+    _, _, xid, index, h = HEADER.unpack_from(buf, 0)
+    return xid, index, h
+
+
+def unpack_block(kv, buf: np.ndarray, block: int, expect_hash: bytes | None) -> None:
+    """Verify a block message (size, CRC, chain hash) and write it into cache block ``block``."""
+    if buf.size != HEADER.size + block_nbytes(kv):
+        raise TransferError(f"KV block message of {buf.size} bytes, expected {HEADER.size + block_nbytes(kv)} "
+                            "(do both sides use the same model and --kv-cache-dtype?)")
+    _, crc, xid, index, h = HEADER.unpack_from(buf, 0)
+    data = buf[HEADER.size:]
+    if zlib.crc32(data) != crc:
+        raise TransferError(f"KV block {index} of transfer {xid}: checksum mismatch (damaged in transit)")
+    if h != (expect_hash or NO_HASH):
+        raise TransferError(f"KV block {index} of transfer {xid}: its prefix hash is not the one of the "
+                            "receiver's prompt at that block")
+    n = data.size // 2
+    kv.k[:, block] = data[:n].view(kv.k.dtype).reshape(block_shape(kv))
+    kv.v[:, block] = data[n:].view(kv.v.dtype).reshape(block_shape(kv))
+
+
+def control_message(msg: dict) -> np.ndarray:
+    return np.frombuffer(b"C" + pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+
+
+def parse_message(buf: np.ndarray):
+    """("C", dict) or ("B", the block buffer)."""
+    kind = bytes(buf[:1])
+    if kind == b"C":
+        return "C", pickle.loads(buf[1:].tobytes())
+    if kind == b"B":
+        return "B", buf
+    raise TransferError(f"unknown message kind {kind!r}")
+
+
+class MPITransport:
+    """Point-to-point messages between the ranks of one MPI job (non-blocking sends kept until complete)."""
+
+    def __init__(self, comm=None):
+        from mpi4py import MPI                # lazy: CPython + the `parallel` extra only
+        self.MPI = MPI
+        self.comm = comm if comm is not None else MPI.COMM_WORLD
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        self._sends: list[tuple[object, int, np.ndarray]] = []
+        self._status = MPI.Status()
+
+    def send(self, dest: int, msg: dict) -> None:
+        self.send_buffer(dest, control_message(msg))
+
+    def send_buffer(self, dest: int, buf: np.ndarray) -> None:
+        self._sends.append((self.comm.Isend(buf, dest, TAG), dest, buf))
+
+    def progress(self) -> None:
+        """Retire completed sends (their buffers may then be reused)."""
+        if self._sends:
+            self._sends = [s for s in self._sends if not s[0].Test()]
+
+    def pending(self, dest: int | None = None) -> int:
+        """Sends not yet completed (to ``dest``, or to anyone)."""
+        self.progress()
+        return sum(1 for _, d, _ in self._sends if dest is None or d == dest)
+
+    def recv(self):
+        """(source rank, message buffer) of the next message that has arrived, or None."""
+        st = self._status
+        if not self.comm.Iprobe(self.MPI.ANY_SOURCE, TAG, st):
+            return None
+        src, n = st.Get_source(), st.Get_count(self.MPI.BYTE)
+        buf = np.empty(n, np.uint8)
+        self.comm.Recv(buf, src, TAG)
+        return src, buf
+
+
+class LoopbackNet:
+    """In-process stand-in for the MPI job: one inbox per rank, delivery in order, nothing ever pending."""
+
+    def __init__(self, size: int):
+        self.inbox = [deque() for _ in range(size)]
+        self.dead: set[int] = set()           # ranks that stopped (tests): their mail is dropped
+
+    def transport(self, rank: int) -> "LoopbackTransport":
+        return LoopbackTransport(self, rank)
+
+
+class LoopbackTransport:
+    def __init__(self, net: LoopbackNet, rank: int):
+        self.net, self.rank, self.size = net, rank, len(net.inbox)
+
+    def send(self, dest: int, msg: dict) -> None:
+        self.send_buffer(dest, control_message(msg))
+
+    def send_buffer(self, dest: int, buf: np.ndarray) -> None:
+        if dest not in self.net.dead and self.rank not in self.net.dead:
+            self.net.inbox[dest].append((self.rank, np.array(buf, copy=True)))
+
+    def progress(self) -> None:
+        pass
+
+    def pending(self, dest: int | None = None) -> int:
+        return 0
+
+    def recv(self):
+        box = self.net.inbox[self.rank]
+        return box.popleft() if box else None

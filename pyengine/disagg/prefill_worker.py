@@ -1,0 +1,149 @@
+"""S18: a prefill instance — computes prompts and their first token, then ships the prompt's KV blocks.
+
+    router  --prefill(xid, prompt, params, decode rank)-->  prefill
+    prefill: engine steps (chunked prefill as usual) until the first token; that output goes to the router at once
+             (the client's first token), the sequence is parked with its blocks (engine.prefill_only)
+    prefill --offer(xid, prompt, params, block hashes)-->   decode
+    decode  --have(xid, k)-->                               prefill   (its prefix cache holds the first k blocks)
+    prefill --block k, k+1, ... (kv_transfer messages)-->   decode    (at most WINDOW in flight)
+    prefill --commit(xid, first token, sampler state)-->    decode
+    prefill: frees the blocks once all are packed; "shipped" (blocks, bytes, seconds) to the router
+
+While a transfer is under way, or its offer has waited less than ``OFFER_WAIT_S`` for an answer, no new engine step
+starts (a long prefill step would stall the transfer, whose messages MPI moves only while both sides take part);
+the decode side takes blocks for a share of its step time between two of its steps (decode_worker.py). A transfer whose decode instance stops answering for ``timeout`` seconds is given up: its request
+fails, its blocks are freed here.
+"""
+from __future__ import annotations
+
+import time
+
+from pyengine.disagg.instance import Instance
+from pyengine.disagg.kv_transfer import pack_block
+from pyengine.engine.block_manager import hash_block
+
+WINDOW = 8                     # block messages in flight per transfer: enough to keep the link busy, little memory
+OFFER_WAIT_S = 1.0             # no new step while an offer waits for its answer this long (about one decode step on a
+                               # loaded host; a prefill step started meanwhile would hold the answer for seconds)
+
+
+def prompt_hashes(token_ids, block_size: int) -> list[bytes]:
+    """The chained prefix-cache names of a prompt's full blocks (block_manager.hash_block)."""
+    out: list[bytes] = []
+    for i in range(len(token_ids) // block_size):
+        out.append(hash_block(out[-1] if out else None, token_ids[i * block_size:(i + 1) * block_size]))
+    return out
+
+
+class Transfer:
+    """One prompt's blocks on their way to a decode instance."""
+
+    def __init__(self, xid: int, rid: str, dest: int, seq, hashes: list[bytes], first: dict):
+        self.xid, self.rid, self.dest, self.seq, self.hashes, self.first = xid, rid, dest, seq, hashes, first
+        self.next = None                        # next block index to send (None: waiting for "have")
+        self.end = len(seq.block_table)
+        self.sent = self.bytes = 0
+        self.t0 = self.t_last = time.monotonic()
+        self.packed = False
+
+
+class PrefillWorker(Instance):
+    role = "prefill"
+
+    def __init__(self, engine, transport, timeout: float = 60.0):
+        super().__init__(engine, transport)
+        engine.prefill_only = True
+        self.timeout = timeout
+        self.decode_of: dict[int, int] = {}      # xid -> the decode rank the router chose
+        self.transfers: dict[int, Transfer] = {}
+
+    def handle(self, src: int, msg: dict) -> None:
+        op, xid = msg["op"], msg.get("xid")
+        if op == "prefill":
+            try:
+                self.engine.add_request(msg["rid"], {"prompt_token_ids": msg["ids"]}, msg["params"])
+            except Exception as exc:            # refused here (the router checked it already): report it
+                self.fail(xid, exc)
+                return
+            self.track(xid, msg["rid"])
+            self.decode_of[xid] = msg["decode"]
+        elif op == "have" and xid in self.transfers:
+            tr = self.transfers[xid]
+            tr.next, tr.t_last = msg["have"], time.monotonic()
+        elif op == "refuse" and xid in self.transfers:
+            self.give_up(xid, RuntimeError(f"decode instance rank {src} refused the transfer: {msg['error']}"))
+        elif op in ("have", "refuse"):
+            pass                                # a transfer aborted meanwhile
+        else:
+            super().handle(src, msg)
+
+    def forget(self, xid: int) -> str | None:
+        self.decode_of.pop(xid, None)
+        return super().forget(xid)
+
+    def abort(self, xid: int) -> None:
+        tr = self.transfers.pop(xid, None)
+        self.decode_of.pop(xid, None)
+        if tr is not None:
+            self.t.send(tr.dest, {"op": "abort", "xid": xid})
+            self.engine.release_prefilled(tr.rid)
+            self.forget(xid)
+            return
+        super().abort(xid)
+
+    def give_up(self, xid: int, exc: BaseException) -> None:
+        self.counters["transfer_failures"] += 1
+        self.abort(xid)
+        self.fail(xid, exc)
+
+    def after_step(self) -> None:
+        """Offer every newly prefilled sequence to its decode instance."""
+        eng = self.engine
+        for seq in list(eng.prefilled):
+            xid = self.xid_of.get(seq.request_id)
+            if xid is None or xid in self.transfers:
+                continue
+            req = eng.requests[seq.request_id]
+            rng = req.rngs[0]
+            lps = req.logprobs[0]
+            first = {"token": seq.output_token_ids[0],
+                     "rng": None if rng is None else rng.bit_generator.state,
+                     "logprob": None if lps is None else (lps[0], req.cumulative_logprob[0])}
+            hashes = prompt_hashes(seq.prompt_token_ids, eng.block_manager.block_size)
+            tr = self.transfers[xid] = Transfer(xid, seq.request_id, self.decode_of.pop(xid), seq, hashes, first)
+            self.t.send(tr.dest, {"op": "offer", "xid": xid, "rid": seq.request_id, "ids": seq.prompt_token_ids,
+                                  "params": req.params, "hashes": hashes})
+
+    def work(self) -> bool:
+        """Push block messages of the transfers under way; finish the ones whose sends completed."""
+        busy = False
+        kv = self.engine.runner.kv_cache
+        now = time.monotonic()
+        for xid, tr in list(self.transfers.items()):
+            if tr.next is None or (tr.packed and self.t.pending(tr.dest)):
+                if now - tr.t_last > self.timeout:
+                    self.give_up(xid, RuntimeError(f"decode instance rank {tr.dest} did not take the KV blocks "
+                                                   f"within {self.timeout:g} s"))
+                continue
+            while not tr.packed and self.t.pending(tr.dest) < WINDOW:
+                if tr.next >= tr.end:
+                    self.t.send(tr.dest, {"op": "commit", "xid": xid, "blocks": tr.sent, **tr.first})
+                    self.engine.release_prefilled(tr.rid)      # everything is packed: the blocks are free
+                    tr.packed = True
+                    break
+                i = tr.next
+                buf = pack_block(kv, tr.seq.block_table[i], xid, i, tr.hashes[i] if i < len(tr.hashes) else None)
+                self.t.send_buffer(tr.dest, buf)
+                tr.next, tr.sent, tr.bytes, tr.t_last = i + 1, tr.sent + 1, tr.bytes + buf.size, now
+            busy = True
+            if tr.packed and not self.t.pending(tr.dest):
+                del self.transfers[xid]
+                self.forget(xid)
+                secs = time.monotonic() - tr.t0
+                self.count_transfer(tr.sent, tr.bytes, secs)
+                self.to_router({"op": "shipped", "xid": xid, "blocks": tr.sent, "bytes": tr.bytes, "seconds": secs})
+        return busy
+
+    def may_step(self) -> bool:
+        now = time.monotonic()
+        return not any(tr.next is not None or now - tr.t0 < OFFER_WAIT_S for tr in self.transfers.values())

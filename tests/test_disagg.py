@@ -1,0 +1,272 @@
+"""S18 prefill/decode disaggregation, in one process: the router, a prefill and a decode instance (each its own
+engine, model runner and paged KV cache) connected by `LoopbackNet`, the same messages as over MPI.
+
+References: the colocated engine (one LLMEngine, the same configuration) run on the same prompts one at a time,
+whose greedy continuations are the HF goldens' (tests/test_engine_real_model.py); token ids, text and logprobs
+must be identical, for greedy and for seeded sampling. Accounting: blocks shipped = the prompt's blocks minus the
+leading ones the decode side's prefix cache held (counted here from its block manager before the request), bytes
+= blocks x block bytes; after aborts mid-prefill, mid-transfer and mid-decode, and after a damaged block or a dead
+prefill instance, every instance holds 0 blocks and its bookkeeping checks out."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from pyengine.disagg.decode_worker import DecodeWorker
+from pyengine.disagg.kv_transfer import HEADER, LoopbackNet, block_nbytes
+from pyengine.disagg.prefill_worker import PrefillWorker, prompt_hashes
+from pyengine.disagg.router import RequestFailed, Router
+from pyengine.engine.llm_engine import LLMEngine
+from pyengine.engine.model_runner import ModelRunner
+from pyengine.model_files import default_model_path
+from pyengine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "generation_smollm2.json")
+KW = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=64)   # prompts > 64 tokens are chunked
+
+
+@pytest.fixture(scope="module")
+def runners():
+    mk = lambda: ModelRunner(default_model_path(), max_model_len=512, num_blocks=96, block_size=16,  # noqa: E731
+                             max_num_batched_tokens=64, max_num_seqs=8)
+    return mk(), mk()
+
+
+@pytest.fixture(scope="module")
+def golden_prompts():
+    return [c["prompt_ids"] for c in json.load(open(GOLDEN))["cases"]]
+
+
+class Cluster:
+    """Router (rank 0) + prefill (rank 1) + decode (rank 2) on fresh engines over one LoopbackNet."""
+
+    def __init__(self, runners, **router_kw):
+        self.net = LoopbackNet(3)
+        pre_eng = LLMEngine(runner=runners[0], **KW)
+        dec_eng = LLMEngine(runner=runners[1], **KW)
+        self.prefill = PrefillWorker(pre_eng, self.net.transport(1))
+        self.decode = DecodeWorker(dec_eng, self.net.transport(2))
+        self.router = Router(self.net.transport(0), runners[0].tokenizer, runners[0].gguf, [1], [2],
+                             max_model_len=512, wait_s=0.0, **router_kw)
+        self.prefill.start()
+        self.decode.start()
+        self.router.wait_ready(10)
+        self.final: dict = {}
+        self.failed: dict = {}
+
+    def turn(self) -> list:
+        for w in (self.prefill, self.decode):
+            if w.t.rank not in self.net.dead:
+                w.run_once()
+        outs = self.router.step()
+        for o in outs:
+            if isinstance(o, RequestFailed):
+                self.failed[o.request_id] = o.exc
+            elif o.finished:
+                self.final[o.request_id] = o
+        return outs
+
+    def run(self, until=None, max_turns=5000):
+        for _ in range(max_turns):
+            self.turn()
+            if until is not None and until():
+                return
+            if until is None and not self.router.requests and self.quiet():
+                return
+        raise AssertionError("the cluster did not settle")
+
+    def quiet(self) -> bool:
+        return not any(self.net.inbox) and not self.prefill.transfers and not self.decode.adopting
+
+    def settle(self):
+        self.run()
+        for _ in range(5):                        # the last stats reports
+            self.turn()
+
+    def engines(self):
+        return self.prefill.engine, self.decode.engine
+
+    def assert_no_blocks(self):
+        for eng in self.engines():
+            assert eng.num_used_blocks() == 0
+            eng.block_manager.check_invariants(live=[])
+            assert not eng.requests
+        assert self.router.num_used_blocks() == 0 and not self.router.requests
+
+
+def colocated(runner, prompts, params):
+    """The reference: one LLMEngine, the same configuration, each prompt alone."""
+    outs = []
+    for i, p in enumerate(prompts):
+        eng = LLMEngine(runner=runner, **KW)
+        eng.add_request(f"c{i}", p, params)
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    outs.append(o.outputs[0])
+    return outs
+
+
+def disaggregated(runners, prompts, params):
+    c = Cluster(runners)
+    outs = []
+    for i, p in enumerate(prompts):
+        c.router.add_request(f"d{i}", p, params)
+        c.settle()
+        outs.append(c.final[f"d{i}"].outputs[0])
+    c.assert_no_blocks()
+    return outs, c
+
+
+def same(a, b):
+    assert a.token_ids == b.token_ids
+    assert a.text == b.text and a.finish_reason == b.finish_reason
+    if a.logprobs is not None:
+        assert a.logprobs == b.logprobs and a.cumulative_logprob == b.cumulative_logprob
+
+
+def test_greedy_golden_prompts_identical_to_colocated(runners, golden_prompts):
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    ref = colocated(runners[0], golden_prompts, params)
+    got, c = disaggregated(runners, golden_prompts, params)
+    for a, b in zip(got, ref):
+        same(a, b)
+    gold = [g["greedy_ids"][:12] for g in json.load(open(GOLDEN))["cases"]]
+    assert sum(r.token_ids == g for r, g in zip(ref, gold)) >= len(gold) - 1     # the reference is HF's greedy
+    # every prompt went through a transfer, every block shipped or found in the decode side's prefix cache
+    bs = runners[0].block_size
+    total = sum(-(-len(p) // bs) for p in golden_prompts)
+    assert c.router.totals["blocks_sent"] + c.router.totals["blocks_cached"] == total
+    assert c.router.totals["transfers"] == len(golden_prompts)
+
+
+def test_seeded_sampling_identical_to_colocated(runners, golden_prompts):
+    prompts = golden_prompts[:4]
+    for seed in (1, 7):
+        params = SamplingParams(temperature=0.9, top_p=0.95, seed=seed, max_tokens=10, logprobs=1, stop=["\n\n"])
+        ref = colocated(runners[0], prompts, params)
+        got, _ = disaggregated(runners, prompts, params)
+        for a, b in zip(got, ref):
+            same(a, b)
+
+
+def test_only_blocks_missing_on_the_decode_side_are_shipped(runners):
+    rng = np.random.default_rng(3)
+    base = rng.integers(1000, 20000, 100).tolist()             # 6 full blocks + 4 tokens
+    c = Cluster(runners)
+    bs = runners[0].block_size
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    sent_before = 0
+    for i, prompt in enumerate([base, base[:80] + [7, 8, 9], base + [5] * 40, base]):
+        dec_bm = c.decode.engine.block_manager
+        hashes = prompt_hashes(prompt, bs)
+        cached = 0
+        for h in hashes[:(len(prompt) - 1) // bs]:              # what its prefix cache holds, leading blocks only
+            if h not in dec_bm.cached:
+                break
+            cached += 1
+        c.router.add_request(f"r{i}", prompt, params)
+        c.settle()
+        sent = c.prefill.counters["blocks"] - sent_before
+        sent_before = c.prefill.counters["blocks"]
+        assert sent == -(-len(prompt) // bs) - cached
+        assert c.decode.counters["blocks"] == c.prefill.counters["blocks"]
+        if i:
+            assert cached > 0                                   # later prompts share a prefix with earlier ones
+    assert c.decode.counters["bytes"] == c.prefill.counters["bytes"] == \
+        c.prefill.counters["blocks"] * (HEADER.size + block_nbytes(runners[1].kv_cache))
+    assert c.router.totals["blocks_sent"] == c.prefill.counters["blocks"]
+    c.assert_no_blocks()
+
+
+def long_prompt(n=200, seed=5):
+    return np.random.default_rng(seed).integers(1000, 20000, n).tolist()
+
+
+def test_aborts_mid_prefill_mid_transfer_mid_decode_leave_no_blocks(runners):
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    c = Cluster(runners)
+    c.decode.blocks_per_poll = 2                                # a 13-block transfer takes several turns
+    # mid-prefill: 200 tokens take 4 chunked steps of 64
+    c.router.add_request("a", long_prompt(), params)
+    c.run(until=lambda: c.prefill.engine.counters["steps"] >= 2)
+    assert c.prefill.engine.num_used_blocks() > 0 and "a" not in c.final
+    c.router.abort_request("a")
+    c.settle()
+    c.assert_no_blocks()
+    # mid-transfer: some blocks adopted, not all
+    c.router.add_request("b", long_prompt(seed=6), params)
+    c.run(until=lambda: any(ad.received >= 2 for ad in c.decode.adopting.values()))
+    assert c.decode.engine.num_used_blocks() > 0
+    c.router.abort_request("b")
+    c.settle()
+    c.assert_no_blocks()
+    # mid-decode: tokens are streaming from the decode instance
+    c.router.add_request("d", long_prompt(seed=7), params)
+    c.run(until=lambda: c.decode.engine.counters["generation_tokens"] >= 5)
+    c.router.abort_request("d")
+    c.settle()
+    c.assert_no_blocks()
+    assert not c.final and not c.failed
+
+
+def test_damaged_block_fails_the_request_cleanly(runners, monkeypatch):
+    c = Cluster(runners)
+    real = c.prefill.t.send_buffer
+
+    def corrupt(dest, buf):
+        if bytes(buf[:1]) == b"B":
+            buf = buf.copy()
+            buf[-1] ^= 0x40                                    # one bit of the last V value
+        real(dest, buf)
+    monkeypatch.setattr(c.prefill.t, "send_buffer", corrupt)
+    c.router.add_request("x", long_prompt(), SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    c.settle()
+    assert "checksum" in str(c.failed["x"])
+    assert c.decode.counters["transfer_failures"] == 1
+    c.assert_no_blocks()
+
+
+def dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_dead_prefill_fails_its_requests_while_decode_keeps_serving(runners):
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    c = Cluster(runners)
+    c.router.add_request("running", long_prompt(40), params)
+    c.run(until=lambda: c.decode.engine.counters["generation_tokens"] >= 3)
+    c.router.add_request("victim", long_prompt(), params)
+    c.run(until=lambda: c.prefill.engine.counters["steps"] >= 2)
+    c.net.dead.add(1)                                          # the prefill rank stops taking part ...
+    c.router.instances[1].info["pid"] = dead_pid()             # ... and its process is gone
+    c.router._checked = 0.0
+    c.run(until=lambda: "victim" in c.failed)
+    assert "prefill instance rank 1" in str(c.failed["victim"]) and type(c.failed["victim"]).__name__ == "ParallelError"
+    c.router.add_request("after", long_prompt(30, seed=9), params)   # no prefill left: the decode side prefills
+    c.run(until=lambda: "running" in c.final and "after" in c.final)
+    assert len(c.final["running"].outputs[0].token_ids) == 30 and len(c.final["after"].outputs[0].token_ids) == 30
+    assert c.router.failure() is None                          # still serving
+    c.settle()
+    dec = c.decode.engine
+    assert dec.num_used_blocks() == 0 and not dec.requests
+    dec.block_manager.check_invariants(live=[])
+    ref = colocated(runners[0], [long_prompt(30, seed=9)], params)[0]
+    assert c.final["after"].outputs[0].token_ids == ref.token_ids
+
+
+def test_router_refuses_what_an_engine_would(runners):
+    c = Cluster(runners)
+    with pytest.raises(ValueError, match="max_model_len"):
+        c.router.add_request("big", [5] * 500, SamplingParams(max_tokens=100))
+    with pytest.raises(ValueError, match="out of range"):
+        c.router.add_request("vocab", [10 ** 7], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="n > 1"):
+        c.router.add_request("n", [5, 6], SamplingParams(max_tokens=2, n=2))
+    assert not c.router.requests and not any(c.net.inbox)

@@ -40,6 +40,8 @@ def add_arguments(p) -> None:
     p.add_argument("--batch-context", type=int, default=None,
                    help="context of each of the 32 sequences (default 2048; --quick 512)")
     p.add_argument("--dtypes", default=",".join(KV_DTYPES))
+    p.add_argument("--decode-only", action="store_true",
+                   help="table 1 without PPL / KL: the decode columns only (a speed check in well under 2 minutes)")
     p.add_argument("--types", default=",".join(WEIGHT_TYPES), help="weight formats of table 2")
 
 
@@ -138,8 +140,10 @@ def kv_table(path: str, args, tmp: str) -> None:
         runner = ModelRunner(g, max_model_len=longest, max_num_batched_tokens=args.ctx, max_num_seqs=seqs_max,
                              num_blocks=max(seqs_max * nb_seq, -(-longest // 16)), max_logits=args.ctx // 2,
                              kv_cache_dtype=dtype)
-        wins = _text_windows(runner, args.ctx, args.windows)
-        ppl, kl = _ppl_kl(runner, wins, base, base if first is None else None)
+        ppl, kl = None, None
+        if not args.decode_only:
+            wins = _text_windows(runner, args.ctx, args.windows)
+            ppl, kl = _ppl_kl(runner, wins, base, base if first is None else None)
         d512 = _decode_rate(runner, 1, 512, args.steps, rng)
         d2048 = _decode_rate(runner, 1, 2048, args.steps, rng)
         dbatch = _decode_rate(runner, seqs_max, args.batch_context, max(2, args.steps // 2), rng)
@@ -147,14 +151,15 @@ def kv_table(path: str, args, tmp: str) -> None:
         row = dict(dtype=dtype, bpt=per_block // 16, blocks=blocks, seqs=blocks * 16 // 2048, ppl=ppl,
                    kl=kl and kl["kl_mean"], top=kl and 100 * kl["same_top"], d512=d512, d2048=d2048, dbatch=dbatch)
         first = first or row
-        row["dppl"] = 100 * (ppl / first["ppl"] - 1)
+        row["dppl"] = None if ppl is None else 100 * (ppl / first["ppl"] - 1)
         rows.append(row)
-        print(f"  {dtype:6} {row['bpt']:9d} {blocks:7d} {row['seqs']:7d} {ppl:8.4f} {row['dppl']:+7.3f} "
+        print(f"  {dtype:6} {row['bpt']:9d} {blocks:7d} {row['seqs']:7d} {_fmt(ppl, '8.4f'):>8} "
+              f"{_fmt(row['dppl'], '+7.3f'):>7} "
               f"{_fmt(row['kl'], '.6f'):>9} {_fmt(row['top'], '.2f'):>6} {d512:9.1f} {d2048:10.1f} {dbatch:9.1f}",
               flush=True)
     print("  ratios to the first row (same run):")
     for r in rows[1:]:
-        print(f"    {r['dtype']:6} blocks x{r['blocks'] / first['blocks']:.2f}  PPL {r['dppl']:+.3f}%  "
+        print(f"    {r['dtype']:6} blocks x{r['blocks'] / first['blocks']:.2f}  PPL {_fmt(r['dppl'], '+.3f')}%  "
               f"decode@512 x{r['d512'] / first['d512']:.2f}  @2048 x{r['d2048'] / first['d2048']:.2f}  "
               f"32x{args.batch_context} x{r['dbatch'] / first['dbatch']:.2f}")
 

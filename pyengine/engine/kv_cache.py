@@ -79,6 +79,7 @@ class PagedKVCache:
         self.k_slots = self.k.reshape(flat)          # views: per layer, one row per slot
         self.v_slots = self.v.reshape(flat)
         self._raw = np.empty(0, elem)                # this process's scratch for gathered stored rows
+        self._floats = np.empty(0, np.float32)       # and for their float32 tiles
 
     @staticmethod
     def arena_specs(n_layers: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
@@ -162,6 +163,35 @@ class PagedKVCache:
                 self._to_float(raw, dst)
             out.append(dst.reshape(shape))
         return out[0], out[1]
+
+    # --- stored rows, for attention that reads the formats directly (layers/attention.py) --------------------
+    @property
+    def converts(self) -> bool:
+        """Reads must convert the stored rows (not float32): attention then reads them tile by tile as stored."""
+        return self.dtype != "auto"
+
+    def stored(self, layer: int, blocks: np.ndarray, start: int | None):
+        """(K, V) stored rows (G, nb * block_size, Hkv, row) of whole blocks (G, nb) ids, as stored: views of
+        the cache for one sequence whose blocks are consecutive from slot ``start``, else gathered into this
+        object's scratch (valid until the next call)."""
+        G, nb = blocks.shape
+        n = G * nb * self.block_size
+        if start is not None:
+            return self.k_slots[layer][start:start + n][None], self.v_slots[layer][start:start + n][None]
+        shape = (G, nb) + self.k.shape[2:]
+        if self._raw.size < 2 * n * self.k_slots.shape[-2] * self.k_slots.shape[-1]:
+            self._raw = np.empty(2 * int(np.prod(shape)), self._raw.dtype)
+        out = []
+        for cache, raw in zip((self.k[layer], self.v[layer]), np.split(self._raw[:2 * int(np.prod(shape))], 2)):
+            np.take(cache, blocks, axis=0, mode="clip", out=raw.reshape(shape))
+            out.append(raw.reshape((G, nb * self.block_size) + shape[3:]))
+        return out[0], out[1]
+
+    def tile_scratch(self, n: int) -> np.ndarray:
+        """This process's float32 scratch of >= n elements (the tiles of stored_decode_attention)."""
+        if self._floats.size < n:
+            self._floats = np.empty(n, np.float32)
+        return self._floats
 
 
 def slot_mapping(positions: np.ndarray, block_table: np.ndarray, block_size: int) -> np.ndarray:

@@ -310,7 +310,7 @@ def stored_scratch_floats(fmt: str, B: int, L: int, tile: int, Hkv: int, hd: int
         return vals
     nib = -(-vals // 4) if fmt == "q4_0" else 0                                 # the nibbles as bytes
     segs = hd // 16 if fmt == "q4_0" else hd // 32
-    return vals + nib + B * L * Hkv * gq * segs + B * L * Hkv * (hd // 32)
+    return vals + nib + B * L * Hkv * gq * segs + 2 * B * L * Hkv * (hd // 32)
 
 
 def _f16_bits_to_f32(h: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -358,11 +358,15 @@ def _tile_values(fmt: str, raw: np.ndarray, vals: np.ndarray, nib: np.ndarray | 
 
 
 def _block_scales(raw: np.ndarray, bl: int, out: np.ndarray) -> np.ndarray:
-    """The float16 scales d of stored rows raw (B, L, Hkv, row) as float32, viewed (B, Hkv, nb, 1, L)."""
+    """The float16 scales d of stored rows raw (B, L, Hkv, row) as float32 (B, Hkv, nb, L), contiguous (the
+    folds then run 1.6-2x faster than over a transposed view), in ``out`` (>= 2 B L Hkv nb floats)."""
     B, L, Hkv, row = raw.shape
-    d = out[:raw.size // bl].reshape(B, L, Hkv, row // bl)
+    n = raw.size // bl
+    d = out[n:2 * n].reshape(B, L, Hkv, row // bl)
     np.take(_f16_table(), raw.reshape(B, L, Hkv, row // bl, bl)[..., :2].view(np.uint16)[..., 0], out=d)
-    return d.transpose(0, 2, 3, 1)[:, :, :, None]
+    dt = out[:n].reshape(B, Hkv, row // bl, L)
+    np.copyto(dt, d.transpose(0, 2, 3, 1))
+    return dt
 
 
 def stored_decode_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, fmt: str, pad: np.ndarray, tile: int,
@@ -399,14 +403,13 @@ def stored_decode_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, fmt: st
             np.matmul(qs, kt[..., c0 - l0:c1 - l0], out=parts[..., c0:c1])
     if fmt != "fp16":
         p = np.add(parts[:, :, :, 0], parts[:, :, :, 1], out=parts[:, :, :, 0]) if half else parts
-        p *= _block_scales(k, _block_bytes(fmt), rest)
-        np.sum(p, axis=2, out=s)
+        np.einsum("xhbgl,xhbl->xhgl", p, _block_scales(k, _block_bytes(fmt), rest), out=s)   # sum_b d_jb p_b
     denom = _decode_softmax(s, pad)
     if fmt == "fp16":
         pd = s
     else:
         pd = parts.reshape(-1)[:B * Hkv * nb * gq * L].reshape(B, Hkv, nb, gq, L)
-        np.multiply(s[:, :, None], _block_scales(v, _block_bytes(fmt), rest), out=pd)   # p_j d_jb
+        np.multiply(s[:, :, None], _block_scales(v, _block_bytes(fmt), rest)[:, :, :, None], out=pd)   # p_j d_jb
         if half:
             pd = pd[:, :, :, None]
     acc = None

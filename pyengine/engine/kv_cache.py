@@ -14,7 +14,9 @@ BlockManager; this class only stores and reads.
 The quantized rows are the bytes ggml stores (``quants.quantize_q8_0`` / ``quantize_q4_0``, bit-exact with
 ggml's reference quantizers). The model calls only ``write`` and the read methods (``read``, ``gather``,
 ``gather_blocks``): a read converts just the slots it returns into float32 scratch (the caller's, or this
-object's own for the gathered bytes), never the whole cache. The same memory budget holds 2x / 3.8x / 7.1x
+object's own for the gathered bytes), never the whole cache. Decode attention instead takes a group's rows as
+stored (``stored``: views, or whole blocks gathered) and converts them itself, a tile at a time
+(layers/attention.py ``stored_decode_attention``), in ``tile_scratch``. The same memory budget holds 2x / 3.8x / 7.1x
 the blocks of float32.
 """
 from __future__ import annotations
@@ -179,13 +181,11 @@ class PagedKVCache:
         if start is not None:
             return self.k_slots[layer][start:start + n][None], self.v_slots[layer][start:start + n][None]
         shape = (G, nb) + self.k.shape[2:]
-        if self._raw.size < 2 * n * self.k_slots.shape[-2] * self.k_slots.shape[-1]:
-            self._raw = np.empty(2 * int(np.prod(shape)), self._raw.dtype)
-        out = []
-        for cache, raw in zip((self.k[layer], self.v[layer]), np.split(self._raw[:2 * int(np.prod(shape))], 2)):
+        size = int(np.prod(shape))
+        k, v = np.split(self._scratch((2 * size,)), 2)            # K and V are both read before the next call
+        for cache, raw in ((self.k[layer], k), (self.v[layer], v)):
             np.take(cache, blocks, axis=0, mode="clip", out=raw.reshape(shape))
-            out.append(raw.reshape((G, nb * self.block_size) + shape[3:]))
-        return out[0], out[1]
+        return k.reshape((G, nb * self.block_size) + shape[3:]), v.reshape((G, nb * self.block_size) + shape[3:])
 
     def tile_scratch(self, n: int) -> np.ndarray:
         """This process's float32 scratch of >= n elements (the tiles of stored_decode_attention)."""

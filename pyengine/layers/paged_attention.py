@@ -8,7 +8,9 @@ runner (engine/step_plan.py) has already turned the batch's block tables into an
   QueryRun    a sequence with many new tokens (a prompt or a chunk), attended alone, plain or tiled (flash).
 One plan per kind of layer: Gemma's sliding-window layers read only the blocks of their window.
 ``kv`` is the paged cache (engine/kv_cache.py): ``read(layer, start, n, k_out, v_out)``, ``gather`` and
-``gather_blocks(layer, blocks, k_out, v_out)`` (float32 views or converted rows, whatever the cache stores);
+``gather_blocks(layer, blocks, k_out, v_out)`` (float32 views or converted rows, whatever the cache stores), and
+for query groups on an fp16 / q8_0 / q4_0 cache ``stored(layer, blocks, start)`` (the rows as stored, which
+stored_decode_attention converts tile by tile, the Q8_0 / Q4_0 scales folded into scores and probabilities);
 ``scratch`` has the fields k_ctx, v_ctx, k_batch, v_batch and scores.
 """
 from __future__ import annotations

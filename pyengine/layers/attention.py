@@ -289,9 +289,10 @@ def decode_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, lens: np.ndarr
 # The scale of key j's block b is folded into the scores and into the probabilities instead of into the keys:
 #     q . k_j = sum_b d_jb (q_b . n_jb)
 #     sum_j p_j v_j = sum_j (p_j d_jb) n_jb        for block b of the output
-# so a tile of stored rows needs only a contiguous cast to float32 (Q4_0: after unpacking the nibbles) (of all its bytes, the scale bytes too: the
-# contiguous cast is ~1.5x faster than a strided one skipping them, and the matmuls read past them); scaling
-# the keys instead costs one more broadcast pass over every value, ~2x the cast (docs/performance.md).
+# so a tile of stored rows needs only a contiguous cast to float32 (Q4_0: after unpacking the nibbles), of all
+# its bytes, the scale bytes too: the contiguous cast is ~1.5x faster than a strided one skipping them, and the
+# matmuls read past them; scaling the keys instead would cost one more broadcast pass over every value, ~2x the
+# cast (docs/performance.md).
 
 def _block_bytes(fmt: str) -> int:
     return {"q8_0": 34, "q4_0": 18}[fmt]

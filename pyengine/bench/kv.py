@@ -116,8 +116,9 @@ def _decode_rate(runner, n_seqs: int, context: int, steps: int, rng, fill: bool 
 def _decode_table(g, c, args, rng) -> tuple[dict, dict]:
     """({dtype: {shape: tok/s}}, {dtype: {shape: tok/s / float32's tok/s}}) for the shapes (1, 512),
     (1, 2048), (32, batch_context). One runner (float32 KV) whose cache is swapped for one of each other dtype
-    in turn (K/V random, filled once); the two are timed in alternating rounds, each shape ``args.rounds`` times, keeping each one's best: on a shared machine the load
-    changes between rounds, and alternating puts both dtypes under the same load."""
+    in turn (K/V random, filled once); the two are timed in alternating rounds, each shape ``args.rounds``
+    times, keeping each one's best: on a shared machine the load changes between rounds, and alternating puts
+    both dtypes under the same load."""
     from pyengine.arena import Arena
     from pyengine.engine.kv_cache import PagedKVCache
     from pyengine.engine.model_runner import ModelRunner

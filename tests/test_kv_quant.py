@@ -123,11 +123,11 @@ def test_decode_attention_reads_the_stored_format_like_dequantize_then_attend(dt
 def test_float16_bit_conversion_is_numpys_cast():
     """The fp16 cache's tile conversion (integer shifts and a 2^112 rescale) = NumPy's float16 -> float32 cast
     for every finite bit pattern, subnormals and signed zeros included."""
-    from pyengine.layers.attention import _f16_bits_to_f32
+    from pyengine.layers.attention import f16_bits_to_f32
     bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
     want = bits.view(np.float16).astype(np.float32)
     finite = np.isfinite(want)
-    got = _f16_bits_to_f32(bits, np.empty(bits.shape, np.float32))
+    got = f16_bits_to_f32(bits, np.empty(bits.shape, np.float32))
     assert np.array_equal(got[finite].view(np.uint32), want[finite].view(np.uint32))
 
 

@@ -46,7 +46,7 @@ def add_arguments(p) -> None:
     p.add_argument("--rounds", type=int, default=None,
                    help="alternating timing rounds per decode shape, best kept (default 3; --quick 1)")
     p.add_argument("--decode-only", action="store_true",
-                   help="table 1 without PPL / KL: the decode columns only (a speed check in well under 2 minutes)")
+                   help="table 1 without PPL / KL: the decode columns only (a speed check)")
     p.add_argument("--types", default=",".join(WEIGHT_TYPES), help="weight formats of table 2")
 
 

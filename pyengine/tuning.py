@@ -20,6 +20,7 @@ SHORT_QUERY_MAX = 16        # sequences with at most this many new tokens are ba
 FLASH_MIN_QUERY = 128       # queries from which prefill attention is tiled (bounded scratch)
 FLASH_TILE = 256            # keys per flash tile
 FLASH_Q_TILE = 128          # queries per flash tile
+KV_TILE_SLOTS = 1024        # stored (fp16 / q8_0 / q4_0) K/V slots cast per tile: <= 1 MiB float32, in L2
 
 SWEEPABLE = ("LINEAR_ROW_LOOP_MAX", "HEAD_ROW_LOOP_MAX", "DECODE_SLOTS", "DECODE_KEY_CHUNK", "KEY_TREE_MIN",
              "SHORT_QUERY_MAX")

@@ -73,6 +73,64 @@ def test_round_trip_through_every_read_path(dtype):
     assert PagedKVCache(Arena.from_specs(specs), 2, 8, 16, 3, 64).dtype == dtype
 
 
+@pytest.mark.parametrize("dtype", ["fp16", "q8_0", "q4_0"])
+@pytest.mark.parametrize("Hkv,hd,g", [(3, 64, 3), (1, 256, 4)])
+def test_decode_attention_reads_the_stored_format_like_dequantize_then_attend(dtype, Hkv, hd, g, monkeypatch):
+    """Decode groups on an fp16 / q8_0 / q4_0 cache (scales folded into scores and probabilities, tiles of whole
+    blocks) = the reference attention over K/V dequantized by the gguf package: lone sequences read in place,
+    gathered groups, speculative-verification queries (Q > 1, causal) and a sliding window; tiles smaller than the
+    contexts."""
+    from pyengine import tuning
+    from pyengine.engine.step_plan import query_groups
+    from pyengine.layers.attention import attention
+    from pyengine.layers.paged_attention import group_attention
+    monkeypatch.setattr(tuning, "KV_TILE_SLOTS", 48)             # 3 blocks: several tiles, a ragged last one
+    rng = np.random.default_rng(7)
+    bs, nblk = 16, 64
+    kv, _ = _cache(dtype, num_blocks=nblk, block_size=bs, Hkv=Hkv, hd=hd)
+    k, v = _kv(rng, nblk * bs, Hkv, hd)
+    kv.write(1, np.arange(nblk * bs), k, v)
+    want_k, want_v = _reference(k, dtype), _reference(v, dtype)
+    plain, _ = _cache("auto", num_blocks=nblk, block_size=bs, Hkv=Hkv, hd=hd)   # float32 dequantize-then-attend
+    plain.write(1, np.arange(nblk * bs), want_k, want_v)
+    scratch = type("Scratch", (), {"scores": np.empty(1 << 20, np.float32),
+                                   "k_batch": np.empty((nblk * bs, Hkv, hd), np.float32),
+                                   "v_batch": np.empty((nblk * bs, Hkv, hd), np.float32)})
+    worst = worst32 = 0.0
+    cases = [([200], 1, None, "run"), ([37], 1, None, "scattered"), ([300, 5, 130], 1, None, "scattered"),
+             ([40, 70], 3, None, "scattered"), ([150], 4, 50, "run"), ([90, 33], 2, 40, "scattered")]
+    for lens, Q, window, layout in cases:
+        tables = [np.arange(20 * i, 20 * i + 20) if layout == "run" else rng.permutation(nblk)[:20]
+                  for i in range(len(lens))]
+        seqs = [(i * Q, Q, n, t) for i, (n, t) in enumerate(zip(lens, tables))]
+        groups = query_groups(seqs, bs, 10**6, window)
+        assert (groups[0].start is not None) == (layout == "run")
+        q = rng.standard_normal((len(lens) * Q, Hkv * g, hd)).astype(np.float32)
+        got, ref32 = np.zeros_like(q), np.zeros_like(q)
+        for gr in groups:
+            group_attention(1, q, kv, gr, got, scratch, hd ** -0.5)
+            group_attention(1, q, plain, gr, ref32, scratch, hd ** -0.5)
+        for (row, _, n, t) in seqs:
+            slots = t[np.arange(n) // bs] * bs + np.arange(n) % bs
+            want = attention(q[row:row + Q].astype(np.float64), want_k[slots].astype(np.float64),
+                             want_v[slots].astype(np.float64), scale=hd ** -0.5, window=window)
+            worst = max(worst, np.abs(got[row:row + Q] - want).max())
+            worst32 = max(worst32, np.abs(ref32[row:row + Q] - want).max())
+    # float32 rounding of scores up to ~100 (the keys scaled by 40): the float32 path is off by ~1e-5 too
+    assert worst <= 2 * worst32 + 1e-6, (worst, worst32)
+
+
+def test_float16_bit_conversion_is_numpys_cast():
+    """The fp16 cache's tile conversion (integer shifts and a 2^112 rescale) = NumPy's float16 -> float32 cast
+    for every finite bit pattern, subnormals and signed zeros included."""
+    from pyengine.layers.attention import f16_bits_to_f32
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    want = bits.view(np.float16).astype(np.float32)
+    finite = np.isfinite(want)
+    got = f16_bits_to_f32(bits, np.empty(bits.shape, np.float32))
+    assert np.array_equal(got[finite].view(np.uint32), want[finite].view(np.uint32))
+
+
 @pytest.mark.parametrize("dtype,bound", [("fp16", "rel"), ("q8_0", 127), ("q4_0", 8)])
 def test_round_trip_error_within_the_format_bound(dtype, bound):
     rng = np.random.default_rng(1)

@@ -9,7 +9,10 @@ Table 1, per KV cache dtype (auto = float32, fp16, q8_0, q4_0), per model:
   decode 512 / 2048   single-stream decode tok/s with that many tokens of context
   32 x ctx       aggregate decode tok/s of 32 sequences with ``--batch-context`` tokens each
 The decode timings fill the cache with random K/V instead of a prefill (the time of a step depends on the
-context length, not on what it holds) so that 32 long sequences take seconds, not minutes.
+context length, not on what it holds) so that 32 long sequences take seconds, not minutes. One runner times
+every dtype (its float32 cache swapped for one of each other dtype in turn), alternating with float32 in
+``--rounds`` rounds per shape and keeping each one's best: the decode ratios compare runs under the same load.
+``--decode-only`` skips PPL / KL (a speed check).
 
 Table 2, per weight format written by `pyengine quantize` from the model file: size, PPL and KL against the
 original file (float32 KV), single-stream decode tok/s in the resident and lean weight modes.
@@ -40,6 +43,10 @@ def add_arguments(p) -> None:
     p.add_argument("--batch-context", type=int, default=None,
                    help="context of each of the 32 sequences (default 2048; --quick 512)")
     p.add_argument("--dtypes", default=",".join(KV_DTYPES))
+    p.add_argument("--rounds", type=int, default=None,
+                   help="alternating timing rounds per decode shape, best kept (default 3; --quick 1)")
+    p.add_argument("--decode-only", action="store_true",
+                   help="table 1 without PPL / KL: the decode columns only (a speed check)")
     p.add_argument("--types", default=",".join(WEIGHT_TYPES), help="weight formats of table 2")
 
 
@@ -84,12 +91,14 @@ def _fill_random(kv, n_slots: int, rng) -> None:
             kv.write(layer, slots, k, k)
 
 
-def _decode_rate(runner, n_seqs: int, context: int, steps: int, rng) -> float:
-    """Aggregate decode tok/s of n_seqs sequences with ``context`` tokens each (consecutive block runs)."""
+def _decode_rate(runner, n_seqs: int, context: int, steps: int, rng, fill: bool = True) -> float:
+    """Aggregate decode tok/s of n_seqs sequences with ``context`` tokens each (consecutive block runs from
+    block 0; ``fill`` False: the cache's first slots already hold K/V)."""
     from pyengine.engine.forward_batch import ForwardBatch
     bs = runner.block_size
-    nb = -(-(context + steps) // bs)
-    _fill_random(runner.kv_cache, n_seqs * nb * bs, rng)
+    nb = -(-(context + steps + 1) // bs)
+    if fill:
+        _fill_random(runner.kv_cache, n_seqs * nb * bs, rng)
     tables = [np.arange(s * nb, (s + 1) * nb, dtype=np.int32) for s in range(n_seqs)]
     tokens = rng.integers(100, 20000, size=n_seqs)
 
@@ -102,6 +111,47 @@ def _decode_rate(runner, n_seqs: int, context: int, steps: int, rng) -> float:
     for i in range(1, steps + 1):
         step(i)
     return n_seqs * steps / (time.perf_counter() - t)
+
+
+def _decode_table(g, c, args, rng) -> tuple[dict, dict]:
+    """({dtype: {shape: tok/s}}, {dtype: {shape: tok/s / float32's tok/s}}) for the shapes (1, 512),
+    (1, 2048), (32, batch_context). One runner (float32 KV) whose cache is swapped for one of each other dtype
+    in turn (K/V random, filled once); the two are timed in alternating rounds, each shape ``args.rounds``
+    times, keeping each one's best: on a shared machine the load changes between rounds, and alternating puts
+    both dtypes under the same load."""
+    from pyengine.arena import Arena
+    from pyengine.engine.kv_cache import PagedKVCache
+    from pyengine.engine.model_runner import ModelRunner
+    shapes = [(1, 512, args.steps), (1, 2048, args.steps), (32, args.batch_context, max(2, args.steps // 2))]
+    bs = 16
+    nb_seq = -(-(max(2048, args.batch_context) + args.steps + 2) // bs)
+    runner = ModelRunner(g, max_model_len=nb_seq * bs, max_num_batched_tokens=32, max_num_seqs=32,
+                         num_blocks=32 * nb_seq, kv_cache_dtype="auto")
+    base = runner.kv_cache
+    _fill_random(base, base.num_blocks * bs, rng)
+    best = {d: {} for d in set(args.dtypes) | {"auto"}}
+    ratio = {d: {} for d in args.dtypes}
+    for dtype in args.dtypes:
+        if dtype == "auto":
+            caches = {"auto": base}
+        else:
+            kv = PagedKVCache(Arena.from_specs(PagedKVCache.arena_specs(c.n_layers, base.num_blocks, bs,
+                                                                        c.n_kv_heads, c.head_dim, dtype)),
+                              c.n_layers, base.num_blocks, bs, c.n_kv_heads, c.head_dim, dtype)
+            _fill_random(kv, kv.num_blocks * bs, rng)
+            caches = {"auto": base, dtype: kv}
+        for shape in shapes:
+            pair = dict.fromkeys(caches, 0.0)
+            for _ in range(args.rounds):
+                for d, kv in caches.items():
+                    runner.kv_cache = kv
+                    pair[d] = max(pair[d], _decode_rate(runner, *shape, rng, fill=False))
+            for d, r in pair.items():
+                best[d][shape[:2]] = max(best[d].get(shape[:2], 0.0), r)
+            ratio[dtype][shape[:2]] = pair[dtype] / pair["auto"]
+        runner.kv_cache = base
+        del caches
+    return best, ratio
 
 
 def _fmt(v, spec=".2f"):
@@ -117,7 +167,8 @@ def kv_table(path: str, args, tmp: str) -> None:
     g = GGUFFile(path)
     c = ModelConfig.from_gguf(g)
     print(f"\n== KV cache dtypes: {os.path.basename(path)} ({c.n_layers} layers, {c.n_kv_heads} KV heads x "
-          f"{c.head_dim}); PPL over {args.windows} windows of {args.ctx}; decode {args.steps} steps ==")
+          f"{c.head_dim}); PPL over {args.windows} windows of {args.ctx}; decode {args.steps} steps x {args.rounds} "
+          f"rounds ==")
     try:
         ModelRunner(g, max_model_len=64, num_blocks=8, max_num_seqs=1, max_num_batched_tokens=64)
     except ValueError as exc:
@@ -129,34 +180,35 @@ def kv_table(path: str, args, tmp: str) -> None:
     print(head)
     rows, first = [], None
     rng = np.random.default_rng(0)
-    seqs_max = 32
-    nb_seq = -(-(args.batch_context + args.steps + 1) // 16)
+    rates, ratios = _decode_table(g, c, args, rng)
     for dtype in args.dtypes:
         per_block = PagedKVCache.bytes_per_block(c.n_layers, 16, c.n_kv_heads, c.head_dim, dtype)
         blocks = DEFAULT_KV_BUDGET_BYTES // per_block                  # the runner's default, before its floor
-        longest = max(2048, args.ctx) + args.steps + 1
-        runner = ModelRunner(g, max_model_len=longest, max_num_batched_tokens=args.ctx, max_num_seqs=seqs_max,
-                             num_blocks=max(seqs_max * nb_seq, -(-longest // 16)), max_logits=args.ctx // 2,
-                             kv_cache_dtype=dtype)
-        wins = _text_windows(runner, args.ctx, args.windows)
-        ppl, kl = _ppl_kl(runner, wins, base, base if first is None else None)
-        d512 = _decode_rate(runner, 1, 512, args.steps, rng)
-        d2048 = _decode_rate(runner, 1, 2048, args.steps, rng)
-        dbatch = _decode_rate(runner, seqs_max, args.batch_context, max(2, args.steps // 2), rng)
-        del runner
+        ppl, kl = None, None
+        if not args.decode_only:
+            runner = ModelRunner(g, max_model_len=args.ctx, max_num_batched_tokens=args.ctx,
+                                 max_num_seqs=1, max_logits=args.ctx // 2, kv_cache_dtype=dtype)
+            wins = _text_windows(runner, args.ctx, args.windows)
+            ppl, kl = _ppl_kl(runner, wins, base, base if first is None else None)
+            del runner
+        d512, d2048, dbatch = (rates[dtype][s] for s in ((1, 512), (1, 2048), (32, args.batch_context)))
         row = dict(dtype=dtype, bpt=per_block // 16, blocks=blocks, seqs=blocks * 16 // 2048, ppl=ppl,
-                   kl=kl and kl["kl_mean"], top=kl and 100 * kl["same_top"], d512=d512, d2048=d2048, dbatch=dbatch)
+                   kl=kl and kl["kl_mean"], top=kl and 100 * kl["same_top"], d512=d512, d2048=d2048, dbatch=dbatch,
+                   ratios=ratios[dtype])
         first = first or row
-        row["dppl"] = 100 * (ppl / first["ppl"] - 1)
+        row["dppl"] = None if ppl is None else 100 * (ppl / first["ppl"] - 1)
         rows.append(row)
-        print(f"  {dtype:6} {row['bpt']:9d} {blocks:7d} {row['seqs']:7d} {ppl:8.4f} {row['dppl']:+7.3f} "
+        print(f"  {dtype:6} {row['bpt']:9d} {blocks:7d} {row['seqs']:7d} {_fmt(ppl, '8.4f'):>8} "
+              f"{_fmt(row['dppl'], '+7.3f'):>7} "
               f"{_fmt(row['kl'], '.6f'):>9} {_fmt(row['top'], '.2f'):>6} {d512:9.1f} {d2048:10.1f} {dbatch:9.1f}",
               flush=True)
-    print("  ratios to the first row (same run):")
+    print(f"  ratios to the first row (same run; decode: to float32 KV timed in alternating rounds, best of "
+          f"{args.rounds}):")
     for r in rows[1:]:
-        print(f"    {r['dtype']:6} blocks x{r['blocks'] / first['blocks']:.2f}  PPL {r['dppl']:+.3f}%  "
-              f"decode@512 x{r['d512'] / first['d512']:.2f}  @2048 x{r['d2048'] / first['d2048']:.2f}  "
-              f"32x{args.batch_context} x{r['dbatch'] / first['dbatch']:.2f}")
+        x = r["ratios"]
+        print(f"    {r['dtype']:6} blocks x{r['blocks'] / first['blocks']:.2f}  PPL {_fmt(r['dppl'], '+.3f')}%  "
+              f"decode@512 x{x[1, 512]:.2f}  @2048 x{x[1, 2048]:.2f}  "
+              f"32x{args.batch_context} x{x[32, args.batch_context]:.2f}")
 
 
 def weights_table(path: str, args, tmp: str) -> None:
@@ -196,6 +248,7 @@ def run(args) -> int:
     args.ctx = args.ctx or (256 if args.quick else 512)
     args.windows = args.windows or (2 if args.quick else 8)
     args.steps = args.steps or (4 if args.quick else 16)
+    args.rounds = args.rounds or (1 if args.quick else 3)
     args.batch_context = args.batch_context or (512 if args.quick else 2048)
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     args.types = [t.strip().upper() for t in args.types.split(",") if t.strip()]

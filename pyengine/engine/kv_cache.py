@@ -14,7 +14,9 @@ BlockManager; this class only stores and reads.
 The quantized rows are the bytes ggml stores (``quants.quantize_q8_0`` / ``quantize_q4_0``, bit-exact with
 ggml's reference quantizers). The model calls only ``write`` and the read methods (``read``, ``gather``,
 ``gather_blocks``): a read converts just the slots it returns into float32 scratch (the caller's, or this
-object's own for the gathered bytes), never the whole cache. The same memory budget holds 2x / 3.8x / 7.1x
+object's own for the gathered bytes), never the whole cache. Decode attention instead takes a group's rows as
+stored (``stored``: views, or whole blocks gathered) and converts them itself, a tile at a time
+(layers/attention.py ``stored_decode_attention``), in ``tile_scratch``. The same memory budget holds 2x / 3.8x / 7.1x
 the blocks of float32.
 """
 from __future__ import annotations
@@ -23,6 +25,7 @@ import numpy as np
 
 from pyengine.arena import Arena, ArenaSpec, spec
 from pyengine.gguf import quants
+from pyengine.layers.attention import f16_bits_to_f32
 
 KV_DTYPES = ("auto", "fp16", "q8_0", "q4_0")
 _QUANT = {"q8_0": (quants.GGMLType.Q8_0, quants.quantize_q8_0), "q4_0": (quants.GGMLType.Q4_0, quants.quantize_q4_0)}
@@ -79,6 +82,7 @@ class PagedKVCache:
         self.k_slots = self.k.reshape(flat)          # views: per layer, one row per slot
         self.v_slots = self.v.reshape(flat)
         self._raw = np.empty(0, elem)                # this process's scratch for gathered stored rows
+        self._floats = np.empty(0, np.float32)       # and for their float32 tiles
 
     @staticmethod
     def arena_specs(n_layers: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
@@ -114,8 +118,8 @@ class PagedKVCache:
         if self.dtype in _QUANT:
             return quants.dequantize(np.ascontiguousarray(stored).reshape(-1).view(np.uint8),
                                      _QUANT[self.dtype][0], out.shape, out=out)
-        np.copyto(out, stored.reshape(out.shape))
-        return out
+        # fp16 (prompt and chunk runs; decode groups convert their own tiles): 2.5x NumPy's float16 cast
+        return f16_bits_to_f32(stored.view(np.uint16).reshape(out.shape), out)
 
     def _scratch(self, shape: tuple[int, ...]) -> np.ndarray:
         n = int(np.prod(shape))
@@ -162,6 +166,33 @@ class PagedKVCache:
                 self._to_float(raw, dst)
             out.append(dst.reshape(shape))
         return out[0], out[1]
+
+    # --- stored rows, for attention that reads the formats directly (layers/attention.py) --------------------
+    @property
+    def converts(self) -> bool:
+        """Reads must convert the stored rows (not float32): attention then reads them tile by tile as stored."""
+        return self.dtype != "auto"
+
+    def stored(self, layer: int, blocks: np.ndarray, start: int | None):
+        """(K, V) stored rows (G, nb * block_size, Hkv, row) of whole blocks (G, nb) ids, as stored: views of
+        the cache for one sequence whose blocks are consecutive from slot ``start``, else gathered into this
+        object's scratch (valid until the next call)."""
+        G, nb = blocks.shape
+        n = G * nb * self.block_size
+        if start is not None:
+            return self.k_slots[layer][start:start + n][None], self.v_slots[layer][start:start + n][None]
+        shape = (G, nb) + self.k.shape[2:]
+        size = int(np.prod(shape))
+        k, v = np.split(self._scratch((2 * size,)), 2)            # K and V are both read before the next call
+        for cache, raw in ((self.k[layer], k), (self.v[layer], v)):
+            np.take(cache, blocks, axis=0, mode="clip", out=raw.reshape(shape))
+        return k.reshape((G, nb * self.block_size) + shape[3:]), v.reshape((G, nb * self.block_size) + shape[3:])
+
+    def tile_scratch(self, n: int) -> np.ndarray:
+        """This process's float32 scratch of >= n elements (the tiles of stored_decode_attention)."""
+        if self._floats.size < n:
+            self._floats = np.empty(n, np.float32)
+        return self._floats
 
 
 def slot_mapping(positions: np.ndarray, block_table: np.ndarray, block_size: int) -> np.ndarray:

@@ -8,7 +8,9 @@ runner (engine/step_plan.py) has already turned the batch's block tables into an
   QueryRun    a sequence with many new tokens (a prompt or a chunk), attended alone, plain or tiled (flash).
 One plan per kind of layer: Gemma's sliding-window layers read only the blocks of their window.
 ``kv`` is the paged cache (engine/kv_cache.py): ``read(layer, start, n, k_out, v_out)``, ``gather`` and
-``gather_blocks(layer, blocks, k_out, v_out)`` (float32 views or converted rows, whatever the cache stores);
+``gather_blocks(layer, blocks, k_out, v_out)`` (float32 views or converted rows, whatever the cache stores), and
+for query groups on an fp16 / q8_0 / q4_0 cache ``stored(layer, blocks, start)`` (the rows as stored, which
+stored_decode_attention converts tile by tile, the Q8_0 / Q4_0 scales folded into scores and probabilities);
 ``scratch`` has the fields k_ctx, v_ctx, k_batch, v_batch and scores.
 """
 from __future__ import annotations
@@ -18,7 +20,8 @@ from typing import NamedTuple
 import numpy as np
 
 from pyengine import tuning
-from pyengine.layers.attention import decode_attention, flash_attention, grouped_attention
+from pyengine.layers.attention import (decode_attention, flash_attention, grouped_attention, stored_decode_attention,
+                                      stored_scratch_floats)
 
 
 class QueryGroup(NamedTuple):
@@ -67,22 +70,31 @@ def group_mask(lens: np.ndarray, key_starts: np.ndarray, q_len: int, L: int, win
 def group_attention(layer: int, q: np.ndarray, kv, group: QueryGroup, out: np.ndarray, scratch,
                     scale: float) -> None:
     """One QueryGroup: its context blocks gathered (whole blocks, into scratch) into a padded
-    (G, n_blocks * block_size, Hkv, hd) buffer, or a lone sequence's consecutive blocks read in place."""
+    (G, n_blocks * block_size, Hkv, hd) buffer, or a lone sequence's consecutive blocks read in place; a cache
+    stored as fp16 / q8_0 / q4_0 is read as stored, in tiles of whole blocks (stored_decode_attention)."""
     G, nb = group.blocks.shape
     bs = kv.block_size
     n = G * nb * bs
-    if group.start is not None:                 # zero-copy for float32 storage, else converted into scratch
-        k, v = kv.read(layer, group.start, n, scratch.k_batch, scratch.v_batch)
-    else:
-        k, v = kv.gather_blocks(layer, group.blocks, scratch.k_batch[:n], scratch.v_batch[:n])
-    shape = (G, nb * bs) + k.shape[-2:]
     Q = group.q_len
     qs = q[group.rows]
     if Q > 1:
         qs = qs.reshape((G, Q) + q.shape[1:])
-    res = decode_attention(qs, k.reshape(shape), v.reshape(shape), scale=scale, scratch=scratch.scores,
-                           pad=group.mask, out=out[group.rows].reshape(qs.shape) if isinstance(group.rows, slice)
-                           else None)
+    o = out[group.rows].reshape(qs.shape) if isinstance(group.rows, slice) else None
+    if kv.converts:
+        k, v = kv.stored(layer, group.blocks, group.start)
+        tile = tuning.KV_TILE_SLOTS // G or 1
+        need = stored_scratch_floats(kv.dtype, G, n // G, tile, kv.n_kv_heads, kv.head_dim,
+                                     q.shape[1] // kv.n_kv_heads * Q)
+        res = stored_decode_attention(qs, k, v, kv.dtype, group.mask, tile, scale=scale, out=o,
+                                      scratch=scratch.scores, tile_scratch=kv.tile_scratch(need))
+    else:
+        if group.start is not None:             # zero-copy
+            k, v = kv.read(layer, group.start, n, scratch.k_batch, scratch.v_batch)
+        else:
+            k, v = kv.gather_blocks(layer, group.blocks, scratch.k_batch[:n], scratch.v_batch[:n])
+        shape = (G, nb * bs) + k.shape[-2:]
+        res = decode_attention(qs, k.reshape(shape), v.reshape(shape), scale=scale, scratch=scratch.scores,
+                               pad=group.mask, out=o)
     if not isinstance(group.rows, slice):
         out[group.rows] = res.reshape((G * Q,) + q.shape[1:])
 

@@ -153,3 +153,5 @@ def test_zero_turns_the_budget_off_and_unchunked_engines_have_none():
     assert LLMEngine(runner=FakeRunner(), target_itl_ms=0).scheduler.chunk_budget is None
     assert LLMEngine(runner=FakeRunner(), enable_chunked_prefill=False).scheduler.chunk_budget is None
     assert LLMEngine(runner=FakeRunner(), target_itl_ms=80).scheduler.chunk_budget.target_itl == 0.08
+    from pyengine.llm import LLM                                 # the offline API passes it through
+    assert LLM(runner=FakeRunner(), target_itl_ms=80).llm_engine.stats()["target_itl_ms"] == 80.0

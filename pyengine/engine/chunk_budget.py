@@ -207,7 +207,8 @@ class ChunkBudget:
 
     def stats(self) -> dict:
         theta = self.model.theta
-        return {"target_itl_ms": None if self.last_target is None else 1000 * self.last_target,
+        target = self.target_itl if self.target_itl is not None else self.last_target
+        return {"target_itl_ms": None if target is None else 1000 * target,
                 **{f"step_cost_{name}": float(v) for name, v in zip(FEATURE_NAMES, theta)}}
 
 

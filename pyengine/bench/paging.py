@@ -58,6 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the fixed-chunk setup's max_num_batched_tokens (default: calibrated to ~2 decode steps)")
     g.add_argument("--target-itl-ms", type=float, default=None,
                    help="the ITL-targeted setup's target (default: derived, as the engine's own default)")
+    g.add_argument("--no-fixed-chunks", action="store_true",
+                   help="skip the fixed-chunk setup (its many small steps are the slowest part of a full run)")
 
 
 def _verdict(ok: bool) -> str:
@@ -337,33 +339,36 @@ def bench_chunked(args) -> None:
     rng = np.random.default_rng(args.seed + 2)
     long_prompt = _token_prompt(rng, n_long)
     decoders = [_token_prompt(rng, 16) for _ in range(args.decoders)]
-    fixed = args.chunk_budget if args.chunk_budget is not None else _calibrate_budget(args, decoders, n_long)
+    fixed = None
+    if not args.no_fixed_chunks:
+        fixed = args.chunk_budget if args.chunk_budget is not None else _calibrate_budget(args, decoders, n_long)
     calm_steps = 8 if args.quick else 24
     whole = n_long + args.decoders
     target = "derived" if args.target_itl_ms is None else f"{args.target_itl_ms:g} ms"
-    setups = (("unchunked", whole, False, 0), (f"fixed chunks ({fixed} tok/step)", fixed, True, 0),
-              (f"ITL target ({target})", whole, True, args.target_itl_ms))
-    runs = [_itl_run(args, budget, chunked, long_prompt, decoders, calm_steps, target_itl_ms=t)
-            for _, budget, chunked, t in setups]
-    # the decodes' own median: the same decodes alone over as many steps as each run (one run, sliced)
-    lengths = [len(r["calm"]) + len(r["busy"]) for r in runs]
-    alone = _itl_run(args, whole, True, None, decoders, calm_steps, total_steps=max(lengths))["calm"]
+    # the ITL-targeted setup runs right after the unchunked one (the TTFT ratio's two sides, moments apart)
+    setups = [("unchunked", whole, False, 0), (f"ITL target ({target})", whole, True, args.target_itl_ms),
+              (f"fixed chunks ({fixed} tok/step)", fixed, True, 0)][:2 if args.no_fixed_chunks else 3]
     print(f"(d) chunked prefill: {args.decoders} decodes running while a {n_long}-token prompt is prefilled; "
           f"the prompt's TTFT / unchunked and ITL p99 over the run / median ITL of the same decodes alone over "
-          f"as many steps:")
+          f"as many steps (run right after it: the host's speed drifts):")
     print(f"  {'setup':<34} {'prefill steps':>13} {'TTFT s':>8} {'/ unchunked':>11} {'ITL p99 ms':>10} "
-          f"{'median ms':>9} {'p99/median':>10}")
-    base_ttft = runs[0]["ttft"]
-    for (name, *_), r, n in zip(setups, runs, lengths):
-        p99 = np.percentile(np.concatenate([r["calm"], r["busy"]]), 99, axis=0)     # (wall, cpu) over the run
-        med = np.median(alone[:n], axis=0)
-        r.update(p99=p99, med=med)
+          f"{'median ms':>9} {'p99/median':>10}", flush=True)
+    runs = []
+    for name, budget, chunked, t in setups:
+        r = _itl_run(args, budget, chunked, long_prompt, decoders, calm_steps, target_itl_ms=t)
+        n = len(r["calm"]) + len(r["busy"])
+        alone = _itl_run(args, whole, True, None, decoders, calm_steps, total_steps=n)["calm"]
+        r.update(p99=np.percentile(np.concatenate([r["calm"], r["busy"]]), 99, axis=0),   # (wall, cpu), whole run
+                 med=np.median(alone, axis=0))
+        runs.append(r)
+        p99, med, base_ttft = r["p99"], r["med"], runs[0]["ttft"]
         print(f"  {name:<34} {r['prefill_steps']:>13} {r['ttft']:>8.2f} {r['ttft'] / base_ttft:>10.2f}x "
-              f"{1000 * p99[0]:>10.0f} {1000 * med[0]:>9.0f} {p99[0] / med[0]:>9.2f}x")
-    if runs[2]["targets"]:
-        t = np.array(runs[2]["targets"])
+              f"{1000 * p99[0]:>10.0f} {1000 * med[0]:>9.0f} {p99[0] / med[0]:>9.2f}x", flush=True)
+    base_ttft = runs[0]["ttft"]
+    if runs[1]["targets"]:
+        t = np.array(runs[1]["targets"])
         print(f"  ITL target chosen per prefill step: median {np.median(t):.0f} ms (range {t.min():.0f}-"
-              f"{t.max():.0f}); chunks of {n_long / max(runs[2]['prefill_steps'], 1):.0f} tokens on average")
+              f"{t.max():.0f}); chunks of {n_long / max(runs[1]['prefill_steps'], 1):.0f} tokens on average")
     for (name, _, chunked, t), r in zip(setups[1:], runs[1:]):
         ratio = r["ttft"] / base_ttft
         targeted = t != 0

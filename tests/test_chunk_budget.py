@@ -155,3 +155,29 @@ def test_zero_turns_the_budget_off_and_unchunked_engines_have_none():
     assert LLMEngine(runner=FakeRunner(), target_itl_ms=80).scheduler.chunk_budget.target_itl == 0.08
     from pyengine.llm import LLM                                 # the offline API passes it through
     assert LLM(runner=FakeRunner(), target_itl_ms=80).llm_engine.stats()["target_itl_ms"] == 80.0
+
+
+def test_two_prompts_in_one_step_share_one_target():
+    """A second prompt admitted in the same step gets only what the first left; the derived target rests on
+    the decodes alone, not on the chunks already planned."""
+    r = Run(target_itl_ms=None, n_long=3000)
+    second = Sequence(100, "second", 0, [6] * 3000, max_tokens=2)      # arrives just after r.long (id 99)
+    got_second = 0
+    for k in range(60):
+        if k == r.arrive:
+            r.sch.add(r.long)
+            r.sch.add(second)
+        out = r.sch.schedule()
+        seconds = step_seconds(out)
+        sched = {s.seq_id: n for s, n in out.scheduled}
+        if k > r.arrive + 6:
+            assert seconds <= r.budget.last_target * 1.01
+            assert r.budget.last_target == pytest.approx(tuning.TARGET_ITL_DECODE_MULT * 0.0312, rel=0.05)
+            assert sched.get(99, 0) > 0                     # the first prompt always progresses
+            got_second += sched.get(100, 0)
+        r.sch.observe_step(out, seconds)
+        r.sch.on_step_done(out)
+        for s, _ in out.scheduled:
+            if s.num_computed_tokens == s.num_tokens:
+                s.append_token(3)
+    assert got_second < 16 * 50                             # it only gets what the first leaves over

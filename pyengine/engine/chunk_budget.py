@@ -53,15 +53,16 @@ class StepShape:
     def __init__(self):
         self.x = np.zeros(NUM_FEATURES)
         self.x[0] = 1.0
+        self.decodes_x = self.x.copy()          # the step with its decodes alone (the derived target's base)
         self.num_decodes = 0
         self.num_chunks = 0
         self.max_chunk = 0
 
     def add_decode(self, context: int, n: int) -> None:
         """A decode computing ``n`` tokens (1 + its drafts) whose context ends at ``context`` keys."""
-        self.x[1] += n
-        self.x[2] += 1
-        self.x[3] += n * context / 2**20
+        f = np.array([0.0, n, 1.0, n * context / 2**20])
+        self.x += f
+        self.decodes_x += f
         self.num_decodes += 1
 
     def add_chunk(self, start: int, n: int) -> None:
@@ -175,7 +176,7 @@ class ChunkBudget:
     def target(self, shape: StepShape) -> float:
         if self.target_itl is not None:
             return self.target_itl
-        return tuning.TARGET_ITL_DECODE_MULT * self.model.predict(shape.x)
+        return tuning.TARGET_ITL_DECODE_MULT * self.model.predict(shape.decodes_x)
 
     def max_chunk(self, shape: StepShape, start: int, limit: int) -> int:
         """Prompt tokens (<= ``limit``) a chunk starting at position ``start`` may compute in the step planned

@@ -22,5 +22,13 @@ FLASH_TILE = 256            # keys per flash tile
 FLASH_Q_TILE = 128          # queries per flash tile
 KV_TILE_SLOTS = 1024        # stored (fp16 / q8_0 / q4_0) K/V slots cast per tile: <= 1 MiB float32, in L2
 
+# --- S11 chunk budget from a target ITL (engine/chunk_budget.py) -----------------------------------------
+TARGET_ITL_DECODE_MULT = 2.5  # derived target = 2.5 x the decodes' own step: p99 stays under 3x their median
+CHUNK_MIN_TOKENS = 16         # a prompt's least chunk a step (one block; at 2.6k context it adds 1.2 decode steps)
+CHUNK_GROWTH = 2.0            # trust region: a chunk <= 2 x the largest one measured (the model is linear)
+STEP_COST_WINDOW = 32         # measured steps kept per kind (decode-only, with chunks)
+STEP_COST_HALF_LIFE = 16.0    # steps: the weight of a measurement halves (follows the host's speed drift)
+STEP_COST_RIDGE = 1e-3        # ridge on unit-scaled features: only breaks ties between collinear ones
+
 SWEEPABLE = ("LINEAR_ROW_LOOP_MAX", "HEAD_ROW_LOOP_MAX", "DECODE_SLOTS", "DECODE_KEY_CHUNK", "KEY_TREE_MIN",
              "SHORT_QUERY_MAX")

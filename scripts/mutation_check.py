@@ -96,6 +96,14 @@ MUTATIONS = [
      ["tests/test_scheduler_policy.py"]),
     ("scheduler-no-watermark", "pyengine/engine/scheduler.py",
      "reserve = self.watermark_blocks if self.running else 0", "reserve = 0", ["tests/test_scheduler_policy.py"]),
+    # --- S11 chunk budget
+    ("chunk-budget-no-floor", "pyengine/engine/chunk_budget.py",
+     "floor = min(self.min_chunk, limit) if shape.num_chunks == 0 else 0", "floor = 0",
+     ["tests/test_chunk_budget.py"]),
+    ("chunk-budget-pairs-ignored", "pyengine/engine/chunk_budget.py",
+     "f[3] = n * (start + (n + 1) / 2) / 2**20", "f[3] = 0.0", ["tests/test_chunk_budget.py"]),
+    ("chunk-budget-derived-target-on-whole-step", "pyengine/engine/chunk_budget.py",
+     "self.model.predict(shape.decodes_x)", "self.model.predict(shape.x)", ["tests/test_chunk_budget.py"]),
     # --- stop checker
     ("stop-checker-first-start-not-first-end", "pyengine/engine/stop_checker.py",
      "key = (i + len(s), i)", "key = (i, i + len(s))", ["tests/test_stop_checker.py"]),

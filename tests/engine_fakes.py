@@ -183,3 +183,25 @@ def run_all(engine, max_steps=100000, check=None):
             assert got is None or got == c.text
     return final
 
+
+
+class StepClock:
+    """A fake clock for the S11 chunk budget: ``StepClock(engine)`` becomes the engine's clock and sits in front of
+    its runner, so that every batch run "takes" ``cost(query_lens, context_lens)`` seconds, by default 20 ms +
+    0.2 ms a token + 1 us a (query, key) pair: chunk sizes then follow the context, the same on every run."""
+
+    def __init__(self, engine, cost=None):
+        self.inner, self.t = engine.runner, 0.0
+        self.cost = cost or (lambda q, c: 0.020 + 0.0002 * sum(q)
+                             + 1e-6 * sum(n * (k - n) + n * (n + 1) / 2 for n, k in zip(q, c)))
+        engine.runner, engine.clock = self, self
+
+    def __getattr__(self, name):              # the rest of the runner's contract
+        return getattr(self.inner, name)
+
+    def run(self, batch):
+        self.t += self.cost(list(batch.query_lens), list(batch.context_lens))
+        return self.inner.run(batch)
+
+    def __call__(self) -> float:
+        return self.t

@@ -80,7 +80,7 @@ def test_bench_tokenizer_quick():
     finite_positive(re.findall(rf"re-only split = ({NUMBER})x", out), "encode / split ratio", 2)
 
 
-@pytest.mark.parametrize("what, n_ratios", [("prefix", 2), ("batching", 3), ("chunked", 4)])
+@pytest.mark.parametrize("what, n_ratios", [("prefix", 2), ("batching", 3), ("chunked", 7)])
 def test_bench_paging_quick(what, n_ratios):
     # (waste is tests/test_engine_bench_paging.py's, in-process); one sub-benchmark a run keeps each short
     out = bench("paging", "--quick", "--only", what)

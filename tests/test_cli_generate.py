@@ -47,7 +47,8 @@ def test_generate_seeded_sampling_is_reproducible(capsys, llm):
 
 
 @pytest.mark.parametrize("flag, value, name", [("--temperature", "-1", "temperature"), ("--top-p", "0", "top_p"),
-                                              ("--max-tokens", "0", "max_tokens"), ("--min-p", "2", "min_p")])
+                                              ("--max-tokens", "0", "max_tokens"), ("--min-p", "2", "min_p"),
+                                              ("--target-itl-ms", "-5", "target-itl-ms")])
 def test_bad_option_fails_before_loading(capsys, flag, value, name):
     rc = main(["generate", "hi", flag, value])
     out, err = capsys.readouterr()

@@ -6,7 +6,7 @@ import random
 import numpy as np
 import pytest
 
-from engine_fakes import EOS, FakeTokenizer, context_logits, make_engine, reference_greedy, run_all
+from engine_fakes import EOS, FakeTokenizer, StepClock, context_logits, make_engine, reference_greedy, run_all
 from pyengine.engine.llm_engine import EngineOverloaded
 from pyengine.sampling_params import SamplingParams
 
@@ -109,6 +109,32 @@ def test_chunked_prefill_equals_unchunked_and_mixes_with_decodes():
     for i in range(len(ps)):
         assert finals[True][f"r{i}"].outputs[0].token_ids == finals[False][f"r{i}"].outputs[0].token_ids
     check_against_reference(finals[True], ps)
+
+
+@pytest.mark.parametrize("target_itl_ms", [None, 30.0, 10.0])
+def test_itl_targeted_chunks_keep_outputs(target_itl_ms):
+    """S11: chunks sized each step from a target ITL (fake clock: a step's time follows its batch) give the
+    same greedy tokens as unchunked prefill and the engine-free reference: a derived target, a fixed one, and
+    one below the decodes' own cost (minimum chunks)."""
+    ps = [list(range(1, 47)) * 3] + prompts(4, seed=5, lo=3, hi=8)    # one 138-token prompt + short ones
+    finals = {}
+    for chunked in (False, True):
+        eng = make_engine(num_blocks=160, max_num_batched_tokens=160, enable_chunked_prefill=chunked,
+                          enable_prefix_caching=False, target_itl_ms=target_itl_ms, max_model_len=256)
+        StepClock(eng)
+        for i, p in enumerate(ps[1:], 1):
+            eng.add_request(f"r{i}", {"prompt_token_ids": p}, greedy(40))
+        for _ in range(3):
+            eng.step()
+        eng.add_request("r0", {"prompt_token_ids": ps[0]}, greedy(40))
+        finals[chunked] = run_all(eng, check=invariants)
+        if chunked:
+            long_chunks = [max(q) for q, c in eng.runner.batches if max(q) > 1 and q.count(1) >= 1]
+            assert len(long_chunks) >= 3 and len(set(long_chunks)) >= 2, long_chunks   # really varied chunks
+            assert eng.stats()["target_itl_ms"] > 0
+    for i in range(len(ps)):
+        assert finals[True][f"r{i}"].outputs[0].token_ids == finals[False][f"r{i}"].outputs[0].token_ids
+    check_against_reference(finals[True], ps, max_tokens=40)
 
 
 def test_unchunked_prompt_longer_than_budget_is_rejected():

@@ -117,6 +117,37 @@ def test_chunked_equals_unchunked(runner):
         check_against_teacher_forcing(runner, tok.encode(p), chunked[f"q{i}"], f"q{i} chunked")
 
 
+def test_itl_targeted_chunks_equal_unchunked(runner):
+    """S11: chunks sized each step from a target ITL. The clock is a fake one (a step "takes" a cost of its batch,
+    tests/engine_fakes.py) so the chunk sizes are varied and the same on every run; the outputs must still be
+    the teacher-forced reference's."""
+    import sys
+    sys.path.insert(0, os.path.dirname(__file__))
+    from engine_fakes import StepClock
+
+    tok = runner.tokenizer
+    prompts = OTHER_PROMPTS[:3] + [" ".join(OTHER_PROMPTS) * 2]
+    eng = engine(runner, enable_prefix_caching=False, target_itl_ms=60)
+    StepClock(eng, lambda q, c: 0.02 + 0.0005 * sum(q))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+    for i, p in enumerate(prompts[:3]):
+        eng.add_request(f"q{i}", p, params)
+    final, chunks = {}, []
+    eng.step()                                            # the short prompts, then they decode
+    eng.add_request("q3", prompts[3], params)
+    while eng.has_unfinished_requests():
+        long = eng.requests.get("q3")
+        before = long.seqs[0].num_computed_tokens if long else 0
+        for out in eng.step():
+            if out.finished:
+                final[out.request_id] = out.outputs[0]
+        if long is not None and long.seqs[0].num_computed_tokens > before and final.keys() < {"q0", "q1", "q2"}:
+            chunks.append(long.seqs[0].num_computed_tokens - before)
+    assert len(chunks) >= 3 and len(set(chunks)) >= 2, chunks   # the long prompt went in varied chunks
+    for i, p in enumerate(prompts):
+        check_against_teacher_forcing(runner, tok.encode(p), final[f"q{i}"], f"q{i} ITL-targeted chunks")
+
+
 class FewBlocks:
     """The real runner (its KV cache, its model) seen through a smaller block pool: the engine's block
     manager hands out only block ids < num_blocks, so sequences must be preempted and recomputed."""

@@ -20,7 +20,7 @@ from e2e_support import free_port, stop_process, wait_http  # noqa: E402
 def served():
     port = free_port()
     args = [sys.executable, "-m", "pyengine", "serve", "--port", str(port), "--api-key", "k3y",
-            "--max-model-len", "512", "--max-waiting", "8", "--log-level", "warning"]
+            "--max-model-len", "512", "--max-waiting", "8", "--log-level", "warning", "--target-itl-ms", "80"]
     assert (web_server.WEB_ROOT / "index.html").is_file(), "web/index.html is part of the checkout"
     args.append("--with-demo")
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -42,7 +42,9 @@ def test_serve_requires_key_and_serves(served):
     model = httpx.get(url + "/v1/models", headers={"Authorization": "Bearer k3y"}).json()["data"][0]["id"]
     assert model == "SmolLM2-135M-Instruct.Q4_1" and r.json()["model"] == model
     assert httpx.get(url + "/metrics").status_code == 401            # --api-key covers /metrics too
-    assert "pyengine_generation_tokens_total" in httpx.get(url + "/metrics", headers={"Authorization": "Bearer k3y"}).text
+    metrics = httpx.get(url + "/metrics", headers={"Authorization": "Bearer k3y"}).text
+    assert "pyengine_generation_tokens_total" in metrics
+    assert "pyengine_target_itl_ms 80.0" in metrics                  # --target-itl-ms reached the engine
 
 
 def test_demo_in_same_process(served):

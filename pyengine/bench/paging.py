@@ -9,12 +9,14 @@ prefill buy, each measured against its baseline in the same run.
             until its longest member ends, finished members keep their slots) vs continuous batching
             (target >= 2x useful tokens/s); plus the aggregate decode rate with N = 32 sequences running
             (target >= 330 tok/s); S17's parallel setups are `pyengine bench parallel`.
-  chunked   (S11) 8 running decodes while a long prompt arrives: ITL p99 / median with and without
-            chunked prefill (target with chunking <= 3x). The median is the decodes' own: that of the same
-            decodes run alone for as many steps (their contexts grow by one token a step, so the steps of a
-            run are not alike: a baseline over the same steps compares like with like).
-            The chunk budget is derived from measured step costs so that a step stays within ~2 decode
-            steps (the usual SLO-style choice of max_num_batched_tokens); --chunk-budget overrides it.
+  chunked   (S11) 8 running decodes while a long prompt arrives, three setups side by side: unchunked, fixed
+            chunks (a token budget calibrated from measured step costs so that a step stays within ~2 decode
+            steps, the usual SLO-style choice of max_num_batched_tokens; --chunk-budget overrides it) and
+            chunks sized every step from a target ITL (engine/chunk_budget.py; --target-itl-ms, default
+            derived). Per setup: the prompt's TTFT / unchunked (target for the ITL-targeted one <= 1.5x) and
+            the decodes' ITL p99 / median (target with chunking <= 3x). The median is the decodes' own: that
+            of the same decodes run alone for as many steps (their contexts grow by one token a step, so the
+            steps of a run are not alike: a baseline over the same steps compares like with like).
 
 Timings on a shared machine are noisy; every ratio compares runs made moments apart in this process.
 """
@@ -52,7 +54,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("chunked")
     g.add_argument("--long-prompt", type=int, default=4096)
     g.add_argument("--decoders", type=int, default=8)
-    g.add_argument("--chunk-budget", type=int, default=None, help="max_num_batched_tokens with chunking")
+    g.add_argument("--chunk-budget", type=int, default=None,
+                   help="the fixed-chunk setup's max_num_batched_tokens (default: calibrated to ~2 decode steps)")
+    g.add_argument("--target-itl-ms", type=float, default=None,
+                   help="the ITL-targeted setup's target (default: derived, as the engine's own default)")
+    g.add_argument("--no-fixed-chunks", action="store_true",
+                   help="skip the fixed-chunk setup (its many small steps are the slowest part of a full run)")
 
 
 def _verdict(ok: bool) -> str:
@@ -284,19 +291,20 @@ def _hf_batched_rate(args, prompts: list[list[int]], steps: int) -> dict:
 
 # --- (d) chunked prefill -------------------------------------------------------------------------------
 def _itl_run(args, budget: int, chunked: bool, long_prompt: list[int] | None, decoder_prompts: list[list[int]],
-             calm_steps: int, total_steps: int = 0) -> tuple[np.ndarray, np.ndarray, int, float]:
+             calm_steps: int, total_steps: int = 0, target_itl_ms: float | None = 0) -> dict:
     """8 decodes run `calm_steps` steps, the long prompt arrives, and after its first token the decodes run
     `calm_steps` more. Every step gives each decoder one token, so a decoder's inter-token latency is the
-    step's duration. Returns (wall, cpu) durations of calm steps and of steps that carried prefill work,
-    the number of prefill steps and the long prompt's time to first token (wall seconds). Without a long
-    prompt: the decodes alone for `total_steps` steps."""
+    step's duration. Returns the (wall, cpu) durations of calm steps and of steps that carried prefill work
+    ("calm", "busy"), the number of prefill steps, the long prompt's time to first token (wall seconds) and
+    the targets the chunk budget chose (ms). Without a long prompt: the decodes alone for `total_steps` steps."""
     eng = _engine(args, max_model_len=max(2048, len(long_prompt or ()) + 16), max_num_seqs=len(decoder_prompts) + 1,
-                  max_num_batched_tokens=budget, enable_chunked_prefill=chunked, enable_prefix_caching=False)
+                  max_num_batched_tokens=budget, enable_chunked_prefill=chunked, enable_prefix_caching=False,
+                  target_itl_ms=target_itl_ms)
     for i, p in enumerate(decoder_prompts):
         eng.add_request(f"d{i}", {"prompt_token_ids": p}, _greedy(1500))
     while any(s.is_prefill for s in eng.scheduler.running + eng.scheduler.waiting):
         eng.step()                                  # the decoders' own prompts are not part of the picture
-    calm, busy = [], []
+    calm, busy, targets = [], [], []
     steps = prefill_steps = 0
     state, stop_at, arrived, ttft = "before", None, 0.0, 0.0      # before -> prefilling -> after
     if long_prompt is None:
@@ -310,6 +318,8 @@ def _itl_run(args, budget: int, chunked: bool, long_prompt: list[int] | None, de
         t0, c0 = time.perf_counter(), time.process_time()
         outs = eng.step()
         (busy if in_prefill else calm).append((time.perf_counter() - t0, time.process_time() - c0))
+        if in_prefill and eng.scheduler.chunk_budget is not None:
+            targets.append(1000 * (eng.scheduler.chunk_budget.last_target or 0.0))
         assert sum(o.request_id.startswith("d") for o in outs) == len(decoder_prompts)
         if any(o.request_id == "long" for o in outs):
             state, stop_at, ttft = "after", steps + calm_steps, time.perf_counter() - arrived
@@ -318,35 +328,59 @@ def _itl_run(args, budget: int, chunked: bool, long_prompt: list[int] | None, de
             break
     for rid in list(eng.requests):
         eng.abort_request(rid)
-    return np.array(calm), np.array(busy), prefill_steps, ttft
+    return {"calm": np.array(calm), "busy": np.array(busy).reshape(-1, 2), "prefill_steps": prefill_steps,
+            "ttft": ttft, "targets": targets}
 
 
 def bench_chunked(args) -> None:
+    """Three ways to run the long prompt beside the decodes, in one run: unchunked, fixed chunks (a token
+    budget) and chunks sized each step from a target ITL (engine/chunk_budget.py)."""
     n_long = 512 if args.quick else args.long_prompt
     rng = np.random.default_rng(args.seed + 2)
     long_prompt = _token_prompt(rng, n_long)
     decoders = [_token_prompt(rng, 16) for _ in range(args.decoders)]
-    budget = args.chunk_budget
-    if budget is None:
-        budget = _calibrate_budget(args, decoders, n_long)
+    fixed = None
+    if not args.no_fixed_chunks:
+        fixed = args.chunk_budget if args.chunk_budget is not None else _calibrate_budget(args, decoders, n_long)
     calm_steps = 8 if args.quick else 24
+    whole = n_long + args.decoders
+    target = "derived" if args.target_itl_ms is None else f"{args.target_itl_ms:g} ms"
+    # the ITL-targeted setup runs right after the unchunked one (the TTFT ratio's two sides, moments apart)
+    setups = [("unchunked", whole, False, 0), (f"ITL target ({target})", whole, True, args.target_itl_ms),
+              (f"fixed chunks ({fixed} tok/step)", fixed, True, 0)][:2 if args.no_fixed_chunks else 3]
     print(f"(d) chunked prefill: {args.decoders} decodes running while a {n_long}-token prompt is prefilled; "
-          f"ITL p99 over the run / median ITL of the same decodes alone over as many steps:")
-    for chunked in (False, True):
-        b = budget if chunked else n_long + args.decoders
-        calm, busy, n_pref, ttft = _itl_run(args, b, chunked, long_prompt, decoders, calm_steps)
-        alone = _itl_run(args, b, chunked, None, decoders, calm_steps, total_steps=len(calm) + len(busy))[0]
-        name = f"with chunking ({budget} tok/step, {n_pref} steps)" if chunked else "without chunking"
-        p99 = np.percentile(np.concatenate([calm, busy]), 99, axis=0)     # (wall, cpu) over the whole run
-        med = np.median(alone, axis=0)
-        # the calm steps of this run mix decodes at their first contexts (before the prompt) and ~n_steps tokens
-        # later (after it); their median, the baseline of earlier versions of this bench, is shown for reference
-        print(f"  {name}: the long prompt's first token after {ttft:.1f} s; ITL p99 / median of this run's "
-              f"steps without prefill work {p99[0] / np.median(calm[:, 0]):.2f}x")
-        for k, clock in enumerate(("", "  same in process CPU time")):
-            ratio = float(p99[k] / med[k])
-            _line(clock or f"ITL p99 / median, {name}", f"{1000 * p99[k]:.0f} ms / {1000 * med[k]:.0f} ms", ratio,
-                  "<= 3x" if chunked else "(base)", (ratio <= 3.0) if chunked else True)
+          f"the prompt's TTFT / unchunked and ITL p99 over the run / median ITL of the same decodes alone over "
+          f"as many steps (run right after it: the host's speed drifts):")
+    print(f"  {'setup':<34} {'prefill steps':>13} {'TTFT s':>8} {'/ unchunked':>11} {'ITL p99 ms':>10} "
+          f"{'median ms':>9} {'p99/median':>10}", flush=True)
+    runs = []
+    for name, budget, chunked, t in setups:
+        r = _itl_run(args, budget, chunked, long_prompt, decoders, calm_steps, target_itl_ms=t)
+        n = len(r["calm"]) + len(r["busy"])
+        alone = _itl_run(args, whole, True, None, decoders, calm_steps, total_steps=n)["calm"]
+        r.update(p99=np.percentile(np.concatenate([r["calm"], r["busy"]]), 99, axis=0),   # (wall, cpu), whole run
+                 med=np.median(alone, axis=0))
+        runs.append(r)
+        p99, med, base_ttft = r["p99"], r["med"], runs[0]["ttft"]
+        print(f"  {name:<34} {r['prefill_steps']:>13} {r['ttft']:>8.2f} {r['ttft'] / base_ttft:>10.2f}x "
+              f"{1000 * p99[0]:>10.0f} {1000 * med[0]:>9.0f} {p99[0] / med[0]:>9.2f}x", flush=True)
+    base_ttft = runs[0]["ttft"]
+    if runs[1]["targets"]:
+        t = np.array(runs[1]["targets"])
+        print(f"  ITL target chosen per prefill step: median {np.median(t):.0f} ms (range {t.min():.0f}-"
+              f"{t.max():.0f}); chunks of {n_long / max(runs[1]['prefill_steps'], 1):.0f} tokens on average")
+    for (name, _, chunked, t), r in zip(setups[1:], runs[1:]):
+        ratio = r["ttft"] / base_ttft
+        targeted = t != 0
+        _line(f"TTFT / unchunked, {name}", f"{r['ttft']:.1f} s / {base_ttft:.1f} s", ratio,
+              "<= 1.5x" if targeted else "(info)", ratio <= 1.5 if targeted else True)
+        for k, clock in enumerate(("wall", "process CPU time")):
+            ratio = float(r["p99"][k] / r["med"][k])
+            _line(f"  ITL p99 / median ({clock})", f"{1000 * r['p99'][k]:.0f} ms / {1000 * r['med'][k]:.0f} ms",
+                  ratio, "<= 3x", ratio <= 3.0)
+    r = runs[0]
+    _line("ITL p99 / median, unchunked", f"{1000 * r['p99'][0]:.0f} ms / {1000 * r['med'][0]:.0f} ms",
+          float(r["p99"][0] / r["med"][0]), "(base)", True)
 
 
 def _calibrate_budget(args, decoders, n_long: int) -> int:
@@ -355,7 +389,8 @@ def _calibrate_budget(args, decoders, n_long: int) -> int:
     per-token cost includes the step's fixed cost, which errs toward smaller chunks). The per-token cost
     is scaled for attention over the longest context the chunks will see (FLOPs per token: 2 x weights
     + 4 x context x attention width)."""
-    eng = _engine(args, max_num_seqs=len(decoders) + 1, max_num_batched_tokens=2048, enable_prefix_caching=False)
+    eng = _engine(args, max_num_seqs=len(decoders) + 1, max_num_batched_tokens=2048, enable_prefix_caching=False,
+                  target_itl_ms=0)
     rng = np.random.default_rng(args.seed + 3)
     probes = []
     for i in range(3):

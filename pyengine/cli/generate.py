@@ -48,12 +48,31 @@ def add_speculative_argument(p: argparse.ArgumentParser) -> None:
                         '"num_speculative_tokens": 4}\' or {"method": "draft_model", "model": PATH, ...}')
 
 
+def add_target_itl_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target-itl-ms", type=float, default=None, metavar="MS",
+                   help="S11: size each step's prompt chunks so a step with running decodes is predicted to take at "
+                        "most MS ms (cost model fitted to measured steps); default: 2.5 x the decodes' own step; "
+                        "0 = off (chunks fill --max-num-batched-tokens)")
+
+
+def check_target_itl(args) -> None:
+    """--target-itl-ms must be a finite number >= 0 (checked before the model loads)."""
+    if getattr(args, "target_itl_ms", None) is not None:
+        from pyengine.engine.chunk_budget import check_target_itl_ms
+        try:
+            check_target_itl_ms(args.target_itl_ms)
+        except ValueError:
+            raise ValueError(f"--target-itl-ms must be a finite number of ms >= 0 (0 = off), "
+                             f"got {args.target_itl_ms}") from None
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="prompt text (use --chat to send it as a user message)")
     add_sampling_arguments(p, max_tokens=128)
     p.add_argument("--chat", action="store_true", help="apply the chat template to PROMPT")
     p.add_argument("--system", default=None, metavar="TEXT", help="system message (with --chat)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
+    add_target_itl_argument(p)
 
 
 def sampling_params(args, llm=None, **extra):
@@ -143,7 +162,8 @@ def load_llm(args):
               f"({runner.kv_cache_dtype})", t)
     tok = runner.tokenizer
     stage(f"tokenizer: {tok.vocab_size} tokens", t)
-    llm = LLM(runner=runner, max_model_len=args.max_model_len, max_num_seqs=1, speculative_config=spec)
+    llm = LLM(runner=runner, max_model_len=args.max_model_len, max_num_seqs=1, speculative_config=spec,
+              target_itl_ms=getattr(args, "target_itl_ms", None))
     llm.model_context = context
     if spec is not None:
         stage(f"speculative decoding: {spec['method']}, up to {spec['num_speculative_tokens']} drafts a step", t)
@@ -197,6 +217,7 @@ def check_fits(llm, n_prompt: int, max_tokens: int) -> None:
 
 def run(args) -> int:
     sampling_params(args)                # bad values fail before the model loads
+    check_target_itl(args)
     llm = load_llm(args)
     params = sampling_params(args, llm, ignore_eos=args.ignore_eos)
     tok = llm.get_tokenizer()

@@ -19,7 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-from pyengine.cli.generate import add_model_arguments, add_speculative_argument
+from pyengine.cli.generate import add_model_arguments, add_speculative_argument, add_target_itl_argument
 
 # The web demo's dev-server app factory (the demo owns that module): create_app(model=path, pyodide=None).
 DEMO_MODULE = "pyengine.web_server"
@@ -81,6 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_speculative_argument(p)
     p.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
     p.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
+    add_target_itl_argument(p)
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     p.add_argument("--body-timeout", type=float, default=d.body_timeout,
                    help=f"seconds for a request body to arrive (408 otherwise; default {d.body_timeout:g})")
@@ -107,13 +108,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_engine(args):
-    from pyengine.cli.generate import default_max_model_len
+    from pyengine.cli.generate import check_target_itl, default_max_model_len
     from pyengine.engine.llm_engine import LLMEngine
     from pyengine.engine.spec_decode import parse_speculative_config
     from pyengine.gguf.reader import GGUFFile
     from pyengine.model_files import resolve_model
 
     spec = parse_speculative_config(getattr(args, "speculative_config", None))   # fails before the model loads
+    check_target_itl(args)
     path = resolve_model(args.model)
     if getattr(args, "max_model_len", None) is None:
         args.max_model_len = default_max_model_len(GGUFFile(path))
@@ -130,7 +132,8 @@ def build_engine(args):
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        enable_prefix_caching=not args.no_prefix_cache,
                        enable_chunked_prefill=not args.no_chunked_prefill, max_waiting=args.max_waiting,
-                       speculative_config=spec, kv_cache_dtype=kv_cache_dtype)
+                       speculative_config=spec, kv_cache_dtype=kv_cache_dtype,
+                       target_itl_ms=getattr(args, "target_itl_ms", None))
     return engine, path
 
 

@@ -22,6 +22,7 @@ import time
 import numpy as np
 
 from pyengine.engine.block_manager import BlockManager
+from pyengine.engine.chunk_budget import ChunkBudget, check_target_itl_ms
 from pyengine.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, snapshot_metrics
 from pyengine.engine.scheduler import Scheduler, SchedulerOutput
 from pyengine.engine.sequence import Sequence, SequenceStatus
@@ -82,7 +83,7 @@ class LLMEngine:
                  runner=None, tokenizer=None, seed: int | None = None, watermark: float = 0.03,
                  aging_steps: int = 64, tensor_parallel_size: int = 1, speculative_config=None,
                  draft_runner=None, weights_mode: str = "resident", kv_cache_dtype: str = "auto",
-                 pipeline_parallel_size: int = 1):
+                 pipeline_parallel_size: int = 1, target_itl_ms: float | None = None):
         """``runner``/``tokenizer`` (keyword-only extension): inject any object with the ModelRunner contract
         (tests use a fake one); by default a `ModelRunner` is built for ``model`` (path, bytes, GGUFFile or
         None for the default model), its weights in ``weights_mode`` ("resident" or "lean"), its KV cache in
@@ -92,7 +93,10 @@ class LLMEngine:
         (extension) injects the draft model's runner.
         S17: inside an MPI job (``mpiexec -n N*M python script.py``), ``tensor_parallel_size`` N and
         ``pipeline_parallel_size`` M run over MPI: rank 0 gets the engine, the other ranks compute in here until
-        rank 0 is done, then exit (``pyengine serve`` starts its ranks itself)."""
+        rank 0 is done, then exit (``pyengine serve`` starts its ranks itself).
+        S11: with chunked prefill, ``target_itl_ms`` sizes each step's prompt chunks so that a step with decodes
+        is predicted to last at most that long (engine/chunk_budget.py); None derives the target from the
+        decodes' own measured cost, 0 turns it off (chunks fill ``max_num_batched_tokens``)."""
         if runner is None and tensor_parallel_size * pipeline_parallel_size > 1:
             from pyengine.parallel.mpi import launched_under_mpi    # lazy: mpi4py only when asked for
             if launched_under_mpi():
@@ -132,10 +136,14 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.max_waiting = max_waiting
         self.block_manager = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching)
+        chunk_budget = None
+        if target_itl_ms is None or check_target_itl_ms(target_itl_ms) > 0:
+            chunk_budget = ChunkBudget(target_itl_ms)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                                    enable_chunked_prefill=enable_chunked_prefill, watermark=watermark,
-                                   aging_steps=aging_steps)
+                                   aging_steps=aging_steps, chunk_budget=chunk_budget)
+        self.clock = time.perf_counter          # S11: step durations for the chunk budget (tests inject one)
         from pyengine.layers.sampler import Sampler
         self.sampler = Sampler()
         self.rng = np.random.default_rng(seed)
@@ -308,6 +316,7 @@ class LLMEngine:
                 self._draft_masks[seq.seq_id] = masks
 
     def step(self) -> list[RequestOutput]:
+        t_step = self.clock()
         t_start = time.perf_counter()
         if self.spec is not None:
             self._propose()
@@ -356,6 +365,7 @@ class LLMEngine:
                 for s in req.seqs:
                     self._seq_owner.pop(s.seq_id, None)
                 self.counters["finished_requests"] += 1
+        self.scheduler.observe_step(sched, self.clock() - t_step)
         return outputs
 
     def _sample(self, sampled: list[Sequence], logits, deltas: dict) -> None:
@@ -543,4 +553,5 @@ class LLMEngine:
             "prefix_cache_query_tokens": bm.query_tokens, "prefix_cache_evictions": bm.evictions,
             "num_preemptions": sch.num_preemptions, **self.counters,
             **spec_stats(self.spec),
+            **(sch.chunk_budget.stats() if sch.chunk_budget is not None else {}),
         }

@@ -9,6 +9,8 @@ sequence computes ``num_new`` of its ``num_tokens - num_computed_tokens`` missin
 2. then (only in a step without preemption) preempted and waiting sequences are admitted, best key first,
    while there is token budget, a free sequence slot and KV room beyond the watermark. A prefix-cache hit
    counts as already computed. A prompt longer than the remaining budget is split into chunks (S11).
+   With a `ChunkBudget` (engine/chunk_budget.py) a chunk is also cut to what the step's target inter-token
+   latency leaves once the decodes are planned, from a cost model fitted to measured step times.
 
 Keys: ``(priority - age // aging_steps, arrival order)`` with the vLLM convention that a lower priority value
 is served first; age is counted in scheduler steps, so a long-waiting request eventually outranks any new
@@ -19,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pyengine.engine.block_manager import BlockManager
+from pyengine.engine.chunk_budget import ChunkBudget, StepShape
 from pyengine.engine.sequence import Sequence, SequenceStatus
 
 
@@ -27,6 +30,7 @@ class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)   # (sequence, tokens to compute)
     preempted: list[Sequence] = field(default_factory=list)
     num_batched_tokens: int = 0
+    shape: StepShape | None = None       # S11: the step's cost features, with a ChunkBudget
 
     @property
     def is_empty(self) -> bool:
@@ -36,7 +40,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  max_model_len: int = 2048, enable_chunked_prefill: bool = True, watermark: float = 0.03,
-                 aging_steps: int = 64):
+                 aging_steps: int = 64, chunk_budget: ChunkBudget | None = None):
         if max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {max_num_seqs}")
         if max_num_batched_tokens < max_num_seqs:
@@ -54,6 +58,8 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.watermark_blocks = int(watermark * block_manager.num_blocks)
         self.aging_steps = aging_steps
+        # S11: prompt chunks sized from a target ITL (only matters with chunked prefill)
+        self.chunk_budget = chunk_budget if enable_chunked_prefill else None
         self.waiting: list[Sequence] = []
         self.preempted: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -110,8 +116,11 @@ class Scheduler:
         self.num_preemptions += 1
         self.preempted.append(seq)
 
-    def _num_new_tokens(self, remaining: int, budget: int) -> int:
-        """Tokens a prefill may compute this step (0 = not this step)."""
+    def _num_new_tokens(self, remaining: int, budget: int, shape: StepShape | None = None, start: int = 0) -> int:
+        """Tokens a prefill may compute this step (0 = not this step); with a chunk budget, also within the
+        step's target ITL given ``shape`` (what is planned so far), for a chunk from position ``start``."""
+        if shape is not None:
+            return self.chunk_budget.max_chunk(shape, start, min(remaining, budget))
         if self.enable_chunked_prefill or remaining > self.max_num_batched_tokens:
             # (without chunking, only a recompute longer than any step is split; prompts are checked at add)
             return min(remaining, budget)
@@ -123,6 +132,7 @@ class Scheduler:
         out = SchedulerOutput()
         planned: dict[int, tuple[Sequence, int]] = {}
         budget = self.max_num_batched_tokens
+        shape = out.shape = StepShape() if self.chunk_budget is not None else None
 
         # 1. running sequences: decodes first, then chunks of prompts already under way
         order = sorted(self.running, key=self.key)
@@ -138,7 +148,9 @@ class Scheduler:
                 while k > 0 and not self.bm.can_append(seq, 1 + k):
                     k -= 1
                 self._drop_drafts(seq, k)
-            n = 1 + len(seq.spec_token_ids) if remaining == 1 else self._num_new_tokens(remaining, budget)
+            decode = remaining == 1
+            start = seq.num_computed_tokens
+            n = 1 + len(seq.spec_token_ids) if decode else self._num_new_tokens(remaining, budget, shape, start)
             if n <= 0 or n > budget:
                 continue
             while not self.bm.can_append(seq, n):
@@ -154,6 +166,10 @@ class Scheduler:
             self.bm.append_slots(seq, n)
             planned[seq.seq_id] = (seq, n)
             budget -= n
+            if shape is not None and decode:
+                shape.add_decode(start + n, n)
+            elif shape is not None:
+                shape.add_chunk(start, n)
 
         # 2. admissions: preempted (recompute) and waiting sequences compete on the same key
         if not out.preempted:
@@ -168,7 +184,7 @@ class Scheduler:
                     seq.wait_for = None
                 cached = self.bm.get_computed_blocks(seq)
                 remaining = seq.num_tokens - len(cached) * self.bm.block_size
-                n = self._num_new_tokens(remaining, budget)
+                n = self._num_new_tokens(remaining, budget, shape, len(cached) * self.bm.block_size)
                 if n <= 0:
                     break
                 # Room for the whole rest of the prompt (not just this chunk), so an admitted prefill does
@@ -182,10 +198,17 @@ class Scheduler:
                 self.running.append(seq)
                 planned[seq.seq_id] = (seq, n)
                 budget -= n
+                if shape is not None:
+                    shape.add_chunk(len(cached) * self.bm.block_size, n)
 
         out.scheduled = list(planned.values())
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
+
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """S11: the measured duration of a step this scheduler planned (fits the chunk budget's cost model)."""
+        if self.chunk_budget is not None and out.shape is not None:
+            self.chunk_budget.observe(out.shape, seconds)
 
     def on_step_done(self, out: SchedulerOutput) -> None:
         """The runner has written K/V for the scheduled tokens: advance and publish full blocks. A decode's

@@ -36,6 +36,8 @@ class ServerMetrics:
                              buckets=E2E_BUCKETS, registry=r)
         self.running = Gauge(p + "num_requests_running", "Sequences in the engine's running batch", registry=r)
         self.waiting = Gauge(p + "num_requests_waiting", "Sequences waiting for admission", registry=r)
+        self.target_itl = Gauge(p + "target_itl_ms", "S11: the step time prompt chunks are sized to while decodes "
+                                "run (--target-itl-ms, or the last derived one)", registry=r)
         self.kv_blocks_used = Gauge(p + "kv_cache_used_blocks", "KV-cache blocks in use", registry=r)
         self.kv_usage = Gauge(p + "kv_cache_usage_ratio", "Fraction of the KV-cache blocks in use", registry=r)
         self.prefix_hit_rate = Gauge(p + "prefix_cache_hit_rate", "Prefix-cache hit rate (0..1) so far",
@@ -69,6 +71,8 @@ class ServerMetrics:
             self.running.set(stats["running"])
         if "waiting" in stats:
             self.waiting.set(stats["waiting"])
+        if stats.get("target_itl_ms") is not None:
+            self.target_itl.set(stats["target_itl_ms"])
         used = engine.num_used_blocks()
         self.kv_blocks_used.set(used)
         if stats.get("total_blocks"):

@@ -21,5 +21,9 @@ FLASH_MIN_QUERY = 128       # queries from which prefill attention is tiled (bou
 FLASH_TILE = 256            # keys per flash tile
 FLASH_Q_TILE = 128          # queries per flash tile
 
+# --- captured steps (engine/graph_replay.py, S13) --------------------------------------------------------
+GRAPH_CACHE_STEPS = 32      # buckets kept per runner: a batch's buckets change with its block counts, ~every
+#                             16 tokens per sequence; 32 small op lists (SmolLM2: ~1400 calls each) cost a few MB
+
 SWEEPABLE = ("LINEAR_ROW_LOOP_MAX", "HEAD_ROW_LOOP_MAX", "DECODE_SLOTS", "DECODE_KEY_CHUNK", "KEY_TREE_MIN",
              "SHORT_QUERY_MAX")

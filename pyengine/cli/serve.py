@@ -125,7 +125,8 @@ def build_engine(args):
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        enable_prefix_caching=not args.no_prefix_cache,
                        enable_chunked_prefill=not args.no_chunked_prefill, max_waiting=args.max_waiting,
-                       speculative_config=spec, kv_cache_dtype=kv_cache_dtype)
+                       speculative_config=spec, kv_cache_dtype=kv_cache_dtype,
+                       enforce_eager=getattr(args, "enforce_eager", False))
     return engine, path
 
 

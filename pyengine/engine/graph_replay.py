@@ -117,7 +117,8 @@ class CapturedStep:
 
     def __init__(self, plan: StepPlan, batch, rope_tables: list, block_size: int, max_slots: int):
         self.key = None
-        self.ops: list = []
+        self.ops: list = []             # the recorded calls; a group's attention is one BoundAttention entry
+        self.flat: list | None = None   # the same with each BoundAttention's calls spliced in (what replays)
         self.scratch: list[np.ndarray] = []          # reduction and regrouping buffers the plain calls allocate
         self.token_ids, self.slots = plan.token_ids.copy(), plan.slots.copy()
         self.logits_indices = plan.logits_indices.copy()
@@ -172,6 +173,7 @@ class CapturedStep:
         self.regroups += 1
         for bound in self.attention.get((kind, index), ()):
             bound.build()
+        self.flat = None
         return g
 
     def bind(self, plan: StepPlan) -> None:
@@ -226,7 +228,9 @@ class CapturedStep:
         return True
 
     def replay(self) -> np.ndarray:
-        for op in self.ops:
+        if self.flat is None:
+            self.flat = [o for op in self.ops for o in (op.ops if isinstance(op, BoundAttention) else (op,))]
+        for op in self.flat:
             op()
         return self.logits
 
@@ -242,6 +246,7 @@ class StepCapture(EagerOps):
         for op in ops:
             op()
         self.step.ops += ops
+        self.step.flat = None
 
     def call(self, f, *args) -> None:
         self._run([partial(f, *args)])

@@ -27,7 +27,11 @@ def rms_norm_ops(x: np.ndarray, weight: np.ndarray | None, eps: float, out: np.n
     ``ms`` (..., 1) is the bound scratch the eager form allocates."""
     # out positional and the scalars as float32 0-d arrays (the values NumPy casts them to): cheaper calls
     inv_d, eps = np.array(1.0 / x.shape[-1], np.float32), np.array(eps, np.float32)
-    ops = [partial(np.multiply, x, x, out), partial(np.add.reduce, out, -1, None, ms, True),
-           partial(np.multiply, ms, inv_d, ms), partial(np.add, ms, eps, ms),
+    if ms.size == 1:            # one row: its mean square as a 0-d view (NumPy broadcasts those cheaper)
+        ms = ms.reshape(())
+        red = partial(np.add.reduce, out.reshape(-1), 0, None, ms)
+    else:
+        red = partial(np.add.reduce, out, -1, None, ms, True)
+    ops = [partial(np.multiply, x, x, out), red, partial(np.multiply, ms, inv_d, ms), partial(np.add, ms, eps, ms),
            partial(np.sqrt, ms, ms), partial(np.divide, x, ms, out)]
     return ops + ([partial(np.multiply, out, weight, out)] if weight is not None else [])

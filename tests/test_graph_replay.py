@@ -41,8 +41,30 @@ def pair(request, tmp_path_factory):
     return ModelRunner(path, enforce_eager=True, **KW), ModelRunner(path, **KW)
 
 
+@pytest.fixture(scope="module", params=[("llama", "lean", "auto"), ("llama32", "resident", "q8_0"),
+                                        ("gemma3", "resident", "fp16"), ("llama32", "lean", "q4_0")],
+                ids=lambda p: "-".join(p))
+def variant_pair(request, tmp_path_factory):
+    """Lean weights (one call per product) and quantized / half KV caches (converted reads and gathers;
+    "llama32": the benchmark's tiny llama with 32-wide heads, as ggml's KV blocks need)."""
+    from pyengine.bench.replay import write_tiny as write_tiny_llama
+    arch, mode, kv = request.param
+    where = tmp_path_factory.mktemp(arch) / f"{arch}.gguf"
+    path = (write_tiny_llama(str(where), seed=6, layers=3, vocab=VOCAB, heads=2) if arch == "llama32" else
+            str(write_tiny(where, arch, seed=6)))
+    kw = dict(KW, weights_mode=mode, kv_cache_dtype=kv)
+    return ModelRunner(path, enforce_eager=True, **kw), ModelRunner(path, **kw)
+
+
 def test_replayed_steps_equal_plain_steps_bit_for_bit(pair):
-    plain, replayed = pair
+    check_steps(*pair)
+
+
+def test_lean_weights_and_kv_dtypes_replay_bit_for_bit(variant_pair):
+    check_steps(*variant_pair)
+
+
+def check_steps(plain, replayed):
     assert plain.graphs is None and replayed.graphs is not None
     rng = np.random.default_rng(0)
     pool = rng.permutation(KW["num_blocks"]).astype(np.int32)

@@ -36,12 +36,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="few steps (smoke test)")
 
 
-def write_tiny(path: str, seed: int = 0, d: int = 64, layers: int = 4, vocab: int = 512) -> str:
-    """A random llama GGUF of width ``d`` (Q8_0 matrices, like a real file)."""
+def write_tiny(path: str, seed: int = 0, d: int = 64, layers: int = 4, vocab: int = 512, heads: int = 4) -> str:
+    """A random llama GGUF of width ``d`` and ``heads`` query heads (half as many KV heads; Q8_0 matrices, like a
+    real file)."""
     import gguf   # dev dependency: the benchmark writes its model
 
     rng = np.random.default_rng(seed)
-    H, Hkv, F = 4, 2, 4 * d
+    H, Hkv, F = heads, max(1, heads // 2), 4 * d
     w = gguf.GGUFWriter(path, "llama")
     for key, v in (("block_count", layers), ("embedding_length", d), ("attention.head_count", H),
                    ("attention.head_count_kv", Hkv), ("feed_forward_length", F), ("context_length", 2048)):

@@ -142,7 +142,7 @@ def run(args) -> int:
     steps, blocks = (8, 2) if args.quick else (args.steps, args.blocks)
     print("S13 captured step: plain (enforce_eager) vs replayed, interleaved blocks of "
           f"{steps} decode steps x {blocks}; OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', '-')}")
-    for layers in args.layers:
+    for layers in args.layers[:1] if args.quick else args.layers:
         with tempfile.TemporaryDirectory() as tmp:
             runner = ModelRunner(write_tiny(os.path.join(tmp, "tiny.gguf"), layers=layers), max_model_len=1024,
                                  max_num_seqs=8)

@@ -13,20 +13,23 @@ arguments) around NumPy kernels that each take a microsecond. The course's answe
             embedding lookup, KV writes, gathers, an MoE layer) as one call each.
   replay    later steps with the same bucket copy their per-step data (token ids, positions, cache slots,
             logits rows, each query group's block ids and mask) into the arrays the calls were bound to and
-            run the list: ``for op in step.ops: op()``. A step whose bucket is known from the batch alone
-            (``batch_key``: query lengths, blocks each sequence reads, logits rows) skips the runner's plan:
-            ``bind_batch`` derives just those arrays from the block tables, and a bound prologue gathers the
-            RoPE rows once for all layers; otherwise the plan is made and ``bind`` copies from it.
+            run the list: ``for op in step.flat: op()``. When the batch alone names its bucket (``batch_key``:
+            its query lengths and logits rows), ``bind_batch`` derives just those arrays from the block tables
+            and a bound prologue gathers the RoPE rows once for all layers: the runner's plan is skipped.
+            Otherwise the plan is made and ``bind`` copies from it.
+  re-bind   a group's padded context grows by a block every block_size tokens (and a lone sequence's blocks
+            may stop being one zero-copy run): then only that group's attention calls are rebuilt in every
+            layer (``CapturedStep.regroup``, ``BoundAttention.build``), not the whole step.
 
-A bucket (``step_key``) is everything that fixes a shape: the step's tokens T, the logits rows, and per kind of
-layer each query group's rows, query length, padded block count and zero-copy start. Shapes are exact, not
-padded up: a padded row would change BLAS's kernel choice (matvec vs sgemm, the row-loop cut-offs of
-layers/linear.py), so the padded step could not be bit-identical to the plain one, and in NumPy there is no
-launch cost that a padded bucket would amortise -- a capture costs about one plain step. Steps with a long
-query (a prompt or chunk) stay plain: their attention runs tile by tile in Python anyway, and their arithmetic
-dwarfs the calls. The replayed step computes exactly what the plain step computes (the same calls on the
+A bucket (``step_key``) is what fixes the step's other shapes: its tokens T, its logits rows, and per kind of
+layer each query group's rows and query length. Shapes are exact, not padded up: a padded row would change
+BLAS's kernel choice (matvec vs sgemm, the row-loop cut-offs of layers/linear.py), and padded keys the softmax
+sum's pairwise order, so a padded step could not be bit-identical to the plain one; and NumPy has no launch
+cost that a padded bucket would amortise (a capture costs about one plain step). Steps with a long query (a
+prompt or chunk) stay plain: their attention runs tile by tile anyway, and their arithmetic dwarfs the calls.
+The replayed step computes exactly what the plain step computes (the same ufuncs in the same order on the
 same arrays; tests/test_graph_replay.py checks np.array_equal on the logits), and needs no threads or C code:
-it runs in Pyodide as well.
+it runs in Pyodide as well (tests/test_pyodide_graph_replay.py).
 """
 from __future__ import annotations
 

@@ -194,3 +194,17 @@ def test_engine_on_the_real_model_replays_bit_for_bit():
     assert all(np.array_equal(a, b) for a, b in zip(logged["plain"], logged["replayed"]))
     assert graphs.replays >= 10 and graphs.captures >= 5
     assert stats["spec_decode_num_drafts"] > 0 and stats["num_preemptions"] > 0, stats
+
+
+def test_silu_fold_is_exact(tmp_path):
+    """fold_norms halves SwiGLU's gate columns at load (``silu_half``): the logits equal, bit for bit, those of
+    the same weights with the gate restored and plain ``silu`` (halving is exact in binary floating point)."""
+    path = str(write_tiny(tmp_path / "llama.gguf", "llama", seed=4))
+    folded, restored = (ModelRunner(path, enforce_eager=True, **KW) for _ in range(2))
+    for L in restored.weights.layers:
+        assert L.w_gate_up.act == "silu_half"
+        L.w_gate_up.w[:, :L.w_gate_up.shape[1] // 2] *= np.float32(2.0)
+        L.w_gate_up.act = "silu"
+    toks = np.random.default_rng(0).integers(3, VOCAB, 60)
+    a = folded.run(folded.contiguous_batch(toks, 0, logits_all=True)).copy()
+    assert np.array_equal(a, restored.run(restored.contiguous_batch(toks, 0, logits_all=True)))

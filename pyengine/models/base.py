@@ -199,8 +199,12 @@ def fold_norms(w: Weights) -> None:
     head). Skipped, and why: quantized rows (lean mode) share one scale per 32 inputs, so a per-input weight
     could only be folded by requantizing (lossy) or by scaling the dequantized rows at every use (out / T
     times the work of scaling x); an MoE layer's ffn_norm feeds the router and every expert; a tied head's rows
-    are also the embedding."""
+    are also the embedding. Also folded, exactly: SiLU's two halvings into the gate columns (``silu_half``)."""
     for i, L in enumerate(w.layers):
+        gu = getattr(L, "w_gate_up", None)
+        if getattr(L, "moe", None) is None and isinstance(gu, DenseLinear) and gu.act == "silu":
+            gu.w[:, :gu.shape[1] // 2] *= np.float32(0.5)
+            gu.act = "silu_half"
         done = {}
         for norm, mat in (("attn_norm", "wqkv"), ("ffn_norm", "w_gate_up")):
             g, lin = getattr(L, norm, None), getattr(L, mat, None)

@@ -30,5 +30,9 @@ STEP_COST_WINDOW = 32         # measured steps kept per kind (decode-only, with 
 STEP_COST_HALF_LIFE = 16.0    # steps: the weight of a measurement halves (follows the host's speed drift)
 STEP_COST_RIDGE = 1e-3        # ridge on unit-scaled features: only breaks ties between collinear ones
 
+# --- captured steps (engine/graph_replay.py, S13) --------------------------------------------------------
+GRAPH_CACHE_STEPS = 32      # buckets kept per runner: a batch's buckets change with its block counts, ~every
+#                             16 tokens per sequence; 32 small op lists (SmolLM2: ~1400 calls each) cost a few MB
+
 SWEEPABLE = ("LINEAR_ROW_LOOP_MAX", "HEAD_ROW_LOOP_MAX", "DECODE_SLOTS", "DECODE_KEY_CHUNK", "KEY_TREE_MIN",
              "SHORT_QUERY_MAX")

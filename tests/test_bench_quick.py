@@ -43,8 +43,18 @@ def ratios_with_x(out: str) -> list[str]:
 
 def test_every_subcommand_has_a_quick_smoke_test():
     tested = {"engine", "dequant", "tokenizer", "paging", "serve", "tuning", "kv", "structured",
-              "spec", "moe", "parallel"}    # tests/test_spec_bench.py, test_moe_bench.py, test_bench_parallel.py
+              "spec", "moe", "parallel", "replay"}    # tests/test_spec_bench.py, test_moe_bench.py,
+    #                                                test_bench_parallel.py, test_bench_replay_quick below
     assert set(BENCHMARKS) == tested
+
+
+def test_bench_replay_quick():
+    out = bench("replay", "--quick")
+    finite_positive(re.findall(rf"({NUMBER})x less", out), "tiny-model step ratios", 2)
+    finite_positive(re.findall(rf"step ({NUMBER})x faster", out), "real-model step ratios", 2)
+    assert len(re.findall(r"outside\)", out)) == 4, out
+    replays = [int(n) for n in re.findall(r"(\d+) replays", out)]
+    assert len(replays) == 2 and min(replays) > 0, out
 
 
 def test_bench_engine_quick():

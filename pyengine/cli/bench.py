@@ -21,6 +21,7 @@ BENCHMARKS = {
     "structured": "pyengine.bench.structured",  # S15: grammar compile/mask time, coverage, validity vs peers
     "moe": "pyengine.bench.moe",              # S16: MoE vs dense (same active / same total parameters)
     "parallel": "pyengine.bench.parallel",    # S17: one process vs TP / PP over MPI
+    "replay": "pyengine.bench.replay",        # S13: decode step plain vs captured and replayed
 }
 
 

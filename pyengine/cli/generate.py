@@ -25,6 +25,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     from pyengine.engine.kv_cache import KV_DTYPES
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_DTYPES,
                    help="KV cache storage: auto (float32), fp16, q8_0, q4_0 (S08)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run every step plain: no captured step replayed (S13, vLLM's option)")
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -156,7 +158,8 @@ def load_llm(args):
     # one conversation at a time: size the KV cache and batch for a single sequence
     runner = ModelRunner(gguf, max_model_len=args.max_model_len, max_num_seqs=1,
                          max_logits=17,    # 1 + up to 16 drafts verified per step (S14)
-                         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
+                         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+                         enforce_eager=getattr(args, "enforce_eager", False))
     c = runner.config
     t = stage(f"weights: {c.arch}, {c.n_layers} layers, d={c.d_model}; KV cache {runner.num_blocks} blocks "
               f"({runner.kv_cache_dtype})", t)

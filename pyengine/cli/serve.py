@@ -133,7 +133,8 @@ def build_engine(args):
                        enable_prefix_caching=not args.no_prefix_cache,
                        enable_chunked_prefill=not args.no_chunked_prefill, max_waiting=args.max_waiting,
                        speculative_config=spec, kv_cache_dtype=kv_cache_dtype,
-                       target_itl_ms=getattr(args, "target_itl_ms", None))
+                       target_itl_ms=getattr(args, "target_itl_ms", None),
+                       enforce_eager=getattr(args, "enforce_eager", False))
     return engine, path
 
 

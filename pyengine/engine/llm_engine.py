@@ -83,11 +83,13 @@ class LLMEngine:
                  runner=None, tokenizer=None, seed: int | None = None, watermark: float = 0.03,
                  aging_steps: int = 64, tensor_parallel_size: int = 1, speculative_config=None,
                  draft_runner=None, weights_mode: str = "resident", kv_cache_dtype: str = "auto",
-                 pipeline_parallel_size: int = 1, target_itl_ms: float | None = None):
+                 pipeline_parallel_size: int = 1, target_itl_ms: float | None = None,
+                 enforce_eager: bool = False):
         """``runner``/``tokenizer`` (keyword-only extension): inject any object with the ModelRunner contract
         (tests use a fake one); by default a `ModelRunner` is built for ``model`` (path, bytes, GGUFFile or
         None for the default model), its weights in ``weights_mode`` ("resident" or "lean"), its KV cache in
-        ``kv_cache_dtype``.
+        ``kv_cache_dtype``; ``enforce_eager`` (vLLM's name) runs every step plain instead of replaying
+        captured steps (S13; also set on an injected runner that has the switch).
         ``speculative_config`` (S14, vLLM's dict): ``{"method": "ngram" | "draft_model",
         "num_speculative_tokens": k, "prompt_lookup_min", "prompt_lookup_max", "model"}``; ``draft_runner``
         (extension) injects the draft model's runner.
@@ -120,10 +122,13 @@ class LLMEngine:
                 model = resolve_model(model)
             runner = ModelRunner(model, max_model_len=max_model_len, num_blocks=num_blocks, block_size=block_size,
                                  max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                 weights_mode=weights_mode, kv_cache_dtype=kv_cache_dtype)
+                                 weights_mode=weights_mode, kv_cache_dtype=kv_cache_dtype,
+                                 enforce_eager=enforce_eager)
         elif tensor_parallel_size * pipeline_parallel_size != 1 or kv_cache_dtype != "auto":
             raise ValueError("tensor_parallel_size, pipeline_parallel_size and kv_cache_dtype build the runner: "
                              "pass them to the runner you inject")
+        if enforce_eager and hasattr(runner, "enforce_eager"):
+            runner.enforce_eager = True
         for name, want in (("max_model_len", max_model_len), ("max_num_batched_tokens", max_num_batched_tokens),
                            ("max_num_seqs", max_num_seqs)):
             have = getattr(runner, name, None)

@@ -32,12 +32,16 @@ class ModelRunner:
     parallel          S17 over MPI: a `pyengine.parallel.mpi.MPIGroup`; this process builds only its rank's part
                       (its stage's layers, its heads and FFN columns, its KV heads) and ``run`` on rank 0 first
                       broadcasts the step to the other ranks (which run ``parallel.worker_loop(runner)``)
+    enforce_eager     S13 off switch (vLLM's name): every step runs plain; by default a step whose queries are
+                      all short (decodes, speculative verification) is captured once per shape bucket and
+                      replayed (engine/graph_replay.py); a parallel runner always runs plain
     """
 
     def __init__(self, model, max_model_len: int = 2048, num_blocks: int | None = None, block_size: int = 16,
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 64, weights_mode: str = "resident",
                  kv_budget_bytes: int = DEFAULT_KV_BUDGET_BYTES, max_logits: int | None = None,
-                 flash_min_query: int | None = None, parallel=None, kv_cache_dtype: str = "auto"):
+                 flash_min_query: int | None = None, parallel=None, kv_cache_dtype: str = "auto",
+                 enforce_eager: bool = False):
         from pyengine.gguf.reader import GGUFFile
         from pyengine.models import load_config, load_model
         from pyengine.models.base import Buffers
@@ -99,6 +103,18 @@ class ModelRunner:
         self.weights.bind_scratch(self.buffers.lean)
         self.model.prepare(self.buffers)
         self._tokenizer = None
+        self.graphs = None
+        self.enforce_eager = enforce_eager
+
+    @property
+    def enforce_eager(self) -> bool:
+        """S13: True when every step runs plain (no captured steps)."""
+        return self.graphs is None
+
+    @enforce_eager.setter
+    def enforce_eager(self, value: bool) -> None:
+        from pyengine.engine.graph_replay import StepGraphs
+        self.graphs = None if value or self.parallel is not None else (self.graphs or StepGraphs())
 
     @property
     def tokenizer(self):
@@ -118,7 +134,16 @@ class ModelRunner:
         if self.parallel is not None:
             self.parallel.send_step(batch)                          # S17: every rank runs its part of it
             return self.parallel.step(self, batch)
+        if self.graphs is not None:                # S13: a known bucket replayed without planning the step
+            logits = self.graphs.run_batch(batch, self.buffers.logits.shape[0])
+            if logits is not None:
+                return logits
         plan = self.plan(batch)
+        if self.graphs is not None:                                  # S13: replayed, or captured now
+            logits = self.graphs.run(plan, batch, self.model, self.kv_cache, self.buffers, self.block_size,
+                                     self.max_slots)
+            if logits is not None:
+                return logits
         return self.model.forward(plan, self.kv_cache, self.buffers.rows(plan.num_tokens))
 
     @property
@@ -130,7 +155,12 @@ class ModelRunner:
         """The step plan of a (validated) batch."""
         b = self.buffers
         return plan_step(batch, self.block_size, self.model.windows, b.rope_tables, b.rope_rows,
-                         min(tuning.DECODE_SLOTS, b.k_batch.shape[0]), self.flash_min_query)
+                         self.max_slots, self.flash_min_query)
+
+    @property
+    def max_slots(self) -> int:
+        """Padded context slots a batched query group may gather."""
+        return min(tuning.DECODE_SLOTS, self.buffers.k_batch.shape[0])
 
     def close(self) -> None:
         """S17: rank 0 stops every rank of its parallel group (also done at exit); else nothing to do."""

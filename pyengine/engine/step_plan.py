@@ -78,12 +78,36 @@ def query_groups(seqs, block_size: int, max_slots: int, window: int | None = Non
     for q_len in sorted({s[1] for s in seqs}):
         same = [s for s in seqs if s[1] == q_len]
         # the blocks each sequence reads: from its window's first block (or 0) to the end of its context
-        reads = []
-        for row, q, ctx, table in same:
-            b0 = 0 if window is None else max(0, ctx - q - window + 1) // block_size
-            reads.append((row, ctx, b0, -(-ctx // block_size) - b0, table))
+        reads = [(row, ctx) + read_span(q, ctx, block_size, window) + (table,) for row, q, ctx, table in same]
         out += _split_groups(reads, q_len, block_size, max_slots, window)
     return out
+
+
+def read_span(q_len: int, ctx: int, block_size: int, window: int | None) -> tuple[int, int]:
+    """(first block, number of blocks) a sequence with q_len new tokens of ctx reads: from its window's first
+    block (or 0) to the end of its context."""
+    b0 = 0 if window is None else max(0, ctx - q_len - window + 1) // block_size
+    return b0, -(-ctx // block_size) - b0
+
+
+def group_arrays(reads, q_len: int, block_size: int, window, blocks: np.ndarray | None = None,
+                 mask: bool = True):
+    """(blocks (G, nb), lens (G,), key_starts (G,), mask, start) of one group of reads [(row, ctx, b0, n,
+    table)]: block ids padded by repeating the last valid one, into ``blocks`` if given (a captured step's,
+    S13, which builds its mask itself: ``mask`` False gives None)."""
+    nb = max(r[3] for r in reads)
+    blocks = np.empty((len(reads), nb), np.int64) if blocks is None else blocks
+    for j, (_, ctx, b0, n, table) in enumerate(reads):
+        blocks[j, :n] = table[b0:b0 + n]
+        blocks[j, n:] = table[b0 + n - 1]
+    lens = np.array([r[1] for r in reads], np.int64)
+    key_starts = np.array([r[2] * block_size for r in reads], np.int64)
+    start = None
+    if len(reads) == 1:
+        _, ctx, b0, _, table = reads[0]
+        start = contiguous_start(table[b0:], ctx - b0 * block_size, block_size)
+    return (blocks, lens, key_starts, group_mask(lens, key_starts, q_len, nb * block_size, window) if mask else None,
+            start)
 
 
 def _split_groups(reads, q_len: int, block_size: int, max_slots: int, window) -> list:
@@ -101,20 +125,10 @@ def _split_groups(reads, q_len: int, block_size: int, max_slots: int, window) ->
     parts.append(cur)
     groups = []
     for g in parts:
-        nb = max(r[3] for r in g)
-        blocks = np.empty((len(g), nb), np.int64)
-        for j, (_, ctx, b0, n, table) in enumerate(g):
-            blocks[j, :n] = table[b0:b0 + n]
-            blocks[j, n:] = table[b0 + n - 1]
         starts = np.array([r[0] for r in g], np.int64)
         rows = (starts[:, None] + np.arange(q_len)[None, :]).reshape(-1)
         consecutive = bool(np.all(np.diff(rows) == 1))
-        lens = np.array([r[1] for r in g], np.int64)
-        key_starts = np.array([r[2] * block_size for r in g], np.int64)
-        start = None
-        if len(g) == 1:
-            _, ctx, b0, _, table = g[0]
-            start = contiguous_start(table[b0:], ctx - b0 * block_size, block_size)
+        blocks, lens, _, mask, start = group_arrays(g, q_len, block_size, window)
         groups.append(QueryGroup(slice(int(rows[0]), int(rows[-1]) + 1) if consecutive else rows, q_len, blocks,
-                                 lens, group_mask(lens, key_starts, q_len, nb * block_size, window), start))
+                                 lens, mask, start))
     return groups

@@ -16,6 +16,8 @@ docs/performance.md; the cut-offs live in pyengine/tuning.py.
 """
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 
 from pyengine import tuning
@@ -67,6 +69,14 @@ def dense_matmul(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> np.ndarray:
     return out
 
 
+def dense_matmul_ops(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> list:
+    """S13: ``dense_matmul``'s calls (the same row-loop rule), bound for a captured step."""
+    n = x.shape[0]
+    if 1 < n <= tuning.LINEAR_ROW_LOOP_MAX:
+        return [partial(np.matmul, x[r], w, out[r]) for r in range(n)]
+    return [partial(np.matmul, x, w, out)]
+
+
 class Linear:
     """The shared part of every implementation: ``shape`` (in, out), ``nbytes`` held, ``act`` of a gated
     [gate | up] matrix ("silu", "gelu_tanh" or None), and ``gated`` as matmul then the activation."""
@@ -77,6 +87,11 @@ class Linear:
 
     def matmul(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         raise NotImplementedError
+
+    def matmul_ops(self, x: np.ndarray, out: np.ndarray) -> list:
+        """S13: ``matmul(x, out)`` as bound calls for a captured step (engine/graph_replay.py); by default the
+        one call itself (lean and parallel matrices: their dequantization / messages stay inside it)."""
+        return [partial(self.matmul, x, out)]
 
     def gated(self, x: np.ndarray, out: np.ndarray, scratch: np.ndarray | None = None) -> np.ndarray:
         """out (rows, F) = act(x @ W[:, :F]) * (x @ W[:, F:]) through the (rows, 2F) ``scratch``."""
@@ -106,6 +121,9 @@ class DenseLinear(Linear):
         out = np.empty((x.shape[0], self.shape[1]), np.float32) if out is None else out
         return dense_matmul(x, self.w, out)
 
+    def matmul_ops(self, x, out):
+        return dense_matmul_ops(x, self.w, out)
+
     def dense(self):
         return self.w
 
@@ -134,6 +152,16 @@ class BlockedLinear(Linear):
             else:
                 np.matmul(x, b, out=o)
         return out
+
+    def matmul_ops(self, x, out):
+        ops, n = [], x.shape[0]
+        for i, b in enumerate(self.blocks):
+            o = out[:, i * self.width:i * self.width + b.shape[1]]
+            if 1 < n <= tuning.HEAD_ROW_LOOP_MAX:
+                ops += [partial(np.matmul, x[r], b, o[r]) for r in range(n)]
+            else:
+                ops.append(partial(np.matmul, x, b, o))
+        return ops
 
     def columns(self, idx: np.ndarray, out: np.ndarray) -> np.ndarray:
         """out[t] = W[:, idx[t]] for (T,) indices: out is (T, in)."""

@@ -10,6 +10,7 @@ contiguous slices, so the rotation is a few vectorized multiplies.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import numpy as np
 
@@ -79,6 +80,15 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, out: np.ndarray 
     np.multiply(x1, s, out=tmp)
     o2 += tmp
     return out
+
+
+def apply_rope_ops(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, out: np.ndarray, tmp: np.ndarray) -> list:
+    """S13: the six ufuncs of ``apply_rope`` (cos/sin repeated per head), bound for a captured step."""
+    half = x.shape[-1] // 2
+    x1, x2, o1, o2 = x[..., :half], x[..., half:], out[..., :half], out[..., half:]
+    return [partial(np.multiply, x1, cos, o1), partial(np.multiply, x2, sin, tmp),
+            partial(np.subtract, o1, tmp, o1), partial(np.multiply, x2, cos, o2),
+            partial(np.multiply, x1, sin, tmp), partial(np.add, o2, tmp, o2)]
 
 
 def apply_rope_interleaved(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:

@@ -40,4 +40,8 @@ def load_model(gguf, mode: str = "resident"):
     """(config, weights, model) of a GGUFFile, weights in ``mode`` ("resident" or "lean")."""
     if mode not in ("resident", "lean"):
         raise ValueError(f"weights mode must be 'resident' or 'lean', got {mode!r}")
-    return architecture(gguf).build(gguf, mode)
+    c, w, model = architecture(gguf).build(gguf, mode)
+    if mode == "resident":
+        from pyengine.models.base import fold_norms
+        fold_norms(w)                  # S13: RMSNorm weights folded into the float32 matrices they feed
+    return c, w, model

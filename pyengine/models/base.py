@@ -15,12 +15,39 @@ import numpy as np
 from pyengine import tuning
 from pyengine.arena import ArenaSpec, spec
 from pyengine.gguf import quants
-from pyengine.layers.linear import Embedding, LeanLinear, Linear, QuantMatrix
+from pyengine.layers.linear import BlockedLinear, DenseLinear, Embedding, LeanLinear, Linear, QuantMatrix
 from pyengine.layers.activation import gated_activation
 from pyengine.layers.moe import Experts, ExpertLoad, MoE, MoEScratch, moe_forward, moe_reference
 from pyengine.layers.norm import rms_norm
 from pyengine.layers.paged_attention import paged_attention
 from pyengine.layers.rotary import apply_rope, interleaved_to_half, rope_cos_sin
+
+
+class EagerOps:
+    """S13: how the fast path issues its operations. Model code calls only these methods: this class runs each
+    call now (the plain step, and ``enforce_eager``); engine/graph_replay.py's ``StepCapture`` runs the same
+    calls and also records each one, bound to its arrays, into a captured step that later steps replay."""
+
+    def call(self, f, *args) -> None:
+        f(*args)
+
+    def rms_norm(self, x, weight, eps, out) -> None:
+        rms_norm(x, weight, eps, out=out)
+
+    def matmul(self, lin, x, out) -> None:
+        lin.matmul(x, out)
+
+    def gated(self, lin, x, out, scratch) -> None:
+        lin.gated(x, out, scratch)
+
+    def rope(self, x, cos, sin, out, tmp) -> None:
+        apply_rope(x, cos, sin, out=out, tmp=tmp)
+
+    def attention(self, i, q, kv, plan, out, scratch, scale) -> None:
+        paged_attention(i, q, kv, plan, out=out, scratch=scratch, scale=scale)
+
+
+EAGER = EagerOps()
 
 
 class LayerKind(NamedTuple):
@@ -137,7 +164,7 @@ class Weights:
 
     @property
     def nbytes(self) -> int:
-        seen, total = set(), self.output_norm.nbytes
+        seen, total = set(), 0 if self.output_norm is None else self.output_norm.nbytes
         for _, lin in self.linears():
             if id(lin) not in seen:
                 seen.add(id(lin))
@@ -163,6 +190,34 @@ class Weights:
         """Give every lean matrix (and lean experts) the arena's shared dequantization scratch."""
         for u in self._scratch_users():
             u.scratch = lean
+
+
+def fold_norms(w: Weights) -> None:
+    """S13, at load: an RMSNorm's weight folded into the matrix it feeds, rms_norm(x, g) @ W = (x / rms(x)) @
+    (diag(g) W), so each step skips one multiply per norm; the folded field becomes None (rms_norm skips it;
+    forward_reference reads the same weights). Float32 matrices only (DenseLinear, the untied BlockedLinear
+    head). Skipped, and why: quantized rows (lean mode) share one scale per 32 inputs, so a per-input weight
+    could only be folded by requantizing (lossy) or by scaling the dequantized rows at every use (out / T
+    times the work of scaling x); an MoE layer's ffn_norm feeds the router and every expert; a tied head's rows
+    are also the embedding. Also folded, exactly: SiLU's two halvings into the gate columns (``silu_half``)."""
+    for i, L in enumerate(w.layers):
+        gu = getattr(L, "w_gate_up", None)
+        if getattr(L, "moe", None) is None and isinstance(gu, DenseLinear) and gu.act == "silu":
+            gu.w[:, :gu.shape[1] // 2] *= np.float32(0.5)
+            gu.act = "silu_half"
+        done = {}
+        for norm, mat in (("attn_norm", "wqkv"), ("ffn_norm", "w_gate_up")):
+            g, lin = getattr(L, norm, None), getattr(L, mat, None)
+            if g is None or not isinstance(lin, DenseLinear) or (mat == "w_gate_up" and
+                                                                 getattr(L, "moe", None) is not None):
+                continue
+            lin.w *= g[:, None]
+            done[norm] = None
+        w.layers[i] = L._replace(**done)
+    if not w.tied and isinstance(w.head, BlockedLinear) and w.output_norm is not None:
+        for block in w.head.blocks:
+            block *= w.output_norm[:, None]
+        w.output_norm = None
 
 
 class TensorReader:
@@ -293,24 +348,25 @@ class TransformerModel:
             cos, sin = rope_cos_sin(np.arange(tcos.shape[0]), kind.inv_freq)
             tcos[...], tsin[...] = cos, sin
 
-    def forward(self, plan, kv, b: Buffers) -> np.ndarray:
+    def forward(self, plan, kv, b: Buffers, ops: EagerOps = EAGER) -> np.ndarray:
         """Logits (len(plan.logits_indices), V): a view of b.logits valid until the next call (a new array if more
-        rows are asked than were planned). ``b``: the buffers cut to this step's T rows. S17's pipeline stages
-        call the three parts on their own: embed (first stage), layers, logits (of rows sent back to it)."""
-        self.embed(plan.token_ids, b.x)
-        self.run_layers(plan, kv, b)
-        return self.logits(b.x, plan.logits_indices, b)
+        rows are asked than were planned). ``b``: the buffers cut to this step's T rows; ``ops``: run now, or
+        also recorded (S13). S17's pipeline stages call the three parts on their own: embed (first stage),
+        layers, logits (of rows sent back to it)."""
+        self.embed(plan.token_ids, b.x, ops)
+        self.run_layers(plan, kv, b, ops)
+        return self.logits(b.x, plan.logits_indices, b, ops=ops)
 
-    def embed(self, token_ids: np.ndarray, x: np.ndarray) -> None:
-        self.weights.embed(token_ids, out=x)
+    def embed(self, token_ids: np.ndarray, x: np.ndarray, ops: EagerOps = EAGER) -> None:
+        ops.call(self.weights.embed, token_ids, x)
         if self.embed_scale is not None:
-            x *= np.float32(self.embed_scale)
+            ops.call(np.multiply, x, np.float32(self.embed_scale), x)
 
-    def run_layers(self, plan, kv, b: Buffers) -> None:
+    def run_layers(self, plan, kv, b: Buffers, ops: EagerOps = EAGER) -> None:
         for i, L in enumerate(self.weights.layers):
-            self.layer(i, L, plan.kinds[self.kind_of[i]], plan.slots, kv, b)
+            self.layer(i, L, plan.kinds[self.kind_of[i]], plan.slots, kv, b, ops)
 
-    def logits(self, x: np.ndarray, idx: np.ndarray, b: Buffers, first: int = 0) -> np.ndarray:
+    def logits(self, x: np.ndarray, idx: np.ndarray, b: Buffers, first: int = 0, ops: EagerOps = EAGER) -> np.ndarray:
         """Logits of rows ``idx`` of x, in b.logits[first:first + len(idx)] (allocated if more than planned)."""
         c, w = self.config, self.weights
         n, end = len(idx), first + len(idx)
@@ -319,55 +375,59 @@ class TransformerModel:
         else:   # more rows than planned (e.g. prompt logprobs): rare, so allocate rather than fail
             hx, hxn = np.empty((n, c.d_model), np.float32), np.empty((n, c.d_model), np.float32)
             logits = np.empty((n, c.vocab_size), np.float32)
-        np.take(x, idx, axis=0, out=hx)
-        rms_norm(hx, w.output_norm, c.rms_eps, out=hxn)
-        w.head.matmul(hxn, logits)
+        ops.call(np.take, x, idx, 0, hx)
+        ops.rms_norm(hx, w.output_norm, c.rms_eps, hxn)
+        ops.matmul(w.head, hxn, logits)
         if self.logit_scale is not None:
-            np.divide(logits, np.float32(self.logit_scale), out=logits)
+            ops.call(np.divide, logits, np.float32(self.logit_scale), logits)
         return logits
 
-    def add_residual(self, b: Buffers) -> None:
-        """b.x += b.proj (times ``residual_scale``, if any)."""
+    def add_residual(self, b: Buffers, ops: EagerOps = EAGER) -> None:
+        """b.x += b.proj (times ``residual_scale``, if any), in place."""
         if self.residual_scale is not None:
-            b.proj *= np.float32(self.residual_scale)
-        b.x += b.proj
+            ops.call(np.multiply, b.proj, np.float32(self.residual_scale), b.proj)
+        ops.call(np.add, b.x, b.proj, b.x)
 
-    def layer(self, i: int, L, p, slots: np.ndarray, kv, b: Buffers) -> None:
+    def layer(self, i: int, L, p, slots: np.ndarray, kv, b: Buffers, ops: EagerOps = EAGER) -> None:
         raise NotImplementedError
 
-    def qk_norm_attention(self, i: int, L, p, slots: np.ndarray, kv, b: Buffers, whole: bool = False) -> None:
+    def qk_norm_attention(self, i: int, L, p, slots: np.ndarray, kv, b: Buffers, whole: bool = False,
+                          ops: EagerOps = EAGER) -> None:
         """b.proj = Wo · attention of b.x with RMSNorm of the queries and keys before RoPE (layer fields
         attn_norm, wqkv, q_norm, k_norm, wo): of each head (Gemma 3, Qwen3-MoE) or, ``whole``, of all query
         and all key columns at once (OLMoE)."""
         c = self.config
         H, Hkv, hd, eps = c.n_heads, c.n_kv_heads, c.head_dim, c.rms_eps
         T = b.x.shape[0]
-        rms_norm(b.x, L.attn_norm, eps, out=b.xn)
-        L.wqkv.matmul(b.xn, out=b.qkv)
+        ops.rms_norm(b.x, L.attn_norm, eps, b.xn)
+        ops.matmul(L.wqkv, b.xn, b.qkv)
         if whole:
             qk, out = b.qkv[:, :(H + Hkv) * hd], b.qk.reshape(T, (H + Hkv) * hd)
-            rms_norm(qk[:, :H * hd], L.q_norm, eps, out=out[:, :H * hd])
-            rms_norm(qk[:, H * hd:], L.k_norm, eps, out=out[:, H * hd:])
+            ops.rms_norm(qk[:, :H * hd], L.q_norm, eps, out[:, :H * hd])
+            ops.rms_norm(qk[:, H * hd:], L.k_norm, eps, out[:, H * hd:])
         else:
             qk = b.qkv[:, :(H + Hkv) * hd].reshape(T, H + Hkv, hd)
-            rms_norm(qk[:, :H], L.q_norm, eps, out=b.qk[:, :H])
-            rms_norm(qk[:, H:], L.k_norm, eps, out=b.qk[:, H:])
-        apply_rope(b.qk, p.cos, p.sin, out=b.qk_rot, tmp=b.rope_tmp)
-        kv.write(i, slots, b.qk_rot[:, H:], b.qkv[:, (H + Hkv) * hd:].reshape(T, Hkv, hd))
-        paged_attention(i, b.qk_rot[:, :H], kv, p.attention, out=b.attn, scratch=b, scale=self.scale)
-        L.wo.matmul(b.attn.reshape(T, H * hd), out=b.proj)
+            ops.rms_norm(qk[:, :H], L.q_norm, eps, b.qk[:, :H])
+            ops.rms_norm(qk[:, H:], L.k_norm, eps, b.qk[:, H:])
+        ops.rope(b.qk, p.cos, p.sin, b.qk_rot, b.rope_tmp)
+        ops.call(kv.write, i, slots, b.qk_rot[:, H:], b.qkv[:, (H + Hkv) * hd:].reshape(T, Hkv, hd))
+        ops.attention(i, b.qk_rot[:, :H], kv, p.attention, b.attn, b, self.scale)
+        ops.matmul(L.wo, b.attn.reshape(T, H * hd), b.proj)
 
     expert_load = None          # MoE models: an ExpertLoad (S16) the fast path counts routed tokens into
 
-    def feed_forward(self, i: int, L, b: Buffers) -> None:
+    def feed_forward(self, i: int, L, b: Buffers, ops: EagerOps = EAGER) -> None:
         """b.proj = the feed-forward of b.xn: the gated MLP, or an MoE layer's experts (layer fields ``moe``,
-        ``w_gate_up`` / ``w_down`` then being its shared expert's, or None)."""
-        moe = getattr(L, "moe", None)
-        if moe is None:
-            L.w_gate_up.gated(b.xn, out=b.ffn, scratch=b.gate_up)
-            L.w_down.matmul(b.ffn, out=b.proj)
-            return
-        counts = moe_forward(moe, self.config.moe, b.xn, b.proj, b.moe, L.w_gate_up, L.w_down)
+        ``w_gate_up`` / ``w_down`` then being its shared expert's, or None). A captured step (S13) replays an
+        MoE layer as one call: which experts run, on how many rows, changes with every step's routing."""
+        if getattr(L, "moe", None) is None:
+            ops.gated(L.w_gate_up, b.xn, b.ffn, b.gate_up)
+            ops.matmul(L.w_down, b.ffn, b.proj)
+        else:
+            ops.call(self.moe_feed_forward, i, L, b.xn, b.proj, b.moe)
+
+    def moe_feed_forward(self, i: int, L, xn: np.ndarray, out: np.ndarray, scratch: MoEScratch) -> None:
+        counts = moe_forward(L.moe, self.config.moe, xn, out, scratch, L.w_gate_up, L.w_down)
         if self.expert_load is not None:
             self.expert_load.add(i, counts)
 

@@ -27,7 +27,7 @@ from pyengine.layers.attention import attention
 from pyengine.layers.linear import Linear, make_linear
 from pyengine.layers.norm import rms_norm
 from pyengine.layers.rotary import apply_rope, rope_cos_sin, rope_inv_freq
-from pyengine.models.base import (LayerKind, TensorReader, TransformerModel, Weights, embedding_and_head,
+from pyengine.models.base import (EAGER, LayerKind, TensorReader, TransformerModel, Weights, embedding_and_head,
                                   gate_up_matrix, qkv_matrix)
 
 ARCH = "gemma3"
@@ -128,15 +128,18 @@ class Gemma3Model(TransformerModel):
             x = x + rms_norm(ffn, L.post_ffn_norm, eps)
         return rms_norm(x, w.output_norm, eps) @ w.head
 
-    def layer(self, i, L, p, slots, kv, b) -> None:
-        """One layer over the step's T tokens, in place on b.x. ``p``: this kind of layer's part of the plan."""
+    def layer(self, i, L, p, slots, kv, b, ops=EAGER) -> None:
+        """One layer over the step's T tokens, in place on b.x. ``p``: this kind of layer's part of the plan;
+        ``ops``: runs each call now, or also records it into a captured step (S13)."""
         eps = self.config.rms_eps
-        self.qk_norm_attention(i, L, p, slots, kv, b)
-        b.x += rms_norm(b.proj, L.post_attn_norm, eps, out=b.xn)
-        rms_norm(b.x, L.ffn_norm, eps, out=b.xn)
-        L.w_gate_up.gated(b.xn, out=b.ffn, scratch=b.gate_up)
-        L.w_down.matmul(b.ffn, out=b.proj)
-        b.x += rms_norm(b.proj, L.post_ffn_norm, eps, out=b.xn)
+        self.qk_norm_attention(i, L, p, slots, kv, b, ops=ops)
+        ops.rms_norm(b.proj, L.post_attn_norm, eps, b.xn)     # post-norms scale an output: nothing to fold into
+        ops.call(np.add, b.x, b.xn, b.x)
+        ops.rms_norm(b.x, L.ffn_norm, eps, b.xn)
+        ops.gated(L.w_gate_up, b.xn, b.ffn, b.gate_up)
+        ops.matmul(L.w_down, b.ffn, b.proj)
+        ops.rms_norm(b.proj, L.post_ffn_norm, eps, b.xn)
+        ops.call(np.add, b.x, b.xn, b.x)
 
 
 def build(gguf, mode: str = "resident"):

@@ -25,9 +25,8 @@ from pyengine.layers.attention import attention
 from pyengine.layers.linear import Linear, make_linear
 from pyengine.layers.moe import MoE, MoEConfig
 from pyengine.layers.norm import rms_norm
-from pyengine.layers.paged_attention import paged_attention
 from pyengine.layers.rotary import apply_rope, rope_cos_sin, rope_inv_freq
-from pyengine.models.base import (LayerKind, TensorReader, TransformerModel, Weights, embedding_and_head,
+from pyengine.models.base import (EAGER, LayerKind, TensorReader, TransformerModel, Weights, embedding_and_head,
                                   gate_up_matrix, moe_weights, qkv_matrix)
 
 ARCH = "llama"
@@ -105,24 +104,25 @@ class LlamaModel(TransformerModel):
             x = x + res * self.ffn_reference(L, rms_norm(x, L.ffn_norm, c.rms_eps))
         return (rms_norm(x, w.output_norm, c.rms_eps) @ w.head) / logit
 
-    def layer(self, i, L, p, slots, kv, b) -> None:
-        """One layer over the step's T tokens, in place on b.x. ``p``: this kind of layer's part of the plan."""
+    def layer(self, i, L, p, slots, kv, b, ops=EAGER) -> None:
+        """One layer over the step's T tokens, in place on b.x. ``p``: this kind of layer's part of the plan;
+        ``ops``: runs each call now, or also records it into a captured step (S13, models/base.py EagerOps)."""
         c = self.config
         H, Hkv, hd = c.n_heads, c.n_kv_heads, c.head_dim
         T = b.x.shape[0]
-        rms_norm(b.x, L.attn_norm, c.rms_eps, out=b.xn)
-        L.wqkv.matmul(b.xn, out=b.qkv)
+        ops.rms_norm(b.x, L.attn_norm, c.rms_eps, b.xn)    # attn_norm None: folded into wqkv at load
+        ops.matmul(L.wqkv, b.xn, b.qkv)
         if L.bqkv is not None:
-            b.qkv += L.bqkv
+            ops.call(np.add, b.qkv, L.bqkv, b.qkv)
         # Q and K heads are adjacent columns of qkv: rotate them in one call
-        apply_rope(b.qkv[:, :(H + Hkv) * hd].reshape(T, H + Hkv, hd), p.cos, p.sin, out=b.qk_rot, tmp=b.rope_tmp)
-        kv.write(i, slots, b.qk_rot[:, H:], b.qkv[:, (H + Hkv) * hd:].reshape(T, Hkv, hd))
-        paged_attention(i, b.qk_rot[:, :H], kv, p.attention, out=b.attn, scratch=b, scale=self.scale)
-        L.wo.matmul(b.attn.reshape(T, H * hd), out=b.proj)
-        self.add_residual(b)                              # b.x += b.proj (Granite: scaled)
-        rms_norm(b.x, L.ffn_norm, c.rms_eps, out=b.xn)
-        self.feed_forward(i, L, b)                        # gated MLP, or the experts (S16)
-        self.add_residual(b)
+        ops.rope(b.qkv[:, :(H + Hkv) * hd].reshape(T, H + Hkv, hd), p.cos, p.sin, b.qk_rot, b.rope_tmp)
+        ops.call(kv.write, i, slots, b.qk_rot[:, H:], b.qkv[:, (H + Hkv) * hd:].reshape(T, Hkv, hd))
+        ops.attention(i, b.qk_rot[:, :H], kv, p.attention, b.attn, b, self.scale)
+        ops.matmul(L.wo, b.attn.reshape(T, H * hd), b.proj)
+        self.add_residual(b, ops)                         # b.x += b.proj (Granite: scaled)
+        ops.rms_norm(b.x, L.ffn_norm, c.rms_eps, b.xn)
+        self.feed_forward(i, L, b, ops)                   # gated MLP, or the experts (S16)
+        self.add_residual(b, ops)
 
 
 def build(gguf, mode: str = "resident"):

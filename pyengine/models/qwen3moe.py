@@ -24,7 +24,7 @@ from pyengine.layers.linear import Linear, make_linear
 from pyengine.layers.moe import MoE, MoEConfig
 from pyengine.layers.norm import rms_norm
 from pyengine.layers.rotary import apply_rope, rope_cos_sin, rope_inv_freq
-from pyengine.models.base import (LayerKind, TensorReader, TransformerModel, Weights, embedding_and_head,
+from pyengine.models.base import (EAGER, LayerKind, TensorReader, TransformerModel, Weights, embedding_and_head,
                                   gate_up_matrix, moe_weights, qkv_matrix)
 
 ARCH = "qwen3moe"
@@ -106,13 +106,14 @@ class Qwen3MoeModel(TransformerModel):
             x = x + self.ffn_reference(L, rms_norm(x, L.ffn_norm, eps))
         return rms_norm(x, w.output_norm, eps) @ w.head
 
-    def layer(self, i, L, p, slots, kv, b) -> None:
-        """One layer over the step's T tokens, in place on b.x. ``p``: this kind of layer's part of the plan."""
-        self.qk_norm_attention(i, L, p, slots, kv, b, whole=self.qk_norm_width == "whole")
-        b.x += b.proj
-        rms_norm(b.x, L.ffn_norm, self.config.rms_eps, out=b.xn)
-        self.feed_forward(i, L, b)
-        b.x += b.proj
+    def layer(self, i, L, p, slots, kv, b, ops=EAGER) -> None:
+        """One layer over the step's T tokens, in place on b.x. ``p``: this kind of layer's part of the plan;
+        ``ops``: runs each call now, or also records it into a captured step (S13)."""
+        self.qk_norm_attention(i, L, p, slots, kv, b, whole=self.qk_norm_width == "whole", ops=ops)
+        ops.call(np.add, b.x, b.proj, b.x)
+        ops.rms_norm(b.x, L.ffn_norm, self.config.rms_eps, b.xn)
+        self.feed_forward(i, L, b, ops)
+        ops.call(np.add, b.x, b.proj, b.x)
 
 
 def build(gguf, mode: str = "resident"):

@@ -1,0 +1,386 @@
+"""S13: a captured step, replayed (CUDA graphs' idea in NumPy).
+
+At small batch the host, not the arithmetic, sets the pace: a decode step of a d=64 model is hundreds of
+Python-level calls (views cut, shapes checked, scalars converted, scratch allocated, the plan turned into
+arguments) around NumPy kernels that each take a microsecond. The course's answer, as vLLM's CUDA graphs:
+
+  capture   the first step of a shape bucket runs through ``StepCapture``: the model's fast path calls it for
+            every operation (models/base.py ``EagerOps``), and it records each one as a ``functools.partial``
+            with every argument already bound -- buffer views of the arena, scratch slices, the step's index
+            arrays -- then runs it. Norms, RoPE, activations, matrix products and decode-group attention are
+            recorded as their individual ufunc / matmul calls (``rms_norm_ops``, ``apply_rope_ops``,
+            ``gated_activation_ops``, ``Linear.matmul_ops``, ``group_attention_ops`` below); the rest (the
+            embedding lookup, KV writes, gathers, an MoE layer) as one call each.
+  replay    later steps with the same bucket copy their per-step data (token ids, positions, cache slots,
+            logits rows, each query group's block ids and mask) into the arrays the calls were bound to and
+            run the list: ``for op in step.flat: op()``. When the batch alone names its bucket (``batch_key``:
+            its query lengths and logits rows), ``bind_batch`` derives just those arrays from the block tables
+            and a bound prologue gathers the RoPE rows once for all layers: the runner's plan is skipped.
+            Otherwise the plan is made and ``bind`` copies from it.
+  re-bind   a group's padded context grows by a block every block_size tokens (and a lone sequence's blocks
+            may stop being one zero-copy run): then only that group's attention calls are rebuilt in every
+            layer (``CapturedStep.regroup``, ``BoundAttention.build``), not the whole step.
+
+A bucket (``step_key``) is what fixes the step's other shapes: its tokens T, its logits rows, and per kind of
+layer each query group's rows and query length. Shapes are exact, not padded up: a padded row would change
+BLAS's kernel choice (matvec vs sgemm, the row-loop cut-offs of layers/linear.py), and padded keys the softmax
+sum's pairwise order, so a padded step could not be bit-identical to the plain one; and NumPy has no launch
+cost that a padded bucket would amortise (a capture costs about one plain step). Steps with a long query (a
+prompt or chunk) stay plain: their attention runs tile by tile anyway, and their arithmetic dwarfs the calls.
+The replayed step computes exactly what the plain step computes (the same ufuncs in the same order on the
+same arrays; tests/test_graph_replay.py checks np.array_equal on the logits), and needs no threads or C code:
+it runs in Pyodide as well (tests/test_pyodide_graph_replay.py).
+"""
+from __future__ import annotations
+
+import operator
+from collections import OrderedDict
+from functools import partial
+
+import numpy as np
+
+from pyengine import tuning
+from pyengine.engine.kv_cache import slot_mapping
+from pyengine.engine.step_plan import KindPlan, StepPlan, group_arrays, read_span
+from pyengine.layers.activation import gated_activation_ops
+from pyengine.layers.norm import rms_norm_ops
+from pyengine.layers.paged_attention import AttentionPlan, QueryGroup, group_attention
+from pyengine.layers.rotary import apply_rope_ops
+from pyengine.models.base import EagerOps
+
+
+def step_key(plan: StepPlan, max_logits: int) -> tuple | None:
+    """The shape bucket of a planned step, or None if it stays plain (a long query, or more logits rows than
+    the arena plans for): the step's tokens, its logits rows, and per kind of layer each query group's rows and
+    query length. A group's padded block count and zero-copy start are not part of it: they change every few
+    tokens, so they are re-bound (``CapturedStep.regroup``). Tuning constants that choose call shapes are part
+    of it (``bench tuning`` sweeps them in a running process)."""
+    if len(plan.logits_indices) > max_logits or any(k.attention.runs for k in plan.kinds):
+        return None
+    groups = tuple(tuple((_rows_key(g.rows), g.q_len) for g in k.attention.groups) for k in plan.kinds)
+    return (plan.num_tokens, len(plan.logits_indices), groups) + _tuning()
+
+
+def batch_key(batch, max_logits: int) -> tuple | None:
+    """The bucket of a (validated) batch from its lengths alone, without planning it: sequences with the same
+    query length form one group (step_plan.query_groups) unless their padded contexts overflow a group's slots,
+    which ``CapturedStep.bind_batch`` checks. None if some query is empty or long."""
+    ql = batch.query_lens
+    if not ql or min(ql) < 1 or max(ql) > tuning.SHORT_QUERY_MAX or len(batch.logits_indices) > max_logits:
+        return None
+    return (tuple(ql), len(batch.logits_indices)) + _tuning()
+
+
+def _tuning() -> tuple:
+    return tuning.DECODE_SLOTS, tuning.LINEAR_ROW_LOOP_MAX, tuning.HEAD_ROW_LOOP_MAX, tuning.DECODE_KEY_CHUNK
+
+
+def _rows_key(rows) -> tuple:
+    return (rows.start, rows.stop) if isinstance(rows, slice) else tuple(rows.tolist())
+
+
+def _mask_shape(G: int, q_len: int, L: int, window) -> tuple:
+    """The shape of layers/paged_attention.py group_mask's result."""
+    return (G, 1, 1, L) if q_len == 1 and window is None else (G, 1, 1, q_len, L)
+
+
+class BoundAttention:
+    """One query group's attention in one layer of a captured step: its bound calls (``group_attention_ops``),
+    rebuilt by ``build`` when the group's padded block count or zero-copy start changes."""
+
+    def __init__(self, step: "CapturedStep", kind: int, index: int, layer: int, q, kv, out, scratch, scale):
+        self.step, self.kind, self.index = step, kind, index
+        self.args = (layer, q, kv, out, scratch, scale)
+        self.ops: list = []
+        self.build()
+
+    def build(self) -> None:
+        layer, q, kv, out, scratch, scale = self.args
+        group, own = self.step.groups[self.kind][self.index], []
+
+        def alloc(shape):
+            own.append(np.empty(shape, np.float32))
+            return own[-1]
+        try:
+            self.ops = group_attention_ops(layer, q, kv, group, out, scratch, scale, alloc)
+        except ValueError:            # a view that would need a copy: keep the group as one call
+            self.ops = [partial(group_attention, layer, q, kv, group, out, scratch, scale)]
+        self.scratch = own
+
+    def __call__(self) -> None:
+        for op in self.ops:
+            op()
+
+
+class CapturedStep:
+    """One bucket's forward step: ``ops``, every call of the step bound to its arrays, in order, and the
+    per-step inputs those calls read (``token_ids``, ``positions``, ``slots``, ``logits_indices``, each group's
+    ``blocks`` and ``mask``), owned here and refilled by ``bind`` (from a plan) or ``bind_batch`` (from the
+    batch itself). ``logits`` is the view the last calls write."""
+
+    def __init__(self, plan: StepPlan, batch, rope_tables: list, block_size: int, max_slots: int):
+        self.key = None
+        self.ops: list = []             # the recorded calls; a group's attention is one BoundAttention entry
+        self.flat: list | None = None   # the same with each BoundAttention's calls spliced in (what replays)
+        self.scratch: list[np.ndarray] = []          # reduction and regrouping buffers the plain calls allocate
+        self.token_ids, self.slots = plan.token_ids.copy(), plan.slots.copy()
+        self.logits_indices = plan.logits_indices.copy()
+        self.positions = np.array(batch.positions, np.int64)
+        self.groups = [[g._replace(blocks=g.blocks.copy(), mask=g.mask.copy()) for g in k.attention.groups]
+                       for k in plan.kinds]
+        self.plan = StepPlan(plan.num_tokens, self.token_ids, self.slots,
+                             [KindPlan(k.cos, k.sin, AttentionPlan(gs, [], k.attention.window))
+                              for k, gs in zip(plan.kinds, self.groups)], self.logits_indices)
+        self.logits: np.ndarray | None = None
+        self.block_size, self.max_slots, self.regroups = block_size, max_slots, 0
+        self.windows = [k.attention.window for k in plan.kinds]
+        self.attention: dict[tuple[int, int], list[BoundAttention]] = {}   # (kind, group) -> one per layer
+        # which sequences of the batch each group holds (its rows' first rows), for bind_batch; a kind whose
+        # sequences of one query length were split over several groups is planned every step instead
+        first = np.cumsum([0] + list(batch.query_lens))[:-1].tolist()
+        seq_at = {r: s for s, r in enumerate(first)}
+        self.members = [[[seq_at[int(r)] for r in np.arange(len(plan.token_ids))[g.rows][::g.q_len]]
+                         for g in gs] for gs in self.groups]
+        self.unsplit = all(len({g.q_len for g in gs}) == len(gs) for gs in self.groups)
+        self.lj = [[self._lj(g) for g in gs] for gs in self.groups]
+        # the plan's RoPE gather, bound: this step's rows of each kind's tables, once for all layers
+        self.prologue = []
+        for (tcos, tsin), k in zip(rope_tables, plan.kinds):
+            for table, rows in ((tcos, k.cos), (tsin, k.sin)):
+                tmp = self.own((len(self.positions), table.shape[1]))
+                self.prologue += [partial(np.take, table, self.positions, 0, tmp, "clip"),
+                                  partial(np.copyto, rows, tmp[:, None, :])]
+
+    @staticmethod
+    def _lj(g: QueryGroup) -> np.ndarray:
+        """A group's mask as layers/paged_attention.py group_mask builds it, in integers: key l of the padded
+        context (first block b0) is hidden from query j when l - j > ctx - first key - q_len (it comes later),
+        or, in a window W, when l - j <= ctx - first key - q_len - W. ``lj`` = l - j, (1, Q, L)."""
+        return np.arange(g.mask.shape[-1])[None, None, :] - np.arange(g.q_len)[None, :, None]
+
+    def own(self, shape: tuple) -> np.ndarray:
+        """A float32 scratch array of this step (bound into its calls)."""
+        a = np.empty(shape, np.float32)
+        self.scratch.append(a)
+        return a
+
+    def regroup(self, kind: int, index: int, blocks: np.ndarray, start, window) -> QueryGroup:
+        """Give group ``index`` of ``kind`` new block ids of another padded length (or another zero-copy
+        start): new blocks / mask arrays, and its attention calls rebuilt in every layer."""
+        g = self.groups[kind][index]
+        L = blocks.shape[1] * self.block_size
+        g = g._replace(blocks=blocks, mask=np.zeros(_mask_shape(blocks.shape[0], g.q_len, L, window), bool),
+                       start=start)
+        self.groups[kind][index] = g
+        self.lj[kind][index] = self._lj(g)
+        self.regroups += 1
+        for bound in self.attention.get((kind, index), ()):
+            bound.build()
+        self.flat = None
+        return g
+
+    def bind(self, plan: StepPlan) -> None:
+        """Copy a later step's data (same bucket) into the arrays the calls read. Its RoPE rows are in the arena
+        already: the plan gathered them once for all layers."""
+        np.copyto(self.token_ids, plan.token_ids)
+        np.copyto(self.slots, plan.slots)
+        np.copyto(self.logits_indices, plan.logits_indices)
+        for k, (mine, kind) in enumerate(zip(self.groups, plan.kinds)):
+            for i, (g, new) in enumerate(zip(mine, kind.attention.groups)):
+                if g.blocks.shape != new.blocks.shape or g.start != new.start:
+                    g = self.regroup(k, i, new.blocks.copy(), new.start, kind.attention.window)
+                else:
+                    np.copyto(g.blocks, new.blocks)
+                np.copyto(g.mask, new.mask)
+
+    def bind_batch(self, batch) -> bool:
+        """Derive a later batch's data (same ``batch_key``) straight into the bound arrays, without a plan;
+        False if its sequences of one query length would be split over several groups (then plan it)."""
+        if not self.unsplit:
+            return False
+        bs, ql, cl, tables = self.block_size, batch.query_lens, batch.context_lens, batch.block_tables
+        for k, (window, groups, members) in enumerate(zip(self.windows, self.groups, self.members)):
+            for i, (g, mem) in enumerate(zip(groups, members)):
+                reads = [(0, cl[s]) + read_span(ql[s], cl[s], bs, window) + (tables[s],) for s in mem]
+                nb = max(r[3] for r in reads)
+                if len(mem) * nb * bs > self.max_slots:
+                    return False
+                same = nb == g.blocks.shape[1]
+                blocks, lens, key_starts, _, start = group_arrays(reads, g.q_len, bs, window,
+                                                                  g.blocks if same else None, mask=False)
+                if not same or start != g.start:
+                    g = self.regroup(k, i, blocks, start, window)
+                lj = self.lj[k][i]
+                mask = g.mask.reshape((len(mem),) + lj.shape[1:])
+                edge = (lens - key_starts - g.q_len)[:, None, None]
+                np.greater(lj, edge, out=mask)
+                if window is not None:
+                    mask |= lj <= edge - window
+        np.copyto(self.token_ids, batch.token_ids)
+        np.copyto(self.positions, batch.positions)
+        np.copyto(self.logits_indices, batch.logits_indices)
+        i = 0
+        for q, c, table in zip(ql, cl, tables):          # positions run from c - q to c - 1 (validated)
+            if q == 1:
+                self.slots[i] = int(table[(c - 1) // bs]) * bs + (c - 1) % bs
+            else:
+                self.slots[i:i + q] = slot_mapping(np.arange(c - q, c), table, bs)
+            i += q
+        for op in self.prologue:
+            op()
+        return True
+
+    def replay(self) -> np.ndarray:
+        if self.flat is None:
+            self.flat = [o for op in self.ops for o in (op.ops if isinstance(op, BoundAttention) else (op,))]
+        for op in self.flat:
+            op()
+        return self.logits
+
+
+class StepCapture(EagerOps):
+    """The recorder: runs each call of the fast path, like ``EagerOps``, and appends it, bound, to
+    ``step.ops``."""
+
+    def __init__(self, step: CapturedStep):
+        self.step = step
+
+    def _run(self, ops: list) -> None:
+        for op in ops:
+            op()
+        self.step.ops += ops
+        self.step.flat = None
+
+    def call(self, f, *args) -> None:
+        self._run([partial(f, *args)])
+
+    def rms_norm(self, x, weight, eps, out) -> None:
+        self._run(rms_norm_ops(x, weight, eps, out, self.step.own(x.shape[:-1] + (1,))))
+
+    def matmul(self, lin, x, out) -> None:
+        self._run(lin.matmul_ops(x, out))
+
+    def gated(self, lin, x, out, scratch) -> None:
+        self._run(lin.matmul_ops(x, scratch) + gated_activation_ops(scratch, lin.act, out))
+
+    def rope(self, x, cos, sin, out, tmp) -> None:
+        self._run(apply_rope_ops(x, cos, sin, out, tmp))
+
+    def attention(self, i, q, kv, plan, out, scratch, scale) -> None:
+        if plan.runs:
+            raise ValueError("a step with long queries is not captured (step_key keeps it plain)")
+        step = self.step
+        kind = next(k for k, kp in enumerate(step.plan.kinds) if kp.attention is plan)
+        for index in range(len(plan.groups)):
+            bound = BoundAttention(step, kind, index, i, q, kv, out, scratch, scale)
+            step.attention.setdefault((kind, index), []).append(bound)
+            self._run([bound])
+
+
+def group_attention_ops(layer: int, q: np.ndarray, kv, group: QueryGroup, out: np.ndarray, scratch,
+                        scale: float, own) -> list:
+    """The calls of layers/paged_attention.py ``group_attention`` and layers/attention.py ``decode_attention``
+    for one query group, bound: the context read (a zero-copy view of the cache, or the gather into
+    k_batch / v_batch), the regrouped scaled queries, the score products by key chunk, the mask, softmax and
+    the weighted values, written into ``out``'s rows. ``own(shape)``: the step's scratch allocator. Raises
+    ValueError if a view would need a copy (reshape(copy=False))."""
+    G, nb = group.blocks.shape
+    bs, n = kv.block_size, group.blocks.size * kv.block_size
+    ops = []
+    if group.start is not None and kv.zero_copy:
+        k, v = kv.k_slots[layer][group.start:group.start + n], kv.v_slots[layer][group.start:group.start + n]
+    elif group.start is not None:
+        ops.append(partial(kv.read, layer, group.start, n, scratch.k_batch, scratch.v_batch))
+        k, v = scratch.k_batch[:n], scratch.v_batch[:n]
+    else:
+        ops.append(partial(kv.gather_blocks, layer, group.blocks, scratch.k_batch[:n], scratch.v_batch[:n]))
+        k, v = scratch.k_batch[:n], scratch.v_batch[:n]
+    L, (Hkv, hd), (H, Q) = nb * bs, k.shape[-2:], (q.shape[1], group.q_len)
+    g, chunk = H // Hkv, tuning.DECODE_KEY_CHUNK
+    k, v = k.reshape((G, L, Hkv, hd), copy=False), v.reshape((G, L, Hkv, hd), copy=False)
+    if isinstance(group.rows, slice):
+        qs = q[group.rows]
+    else:
+        qs = own((G * Q, H, hd))
+        ops.append(partial(np.take, q, group.rows, 0, qs))
+    s = scratch.scores[:G * H * Q * L].reshape((G, Hkv, g * Q, L), copy=False)
+    qg = own((G, Hkv, g * Q, hd))
+    ops.append(partial(np.multiply, qs.reshape((G, Q, Hkv, g, hd), copy=False).transpose(0, 2, 3, 1, 4),
+                       np.array(scale, np.float32), qg.reshape(G, Hkv, g, Q, hd)))
+    kt, vt = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)
+    ops += [partial(np.matmul, qg, kt[..., l0:l0 + chunk], s[..., l0:l0 + chunk]) for l0 in range(0, L, chunk)]
+    mx, den, acc = own((G, Hkv, g * Q, 1)), own((G, Hkv, g * Q, 1)), own((G, Hkv, g * Q, hd))
+    ops += [partial(np.copyto, s.reshape(G, Hkv, g, Q, L), np.float32(-np.inf),
+                    where=group.mask.reshape((G, 1, 1, Q, L), copy=False)),
+            partial(np.maximum.reduce, s, -1, None, mx, True), partial(np.subtract, s, mx, s),
+            partial(np.exp, s, s), partial(np.add.reduce, s, -1, None, den, True),
+            partial(np.matmul, s[..., :chunk], vt[:, :, :chunk], acc)]
+    if L > chunk:
+        tmp = own(acc.shape)
+        for l0 in range(chunk, L, chunk):
+            ops += [partial(np.matmul, s[..., l0:l0 + chunk], vt[:, :, l0:l0 + chunk], tmp),
+                    partial(np.add, acc, tmp, acc)]
+    # acc / den straight into the output rows (the plain step divides in place, then copies: the same values)
+    res = out[group.rows] if isinstance(group.rows, slice) else own((G * Q, H, hd))
+    ops.append(partial(np.divide, acc.reshape(G, Hkv, g, Q, hd), den.reshape(G, Hkv, g, Q, 1),
+                       res.reshape((G, Q, Hkv, g, hd), copy=False).transpose(0, 2, 3, 1, 4)))
+    if not isinstance(group.rows, slice):
+        ops.append(partial(operator.setitem, out, group.rows, res))
+    return ops
+
+
+class StepGraphs:
+    """The runner's captured steps, by bucket, least recently used dropped past ``capacity``; counters
+    ``captures``, ``replays``, ``unplanned`` (replays that skipped the plan) and ``regroups`` (attention calls
+    rebuilt for a new padded context length; the tests assert them)."""
+
+    def __init__(self, capacity: int | None = None):
+        self.capacity = tuning.GRAPH_CACHE_STEPS if capacity is None else int(capacity)
+        self.steps: OrderedDict[tuple, CapturedStep] = OrderedDict()
+        self.by_batch: dict[tuple, CapturedStep] = {}     # batch_key -> the step last captured or replayed for it
+        self.captures = self.replays = self.unplanned = self._evicted_regroups = 0
+
+    @property
+    def regroups(self) -> int:
+        return self._evicted_regroups + sum(s.regroups for s in self.steps.values())
+
+    def run_batch(self, batch, max_logits: int) -> np.ndarray | None:
+        """Logits of a (validated) batch whose bucket is known without a plan, replayed; else None."""
+        key = batch_key(batch, max_logits)
+        step = self.by_batch.get(key) if key is not None else None
+        if step is None or not step.bind_batch(batch):
+            return None
+        self.steps.move_to_end(step.key)
+        self.replays += 1
+        self.unplanned += 1
+        return step.replay()
+
+    def run(self, plan: StepPlan, batch, model, kv, buffers, block_size: int, max_slots: int) -> np.ndarray | None:
+        """Logits of a planned step, replayed or captured now; None if the step is not capturable (run it
+        plain)."""
+        max_logits = buffers.logits.shape[0]
+        key = step_key(plan, max_logits)
+        if key is None:
+            return None
+        step = self.steps.get(key)
+        if step is not None:
+            self.steps.move_to_end(key)
+            self.replays += 1
+            step.bind(plan)
+            logits = step.replay()
+        else:
+            step = CapturedStep(plan, batch, buffers.rope_tables, block_size, max_slots)
+            step.key = key
+            step.logits = logits = model.forward(step.plan, kv, buffers.rows(plan.num_tokens),
+                                                 ops=StepCapture(step))
+            self.steps[key] = step
+            self.captures += 1
+            if len(self.steps) > self.capacity:
+                old = self.steps.popitem(last=False)[1]
+                self._evicted_regroups += old.regroups
+                for k in [k for k, s in self.by_batch.items() if s is old]:    # several batch keys may share it
+                    del self.by_batch[k]
+        bkey = batch_key(batch, max_logits)
+        if step.unsplit and bkey is not None:
+            self.by_batch[bkey] = step
+        return logits

@@ -342,3 +342,7 @@ def test_backoff_chooses_for_the_batch_not_for_its_luckiest_sequence():
     assert _decoder([1.0, 1.05, 1.1, 3.0, 3.0], 2).draft_lens([_Seq(0.9), _Seq(0.7)]) == [3, 1]
     # no room (max_tokens reached next step): no drafts, whatever the acceptance
     assert _decoder(costs, 1).draft_lens([_Seq(0.99, room=0)]) == [0]
+    # a free proposer's guesses come first: sequences it found nothing for add no phantom gains
+    prior = [_Seq(0.6) for _ in range(8)]
+    assert _decoder(costs, 8).draft_lens(prior) == [4] * 8
+    assert _decoder(costs, 8).draft_lens(prior, available=[4] + [0] * 7) == [0] * 8

@@ -141,7 +141,7 @@ class SpeculativeDecoder:
             cost = (cost + prior) / 2
         return cost
 
-    def draft_lens(self, seqs: list) -> list[int]:
+    def draft_lens(self, seqs: list, available: list[int] | None = None) -> list[int]:
         """Each sequence's draft length this step, chosen for the batch as a whole.
 
         The sequences share the step: its cost depends on the drafts in all (measured per drafts per
@@ -151,6 +151,8 @@ class SpeculativeDecoder:
         tokens per unit of cost wins if it beats plain decoding by MIN_GAIN: a few sequences with good
         drafts do not make the whole batch pay for drafts that the others would waste."""
         rooms = [self.room(s) for s in seqs]
+        if available is not None:             # the guesses a free proposer already made (its lookup may
+            rooms = [min(r, a) for r, a in zip(rooms, available)]        # have found fewer than the room)
         if not self.config.adaptive:
             return rooms
         B = len(seqs)
@@ -199,14 +201,17 @@ class SpeculativeDecoder:
         self._steps += 1
         for seq in seqs:
             self._score_shadow(seq)
-        ks = self.draft_lens(seqs)
         if self.proposer.free and self.config.adaptive:
-            # a free proposer guesses for everyone; backed-off sequences keep it as a shadow to learn from
+            # a free proposer guesses for everyone first: the choice then counts only the guesses that exist
+            # (a sequence with no n-gram match has nothing to draft), and backed-off sequences keep theirs as
+            # a shadow to learn from
             K = self.config.num_speculative_tokens
-            want = [min(K, self.max_model_len - s.num_tokens) if k == 0 else k for s, k in zip(seqs, ks)]
+            drafts = self.proposer.propose(seqs, [max(0, min(K, self.max_model_len - s.num_tokens)) for s in seqs],
+                                           rngs)
+            ks = self.draft_lens(seqs, [len(ids) for ids, _ in drafts])
         else:
-            want = ks
-        drafts = self.proposer.propose(seqs, want, rngs) if any(want) else [([], None)] * len(seqs)
+            ks = self.draft_lens(seqs)
+            drafts = self.proposer.propose(seqs, ks, rngs) if any(ks) else [([], None)] * len(seqs)
         for seq, k, (ids, probs) in zip(seqs, ks, drafts):
             if k == 0:
                 seq.spec_token_ids, seq.spec_draft_probs = [], None

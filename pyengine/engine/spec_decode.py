@@ -14,7 +14,7 @@ worth ``alpha^j`` expected tokens. The sequences of a step share its cost, so th
 the batch: for each level m of drafts per sequence the step would take the m * B most promising draft tokens
 of its B sequences, and it keeps the level with the most expected tokens per unit of cost,
 ``(B + sum of their alpha^j) / (B * cost(m))``, if that beats plain decoding by MIN_GAIN. ``cost(m)`` is
-measured as the engine runs: the whole-step time (propose + forward + verify) of decode steps with m drafts
+measured as the engine runs: the whole-step CPU time (propose + forward + verify) of decode steps with m drafts
 per sequence (rounded up), over that of plain steps with as many sequences (a plain step is forced now and then
 to keep that baseline fresh). Each time is a slowly rising minimum of its samples (a shared host only ever adds
 delays), and one not re-measured for REMEASURE_AFTER steps is taken halfway back to its prior, so one unlucky
@@ -247,7 +247,7 @@ class SpeculativeDecoder:
             self._trial(seq, False)
 
     def observe_step(self, seconds: float, num_decodes: int, num_draft_tokens: int) -> None:
-        """Time of one whole step (propose + forward + verify) of ``num_decodes`` decodes and no prefill,
+        """CPU time of one whole step (propose + forward + verify) of ``num_decodes`` decodes and no prefill,
         with ``num_draft_tokens`` drafts among them (keyed by drafts per sequence, rounded up)."""
         if num_decodes <= 0:
             return

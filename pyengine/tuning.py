@@ -1,13 +1,15 @@
 """Measured tuning constants, in one place (the evidence behind each is in docs/performance.md).
 
 Code reads them as ``tuning.NAME`` at call time, so ``pyengine bench tuning`` can sweep one value in a running
-process. None of them changes a result beyond float rounding: they only choose between equivalent code paths.
+process. None of them changes a result beyond float rounding: they only choose between equivalent code paths
+(the S14 back-off's choose draft lengths, and verification keeps the output exact whatever they choose).
 """
 from __future__ import annotations
 
 # --- linear layers (layers/linear.py) -------------------------------------------------------------------
-LINEAR_ROW_LOOP_MAX = 4     # 2..4 rows: separate matvecs beat one sgemm (its per-call packing of the weight)
-HEAD_ROW_LOOP_MAX = 8       # the head's 4096-column blocks stay in cache across up to 8 matvecs
+LINEAR_ROW_LOOP_MAX = 8     # 2..8 rows: matvecs (rows after the first read the weight from cache) beat one sgemm
+LEAN_ROW_LOOP_MAX = 12      # lean: matvecs over the just-dequantized rows beat one product up to ~12 rows
+HEAD_ROW_LOOP_MAX = 8       # the head's 4096-column blocks stay in cache across up to 8 matvecs (9 ties)
 HEAD_COL_CHUNK = 4096       # columns per block of the resident head (long rows are 1.3-1.5x slower for 8-32 rows)
 LEAN_HEAD_ROWS = 4096       # lean mode: rows of the head dequantized at a time (bounded scratch)
 
@@ -34,5 +36,21 @@ STEP_COST_RIDGE = 1e-3        # ridge on unit-scaled features: only breaks ties 
 GRAPH_CACHE_STEPS = 32      # buckets kept per runner: a batch's buckets change with its block counts, ~every
 #                             16 tokens per sequence; 32 small op lists (SmolLM2: ~1400 calls each) cost a few MB
 
-SWEEPABLE = ("LINEAR_ROW_LOOP_MAX", "HEAD_ROW_LOOP_MAX", "DECODE_SLOTS", "DECODE_KEY_CHUNK", "KEY_TREE_MIN",
-             "SHORT_QUERY_MAX")
+# --- S14 speculative decoding's back-off (engine/spec_decode.py) ------------------------------------------
+# Cost of a step whose decodes carry k drafts each, relative to a plain decode step, until it is measured:
+# below the real cost on purpose (a single-stream verification of k drafts costs ~1 + 0.25 k forwards with the
+# row loop; bench linear --forward), so that every k is tried once and then priced by its measured step time
+PRIOR_COST = 0.1
+ALPHA_PRIOR = 0.6          # acceptance assumed before a sequence has any evidence (prior drafts are tried)
+ALPHA_WEIGHT = 0.15        # weight of one accept/reject trial in the per-sequence average (~7 trials of memory)
+TIME_DRIFT = 0.05          # a step-time estimate is min(sample, estimate * 1.05): it follows slowdowns in ~15 samples
+REMEASURE_AFTER = 32       # steps after which an unused draft length's cost is taken halfway back to the prior
+PROBE_GAP = 8              # an expensive proposer backed off to k=0 drafts 1 token after 8 steps, then after
+PROBE_GAP_MAX = 256        # twice as many steps after each probe that did not pay (up to 256)
+MIN_GAIN = 1.1             # draft only for an expected 10% more tokens per unit of cost: alpha and cost are noisy
+                           # estimates, selected when they look high (bench spec, 8 chat sequences: 0.91x with none)
+PROBE_MIN_GAIN = 1.2       # ... probe only when always-accepted drafts would make decoding at least 1.2x faster
+BASELINE_EVERY = 64        # one forced plain decode step in 64 keeps cost(0) measured (~1.5% of the steps)
+
+SWEEPABLE = ("LINEAR_ROW_LOOP_MAX", "HEAD_ROW_LOOP_MAX", "LEAN_ROW_LOOP_MAX", "DECODE_SLOTS", "DECODE_KEY_CHUNK",
+             "KEY_TREE_MIN", "SHORT_QUERY_MAX")

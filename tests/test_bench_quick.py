@@ -42,7 +42,7 @@ def ratios_with_x(out: str) -> list[str]:
 
 
 def test_every_subcommand_has_a_quick_smoke_test():
-    tested = {"engine", "dequant", "tokenizer", "paging", "serve", "tuning", "kv", "structured",
+    tested = {"engine", "dequant", "tokenizer", "paging", "serve", "tuning", "linear", "kv", "structured",
               "spec", "moe", "parallel", "replay"}    # tests/test_spec_bench.py, test_moe_bench.py,
     #                                                test_bench_parallel.py, test_bench_replay_quick below
     assert set(BENCHMARKS) == tested
@@ -114,6 +114,28 @@ def test_bench_tuning_quick():
     assert [r[0] for r in rows] == ["256", "128"], out
     finite_positive([v for r in rows for v in r[1:]], "tuning sweep times and ratios", 12)
     assert [float(v) for v in rows[0][2::2]] == [1.0, 1.0, 1.0]          # the first value is the baseline
+
+
+def test_bench_linear_quick():
+    out = bench("linear", "--quick", "--kinds", "dense,head", "--forward")
+    for kind in ("dense", "head"):
+        table = out.split(f"\n{kind}:")[1].split("row loop up to")[0]
+        rows = re.findall(rf"^\s+(\d+)\s+({NUMBER}) \(({NUMBER})\)\s+({NUMBER}) \(({NUMBER})\)", table, re.M)
+        assert [r[0] for r in rows] == ["1", "2", "5"], out
+        finite_positive([v for r in rows for v in r[1:]], f"{kind} row times and ratios", 12)
+        assert float(rows[0][4]) == 1.0                              # one row through one product: the unit
+    assert re.search(r"row loop up to \d+ rows \(LINEAR_ROW_LOOP_MAX now \d+\)", out), out
+    fwd = re.findall(rf"^\s+(\d)\s+({NUMBER}) \(({NUMBER})\)\s+({NUMBER}) \(({NUMBER})\)$",
+                     out.split("whole forward")[1], re.M)
+    assert [r[0] for r in fwd] == [str(q) for q in range(1, 10)], out
+    assert float(fwd[0][2]) == float(fwd[0][4]) == 1.0
+
+
+def test_linear_crossover_is_the_last_row_count_before_the_loop_loses():
+    from pyengine.bench.linear import crossover
+    assert crossover({1: 1, 2: 1.4, 3: 1.7, 4: 2.6}, {1: 1, 2: 2.4, 3: 2.5, 4: 2.5}) == 3
+    assert crossover({1: 1, 2: 3.0}, {1: 1, 2: 2.0}) == 1                  # never loop
+    assert crossover({1: 1, 2: 1.5, 3: 1.9}, {1: 1, 2: 2.0, 3: 2.1}) == 3  # the loop wins throughout
 
 
 def test_bench_kv_quick():

@@ -114,6 +114,22 @@ def test_lean_weights_equal_resident(tiny):
     assert close(lean.model.forward_reference(toks), a)
 
 
+def test_lean_few_row_matvecs_equal_one_product(tiny):
+    """LeanLinear runs 2..LEAN_ROW_LOOP_MAX rows as matvecs over the freshly dequantized rows, more as one
+    product: both equal x @ W in float64 (W the matrix the GGUF holds, dequantized whole)."""
+    from pyengine import tuning
+    _, path, _ = tiny
+    lean = ModelRunner(path, weights_mode="lean", **KW)
+    rng = np.random.default_rng(3)
+    for _, lin in lean.weights.linears():
+        w = lin.dense().astype(np.float64)
+        for n in (1, 2, tuning.LEAN_ROW_LOOP_MAX, tuning.LEAN_ROW_LOOP_MAX + 1):
+            x = rng.standard_normal((n, lin.shape[0])).astype(np.float32)
+            out = np.empty((n, lin.shape[1]), np.float32)
+            assert lin.matmul(x, out) is out
+            assert np.abs(out - x @ w).max() <= 1e-4 * max(1.0, np.abs(x @ w).max())
+
+
 def test_unsupported_weights_mode_and_architecture_are_refused(tiny, tmp_path):
     _, path, _ = tiny
     with pytest.raises(ValueError, match="weights mode"):

@@ -295,7 +295,7 @@ def test_drafts_never_pass_the_context_limit():
 
 
 def test_an_expensive_proposer_probes_less_and_less_when_it_does_not_pay():
-    from pyengine.engine.spec_decode import PROBE_GAP
+    from pyengine.tuning import PROBE_GAP
     ps = prompts(1, seed=16)
     eng = priced(make_engine(speculative_config={"method": "ngram", "num_speculative_tokens": 4}, num_blocks=128,
                              max_model_len=512))
@@ -310,3 +310,39 @@ def test_an_expensive_proposer_probes_less_and_less_when_it_does_not_pay():
     # after 8, 16, 32, 64, 128 steps: about ten rounds in 300 tokens, instead of 300
     assert 5 <= st["spec_decode_num_drafts"] <= 10, st["spec_decode_num_drafts"]
     assert PROBE_GAP == 8
+
+
+class _Seq:
+    """What the back-off reads of a sequence."""
+    def __init__(self, alpha, room=4):
+        self.spec_alpha, self.max_tokens, self.num_output_tokens, self.num_tokens = alpha, room + 1, 0, 10
+        self.spec_probe_gap, self.spec_probe_at = 8, None
+
+
+def _decoder(costs, batch, k=4):
+    """A decoder whose step times are given: ``costs[m]`` for m drafts per sequence (``costs[0]``: plain)."""
+    from pyengine.engine.spec_decode import SpeculativeDecoder, _bucket
+    dec = SpeculativeDecoder(SpeculativeConfig("ngram", k), NgramProposer(1, 3), max_model_len=1024)
+    for m, c in enumerate(costs):
+        dec._time[(_bucket(batch), m)], dec._measured[(_bucket(batch), m)] = c, 1
+    dec._steps = 2
+    return dec
+
+
+def test_backoff_chooses_for_the_batch_not_for_its_luckiest_sequence():
+    """Eight sequences share a step whose cost grows with the drafts of all: one sequence that accepts 95% of its
+    drafts does not make the other seven pay for drafts they would waste (alone, it would draft 4), while a
+    batch of good drafters drafts fully, and drafts go to the most promising sequences first (a prefix of each)."""
+    costs = [1.0, 1.5, 1.6, 1.7, 1.8]                      # plain step, then 1..4 drafts per sequence
+    one_good = [_Seq(0.95)] + [_Seq(0.05) for _ in range(7)]
+    assert _decoder(costs, 8).draft_lens(one_good) == [0] * 8
+    assert _decoder(costs, 1).draft_lens(one_good[:1]) == [4]
+    assert _decoder(costs, 8).draft_lens([_Seq(0.95) for _ in range(8)]) == [4] * 8
+    # two sequences, two drafts each in cost: the four best draft tokens are 0.9, 0.81, 0.73 (then 0.66) and 0.7
+    assert _decoder([1.0, 1.05, 1.1, 3.0, 3.0], 2).draft_lens([_Seq(0.9), _Seq(0.7)]) == [3, 1]
+    # no room (max_tokens reached next step): no drafts, whatever the acceptance
+    assert _decoder(costs, 1).draft_lens([_Seq(0.99, room=0)]) == [0]
+    # a free proposer's guesses come first: sequences it found nothing for add no phantom gains
+    prior = [_Seq(0.6) for _ in range(8)]
+    assert _decoder(costs, 8).draft_lens(prior) == [4] * 8
+    assert _decoder(costs, 8).draft_lens(prior, available=[4] + [0] * 7) == [0] * 8

@@ -16,6 +16,7 @@ BENCHMARKS = {
     "paging": "pyengine.bench.paging",        # S06/S07/S09/S11: KV waste, prefix cache TTFT, batching, chunking
     "serve": "pyengine.bench.serve",          # S20: Poisson load against an OpenAI-compatible server
     "tuning": "pyengine.bench.tuning",        # sweep one constant of pyengine/tuning.py
+    "linear": "pyengine.bench.linear",        # S14: rows 1..12 per Linear kind, (k+1)-token verification cost
     "spec": "pyengine.bench.spec",            # S14: speculative decoding, ngram / draft model vs plain decode
     "kv": "pyengine.bench.kv",                # S08: KV cache dtypes and weight formats: memory, PPL/KL, speed
     "structured": "pyengine.bench.structured",  # S15: grammar compile/mask time, coverage, validity vs peers

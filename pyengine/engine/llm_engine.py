@@ -322,7 +322,9 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         t_step = self.clock()
-        t_start = time.perf_counter()
+        # S14's back-off prices a step by the process's CPU time: on a shared host its wall time also holds
+        # other processes' load, which drifts more than the draft lengths' costs differ (docs/performance.md)
+        t_start = time.process_time()
         if self.spec is not None:
             self._propose()
         sched = self.scheduler.schedule()
@@ -357,7 +359,7 @@ class LLMEngine:
             self._sample(sampled, logits, deltas)
         if self.spec is not None:
             if decode_only:
-                self.spec.observe_step(time.perf_counter() - t_start, len(sched.scheduled), num_drafts)
+                self.spec.observe_step(time.process_time() - t_start, len(sched.scheduled), num_drafts)
             for seq, _ in sched.scheduled:
                 seq.spec_token_ids, seq.spec_draft_probs = [], None
             self._draft_masks.clear()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-from pyengine.engine.spec_decode import ALPHA_PRIOR, PROBE_GAP
+from pyengine import tuning
 
 
 class SequenceStatus(enum.Enum):
@@ -51,9 +51,9 @@ class Sequence:
         # drawn from (None: certain guesses), the running acceptance estimate and an unverified guess
         self.spec_token_ids: list[int] = []
         self.spec_draft_probs = None
-        self.spec_alpha = ALPHA_PRIOR
+        self.spec_alpha = tuning.ALPHA_PRIOR
         self.spec_shadow: tuple[int, list[int]] | None = None
-        self.spec_probe_gap = PROBE_GAP       # back-off of an expensive proposer: steps to the next probe
+        self.spec_probe_gap = tuning.PROBE_GAP       # back-off of an expensive proposer: steps to the next probe
         self.spec_probe_at: int | None = None
         self.spec_grammar = None              # S15: the grammar matcher of a constrained sequence (for drafters)
 

@@ -9,40 +9,33 @@ back (`BlockManager.trim`), so they are never read or published to the prefix ca
 
 Back-off: a draft only pays when it is accepted often enough to cover what it costs. Each sequence keeps an
 estimate ``alpha`` of its per-token acceptance (an exponential average over the drafts it had verified, and,
-for a free proposer, over the guesses it would have made while not speculating), and each step takes the
-draft length k in 0..num_speculative_tokens that maximises the expected tokens per unit of cost,
-``(1 + alpha + ... + alpha^k) / cost(k)``. ``cost(k)`` is measured as the engine runs: the whole-step time
-(propose + forward + verify) of decode steps with k drafts per sequence (rounded up), over that of plain steps
-with as many sequences (a plain step is forced now and then to keep that baseline fresh). Each time is a slowly
-rising minimum of its samples (a shared host only ever adds delays), and one not re-measured for
-REMEASURE_AFTER steps is taken halfway back to its prior, so one unlucky sample cannot rule a draft length out
-for good. A k not measured is priced by the cheapest measured cost per draft token of the same batch size, or,
-before any, optimistically at ``1 + (PRIOR_COST + r) * k``, r being the proposer's cost per draft token in
-target decode steps (0 for n-gram lookup, the weight ratio for a draft model), so that each length is tried
-while acceptance is good. An expensive proposer backed off to k = 0 probes with one draft now and then, but
-only when perfect drafts could pay at all.
+for a free proposer, over the guesses it would have made while not speculating); its j-th draft token is
+worth ``alpha^j`` expected tokens. The sequences of a step share its cost, so the draft lengths are chosen for
+the batch: for each level m of drafts per sequence the step would take the m * B most promising draft tokens
+of its B sequences, and it keeps the level with the most expected tokens per unit of cost,
+``(B + sum of their alpha^j) / (B * cost(m))``, if that beats plain decoding by MIN_GAIN. ``cost(m)`` is
+measured as the engine runs: the whole-step CPU time (propose + forward + verify) of decode steps with m drafts
+per sequence (rounded up), over that of plain steps with as many sequences (a plain step is forced now and then
+to keep that baseline fresh). Each time is a slowly rising minimum of its samples (a shared host only ever adds
+delays), and one not re-measured for REMEASURE_AFTER steps is taken halfway back to its prior, so one unlucky
+sample cannot rule a level out for good. A level not measured is priced by the cheapest measured cost per
+draft of the same batch size, or, before any, optimistically at ``1 + (PRIOR_COST + r) * m``, r being the
+proposer's cost per draft token in target decode steps (0 for n-gram lookup, the weight ratio for a draft
+model), so that each level is tried while acceptance is good. An expensive proposer backed off to no drafts
+probes with one draft now and then, but only when perfect drafts could pay at all. The constants are measured
+ones and live in pyengine/tuning.py (evidence in docs/performance.md).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
+from pyengine import tuning
+
 METHODS = ("ngram", "draft_model")
-# Cost of a step whose decodes carry k drafts, relative to a plain decode step, until it is measured: below
-# the real cost on purpose (measured single-stream on SmolLM2 Q4_1 with today's runner: 1 draft 1.6x, 2 drafts
-# 1.5x, 4 drafts 2.0x, 8 drafts 2.6x; docs/performance.md), so that every k is tried once and then priced
-# by its measured step time. A prior above the truth would hide the best k (2 or 3 drafts cost less than 1).
-PRIOR_COST = 0.1
-ALPHA_PRIOR = 0.6          # acceptance assumed before a sequence has any evidence
-ALPHA_WEIGHT = 0.15        # weight of one accept/reject trial in the per-sequence average
-TIME_DRIFT = 0.05          # a step-time estimate is min(sample, estimate * 1.05): it follows slowdowns in ~15 samples
-REMEASURE_AFTER = 32       # steps after which an unused draft length's cost is taken halfway back to the prior
-PROBE_GAP = 8              # an expensive proposer backed off to k=0 drafts 1 token after 8 steps, then after
-PROBE_GAP_MAX = 256        # twice as many steps after each probe that did not pay (up to 256)
-MIN_GAIN = 1.1            # draft only for an expected 10% more tokens per unit of cost: alpha and cost are noisy
-                           # estimates, and a sequence drafts exactly when its alpha happens to look high
-                           # (bench spec, 8 chat sequences: 0.91-0.93x plain with no margin)
-PROBE_MIN_GAIN = 1.2       # ... when always-accepted drafts would make decoding at least 1.2x faster
-BASELINE_EVERY = 64        # one forced plain decode step in 64 keeps cost(0) measured (~1.5% of the steps)
+# the back-off's measured constants (PRIOR_COST, ALPHA_PRIOR, ALPHA_WEIGHT, TIME_DRIFT, REMEASURE_AFTER,
+# PROBE_GAP, PROBE_GAP_MAX, MIN_GAIN, PROBE_MIN_GAIN, BASELINE_EVERY) live in pyengine/tuning.py
 
 
 @dataclass
@@ -131,58 +124,94 @@ class SpeculativeDecoder:
         self._steps = 0
 
     # choosing k ---------------------------------------------------------------------------------
-    def draft_len(self, seq, num_seqs: int) -> int:
+    def room(self, seq) -> int:
+        """Drafts this sequence can take: the step emits at most k+1 tokens, and k+1 positions must fit."""
         K = self.config.num_speculative_tokens
-        # room: this step emits at most k+1 tokens, and k+1 positions must fit in the context
-        room = min(K, seq.max_tokens - seq.num_output_tokens - 1 if seq.max_tokens is not None else K,
-                   self.max_model_len - seq.num_tokens)
-        if room <= 0 or not self.config.adaptive:
-            return max(room, 0)
-        b = _bucket(num_seqs)
+        left = seq.max_tokens - seq.num_output_tokens - 1 if seq.max_tokens is not None else K
+        return max(0, min(K, left, self.max_model_len - seq.num_tokens))
+
+    def _cost(self, b: int, m: int, base: float, slope: float) -> float:
+        """A step whose decodes carry m drafts each (rounded up), in plain steps of the same batch size."""
+        prior = 1.0 + slope * m
+        t = self._time.get((b, m))
+        if t is None:
+            return prior
+        cost = t / base
+        if self._steps - self._measured[(b, m)] > tuning.REMEASURE_AFTER:
+            cost = (cost + prior) / 2
+        return cost
+
+    def draft_lens(self, seqs: list, available: list[int] | None = None) -> list[int]:
+        """Each sequence's draft length this step, chosen for the batch as a whole.
+
+        The sequences share the step: its cost depends on the drafts in all (measured per drafts per
+        sequence, rounded up), while each sequence's j-th draft adds alpha^j expected tokens of its own. So for
+        every level m = drafts per sequence the step takes the m * B most promising draft tokens of the batch
+        (the largest alpha_i^j: a prefix of each sequence's drafts), and the level with the most expected
+        tokens per unit of cost wins if it beats plain decoding by MIN_GAIN: a few sequences with good
+        drafts do not make the whole batch pay for drafts that the others would waste."""
+        rooms = [self.room(s) for s in seqs]
+        if available is not None:             # the guesses a free proposer already made (its lookup may
+            rooms = [min(r, a) for r, a in zip(rooms, available)]        # have found fewer than the room)
+        if not self.config.adaptive:
+            return rooms
+        B = len(seqs)
+        b = _bucket(B)
         base = self._time.get((b, 0))
-        if base is None or self._steps % BASELINE_EVERY == 0:
-            return 0                          # measure what a plain step costs first
-        alpha = seq.spec_alpha
-        best, best_k, best_perfect = MIN_GAIN, 0, 0.0
-        # an unmeasured k is priced by the cheapest measured cost per draft of this batch size (in a batch
-        # that is the cost of every sequence drafting k), or by the optimistic prior before any measurement
+        if base is None or self._steps % tuning.BASELINE_EVERY == 0 or not any(rooms):
+            return [0] * B                    # measure what a plain step costs first
+        # an unmeasured level is priced by the cheapest measured cost per draft of this batch size, or by the
+        # optimistic prior before any measurement
         slopes = [(t / base - 1.0) / j for (bb, j), t in self._time.items() if bb == b and j > 0]
-        slope = max(min(slopes), 0.0) if slopes else PRIOR_COST + self.relative_cost
-        for k in range(1, room + 1):
-            prior = 1.0 + slope * k
-            t = self._time.get((b, k))
-            cost = prior if t is None else t / base
-            if t is not None and self._steps - self._measured[(b, k)] > REMEASURE_AFTER:
-                cost = (cost + prior) / 2
-            rate = expected_tokens(alpha, k) / cost
-            best_perfect = max(best_perfect, (k + 1) / cost)
+        slope = max(min(slopes), 0.0) if slopes else tuning.PRIOR_COST + self.relative_cost
+        # every candidate draft token, best first: (gain, position in its sequence, sequence)
+        cands = sorted(((s.spec_alpha ** j, -j, i) for i, s in enumerate(seqs) for j in range(1, rooms[i] + 1)),
+                       reverse=True)
+        gains = np.cumsum([c[0] for c in cands])
+        best, best_n, best_perfect = tuning.MIN_GAIN, 0, 0.0
+        for m in range(1, max(rooms) + 1):
+            n = min(m * B, len(cands))
+            if n <= (m - 1) * B:
+                break
+            cost = self._cost(b, m, base, slope)
+            rate = (B + float(gains[n - 1])) / (B * cost)
+            best_perfect = max(best_perfect, (B + n) / (B * cost))
             if rate > best:
-                best, best_k = rate, k
-        if best_k == 0 and not self.proposer.free and best_perfect > PROBE_MIN_GAIN:
-            # probe now and then: the only way to notice that acceptance has risen
-            if seq.spec_probe_at is None:
-                seq.spec_probe_at = self._steps + seq.spec_probe_gap
-            elif self._steps >= seq.spec_probe_at:
-                seq.spec_probe_gap = min(2 * seq.spec_probe_gap, PROBE_GAP_MAX)
-                seq.spec_probe_at = None
-                return 1
-        elif best_k:
-            seq.spec_probe_gap, seq.spec_probe_at = PROBE_GAP, None
-        return best_k
+                best, best_n = rate, n
+        ks = [0] * B
+        for _, _, i in cands[:best_n]:
+            ks[i] += 1
+        if best_n == 0 and not self.proposer.free and best_perfect > tuning.PROBE_MIN_GAIN:
+            for i, seq in enumerate(seqs):
+                # probe now and then: the only way to notice that acceptance has risen
+                if seq.spec_probe_at is None:
+                    seq.spec_probe_at = self._steps + seq.spec_probe_gap
+                elif self._steps >= seq.spec_probe_at:
+                    seq.spec_probe_gap = min(2 * seq.spec_probe_gap, tuning.PROBE_GAP_MAX)
+                    seq.spec_probe_at = None
+                    ks[i] = 1
+        else:
+            for i, seq in enumerate(seqs):
+                if ks[i]:
+                    seq.spec_probe_gap, seq.spec_probe_at = tuning.PROBE_GAP, None
+        return ks
 
     def propose(self, seqs: list, rngs: list) -> None:
         """Set ``spec_token_ids`` / ``spec_draft_probs`` on each decoding sequence (``seqs`` all want a draft)."""
         self._steps += 1
         for seq in seqs:
             self._score_shadow(seq)
-        ks = [self.draft_len(s, len(seqs)) for s in seqs]
         if self.proposer.free and self.config.adaptive:
-            # a free proposer guesses for everyone; backed-off sequences keep it as a shadow to learn from
+            # a free proposer guesses for everyone first: the choice then counts only the guesses that exist
+            # (a sequence with no n-gram match has nothing to draft), and backed-off sequences keep theirs as
+            # a shadow to learn from
             K = self.config.num_speculative_tokens
-            want = [min(K, self.max_model_len - s.num_tokens) if k == 0 else k for s, k in zip(seqs, ks)]
+            drafts = self.proposer.propose(seqs, [max(0, min(K, self.max_model_len - s.num_tokens)) for s in seqs],
+                                           rngs)
+            ks = self.draft_lens(seqs, [len(ids) for ids, _ in drafts])
         else:
-            want = ks
-        drafts = self.proposer.propose(seqs, want, rngs) if any(want) else [([], None)] * len(seqs)
+            ks = self.draft_lens(seqs)
+            drafts = self.proposer.propose(seqs, ks, rngs) if any(ks) else [([], None)] * len(seqs)
         for seq, k, (ids, probs) in zip(seqs, ks, drafts):
             if k == 0:
                 seq.spec_token_ids, seq.spec_draft_probs = [], None
@@ -202,7 +231,7 @@ class SpeculativeDecoder:
 
     @staticmethod
     def _trial(seq, accepted: bool) -> None:
-        seq.spec_alpha += ALPHA_WEIGHT * (float(accepted) - seq.spec_alpha)
+        seq.spec_alpha += tuning.ALPHA_WEIGHT * (float(accepted) - seq.spec_alpha)
 
     # after verification -------------------------------------------------------------------------
     def record(self, seq, num_draft: int, num_accepted: int) -> None:
@@ -218,13 +247,13 @@ class SpeculativeDecoder:
             self._trial(seq, False)
 
     def observe_step(self, seconds: float, num_decodes: int, num_draft_tokens: int) -> None:
-        """Time of one whole step (propose + forward + verify) of ``num_decodes`` decodes and no prefill,
+        """CPU time of one whole step (propose + forward + verify) of ``num_decodes`` decodes and no prefill,
         with ``num_draft_tokens`` drafts among them (keyed by drafts per sequence, rounded up)."""
         if num_decodes <= 0:
             return
         key = (_bucket(num_decodes), -(-num_draft_tokens // num_decodes))
         old = self._time.get(key)
-        self._time[key] = seconds if old is None else min(seconds, old * (1.0 + TIME_DRIFT))
+        self._time[key] = seconds if old is None else min(seconds, old * (1.0 + tuning.TIME_DRIFT))
         self._measured[key] = self._steps
 
     def release(self, seq) -> None:

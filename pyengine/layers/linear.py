@@ -4,7 +4,7 @@
     y = lin.gated(x, out, scratch)    out = act(x @ Wg) * (x @ Wu)   for a fused [gate | up] matrix (SwiGLU, GeGLU)
 
 Implementations (the model never asks which one it holds):
-  DenseLinear      float32 (in, out), dequantized once at load (resident mode); 2..4 rows run as matvecs
+  DenseLinear      float32 (in, out), dequantized once at load (resident mode); 2..8 rows run as matvecs
   BlockedLinear    float32 (in, out) kept as contiguous column blocks (the LM head, (d, V)); also gives columns
                    (tied embeddings read their rows from the head)
   LeanLinear       the GGUF's quantized rows, dequantized into shared scratch just before use (lean mode,
@@ -198,7 +198,11 @@ class LeanLinear(Linear):
         for r0 in range(0, n, self.chunk_rows):
             r1 = min(n, r0 + self.chunk_rows)
             rows = self.q.dequantize(buf[:(r1 - r0) * k].reshape(r1 - r0, k), r0, r1)
-            np.matmul(x, rows.T, out=out[:, r0:r1])
+            if 1 < x.shape[0] <= tuning.LEAN_ROW_LOOP_MAX:       # the fresh rows are still in cache
+                for r in range(x.shape[0]):
+                    np.matmul(x[r], rows.T, out=out[r, r0:r1])
+            else:
+                np.matmul(x, rows.T, out=out[:, r0:r1])
         return out
 
     def rows(self, idx: np.ndarray, out: np.ndarray) -> np.ndarray:

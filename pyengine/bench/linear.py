@@ -1,0 +1,150 @@
+"""`pyengine bench linear`: what a few rows cost through each `Linear` kind, and a (k+1)-token verification.
+
+S14 verifies k drafts by scoring k+1 rows in one forward: that only pays if a few rows cost about what one row
+costs. OpenBLAS's sgemm packs the whole weight on every call, so a handful of rows can cost more through one
+sgemm than as separate matvecs (each row after the first reads the weight from cache). This benchmark times,
+for 1..12 rows, every kind the forward holds — the layers' `DenseLinear` matrices (resident mode), the resident
+LM head (`BlockedLinear`), and the lean mode's `LeanLinear` matrices — once with the row loop forced on and
+once with one product per call, round-robin over ``--rounds`` (minimum of each: a shared host only adds
+delays). The cut-offs in pyengine/tuning.py (LINEAR_ROW_LOOP_MAX, HEAD_ROW_LOOP_MAX, LEAN_ROW_LOOP_MAX) are
+the largest row counts at which the loop still wins. ``--forward`` also times whole forwards of one sequence
+(and of 8) scoring q = 1..9 tokens with the current cut-offs, as ratios to q = 1: the cost of a
+verification of k = q - 1 drafts, which the back-off (engine/spec_decode.py) prices by the same ratios.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from pyengine import tuning
+
+HELP = "cost of 1..12 rows per Linear kind (row loop vs one product) and of (k+1)-token verification forwards"
+
+KINDS = {"dense": "LINEAR_ROW_LOOP_MAX", "head": "HEAD_ROW_LOOP_MAX", "lean": "LEAN_ROW_LOOP_MAX"}
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default=None, help="GGUF path (default: the bundled SmolLM2-135M)")
+    p.add_argument("--rows", default="1,2,3,4,5,6,7,8,9,10,12", help="row counts (default 1..10,12)")
+    p.add_argument("--kinds", default="dense,head,lean", help="comma list of dense,head,lean")
+    p.add_argument("--rounds", type=int, default=3, help="round-robin rounds (minimum of each)")
+    p.add_argument("--forward", action="store_true", help="also time whole (k+1)-token verification forwards")
+    p.add_argument("--context", type=int, default=256, help="context tokens of each sequence (--forward)")
+    p.add_argument("--quick", action="store_true", help="a short run (smoke test)")
+
+
+def _chains(path: str, kinds: list[str]) -> dict:
+    """kind -> (the matrices a forward multiplies through that kind, their input width)."""
+    from pyengine.engine.model_runner import ModelRunner
+    from pyengine.layers.linear import BlockedLinear, DenseLinear, LeanLinear
+    out = {}
+    if "dense" in kinds or "head" in kinds:
+        m = ModelRunner(path, max_model_len=64, max_num_seqs=1, max_num_batched_tokens=64).weights
+        lins = [lin for _, lin in m.linears()]
+        out["dense"] = [x for x in lins if isinstance(x, DenseLinear)]
+        out["head"] = [x for x in lins if isinstance(x, BlockedLinear)]
+    if "lean" in kinds:
+        m = ModelRunner(path, max_model_len=64, max_num_seqs=1, max_num_batched_tokens=64,
+                        weights_mode="lean").weights
+        out["lean"] = [x for _, x in m.linears() if isinstance(x, LeanLinear)]
+    return {k: v for k, v in out.items() if k in kinds and v}
+
+
+def _time_chain(lins, n: int, rng) -> float:
+    xs = {lin.shape[0]: rng.standard_normal((n, lin.shape[0]), dtype=np.float32) for lin in lins}
+    outs = {lin.shape[1]: np.empty((n, lin.shape[1]), np.float32) for lin in lins}
+    t = time.perf_counter()
+    for lin in lins:
+        lin.matmul(xs[lin.shape[0]], outs[lin.shape[1]])
+    return time.perf_counter() - t
+
+
+def crossover(loop: dict[int, float], gemm: dict[int, float]) -> int:
+    """The largest row count up to which the row loop is never slower than one product (1: never loop)."""
+    best = 1
+    for n in sorted(loop):
+        if n == 1:
+            continue
+        if loop[n] > gemm[n]:
+            break
+        best = n
+    return best
+
+
+def _rows(args, path) -> None:
+    rows = [int(r) for r in args.rows.split(",") if r]
+    kinds = [k for k in args.kinds.split(",") if k]
+    chains = _chains(path, kinds)
+    rng = np.random.default_rng(0)
+    best = {(k, n, mode): float("inf") for k in chains for n in rows for mode in ("loop", "gemm")}
+    saved = {name: getattr(tuning, name) for name in KINDS.values()}
+    try:
+        for _ in range(args.rounds):
+            for k, lins in chains.items():
+                for n in rows:
+                    for mode, cut in (("loop", 64), ("gemm", 1)):
+                        setattr(tuning, KINDS[k], cut)
+                        best[(k, n, mode)] = min(best[(k, n, mode)], _time_chain(lins, n, rng))
+    finally:
+        for name, v in saved.items():
+            setattr(tuning, name, v)
+    for k, lins in chains.items():
+        mb = sum(lin.nbytes for lin in lins) / 2 ** 20
+        print(f"\n{k}: {len(lins)} matrices, {mb:.0f} MiB held; ms per chain (x one row)")
+        print(f"{'rows':>4} {'row loop':>14} {'one product':>14}")
+        one = best[(k, rows[0], "gemm")]
+        for n in rows:
+            lo, ge = best[(k, n, "loop")], best[(k, n, "gemm")]
+            mark = " <" if lo <= ge and n > 1 else ""
+            print(f"{n:>4} {lo * 1e3:8.1f} ({lo / one:4.2f}) {ge * 1e3:8.1f} ({ge / one:4.2f}){mark}")
+        x = crossover({n: best[(k, n, 'loop')] for n in rows}, {n: best[(k, n, 'gemm')] for n in rows})
+        print(f"row loop up to {x} rows ({KINDS[k]} now {saved[KINDS[k]]})")
+
+
+def _forward(args, path) -> None:
+    from pyengine.engine.forward_batch import ForwardBatch
+    from pyengine.engine.model_runner import ModelRunner
+
+    qs, B, ctx, bs = list(range(1, 10)), 8, args.context, 16
+    per = -(-(ctx + 16) // bs)
+    runner = ModelRunner(path, max_model_len=per * bs, max_num_seqs=B, max_num_batched_tokens=max(ctx, B * 9),
+                         num_blocks=B * per, block_size=bs, max_logits=B * 9)
+    rng = np.random.default_rng(0)
+    V = runner.config.vocab_size
+    tables = [np.arange(s * per, (s + 1) * per, dtype=np.int32) for s in range(B)]
+    for s in range(B):
+        runner.run(ForwardBatch(rng.integers(0, V, ctx), np.arange(ctx), [ctx], [ctx], [tables[s]],
+                                np.array([ctx - 1])))
+
+    def step(nseq: int, q: int) -> float:
+        # every sequence scores q tokens at positions ctx..ctx+q-1 (rewritten each time: a verification)
+        b = ForwardBatch(rng.integers(0, V, nseq * q), np.tile(np.arange(ctx, ctx + q), nseq), [q] * nseq,
+                         [ctx + q] * nseq, tables[:nseq], np.arange(nseq * q))
+        t = time.perf_counter()
+        runner.run(b)
+        return time.perf_counter() - t
+
+    best = {(n, q): float("inf") for n in (1, B) for q in qs}
+    for _ in range(args.rounds):
+        for key in best:
+            best[key] = min(best[key], step(*key))
+    print(f"\nwhole forward, context {ctx}: ms (x q = 1) for sequences x q scored tokens (k = q - 1 drafts)")
+    print(f"{'q':>4} {'1 sequence':>16} {f'{B} sequences':>16}")
+    for q in qs:
+        a, b = best[(1, q)], best[(B, q)]
+        print(f"{q:>4} {a * 1e3:9.1f} ({a / best[(1, 1)]:4.2f}) {b * 1e3:9.1f} ({b / best[(B, 1)]:4.2f})")
+
+
+def run(args) -> int:
+    from pyengine.model_files import resolve_model
+    path = resolve_model(args.model)
+    if args.quick:
+        args.rows, args.rounds, args.context = "1,2,5", 1, 32
+    load = f"; load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
+    print(f"pyengine bench linear: {os.path.basename(path)}, {args.rounds} rounds{load}")
+    _rows(args, path)
+    if args.forward:
+        _forward(args, path)
+    return 0

@@ -26,15 +26,17 @@ EXTRA = ["The three primary colors are", "In 1492, Columbus", "The quick brown f
 MAX_TOKENS = 8
 
 
-def run_mpi(tmp, model, tp, pp, tcp=False, kw=KW, logits=LOGITS, prompts=None, max_tokens=MAX_TOKENS):
-    """One MPI job of tp x pp ranks; returns (result dict, [logits arrays])."""
+def run_mpi(tmp, model, tp, pp, tcp=False, kw=KW, logits=LOGITS, prompts=None, max_tokens=MAX_TOKENS,
+            runner_greedy=False):
+    """One MPI job of tp x pp ranks; returns (result dict, [logits arrays]). ``runner_greedy``: prompts are
+    token-id lists decoded on the runner (mpi_check.batched_greedy), not through the engine."""
     from pyengine.parallel.launch import mpiexec_command, rank_env
     args = [os.path.join(HERE, "mpi_check.py"), "--model", model, "--tp", str(tp), "--pp", str(pp), "--out",
             str(tmp), "--kw", json.dumps(kw), "--logits", json.dumps(logits), "--max-tokens", str(max_tokens)]
     if prompts is not None:
         path = os.path.join(tmp, "prompts.json")
         json.dump(prompts, open(path, "w"))
-        args += ["--prompts", path]
+        args += ["--prompts", path] + (["--runner-greedy"] if runner_greedy else [])
     env = rank_env(tcp)
     env["PYTHONPATH"] = os.pathsep.join([HERE, env.get("PYTHONPATH", "")])
     proc = subprocess.run(mpiexec_command(tp * pp, args), env=env, capture_output=True, text=True, timeout=600)
@@ -44,10 +46,12 @@ def run_mpi(tmp, model, tp, pp, tcp=False, kw=KW, logits=LOGITS, prompts=None, m
     return res, [npz[f"arr_{i}"] for i in range(len(logits))]
 
 
-def reference(model, kw=KW, logits=LOGITS, prompts=None, max_tokens=MAX_TOKENS):
+def reference(model, kw=KW, logits=LOGITS, prompts=None, max_tokens=MAX_TOKENS, runner_greedy=False):
     """The same passes and greedy continuations in one process."""
     sys.path.insert(0, HERE)
-    from mpi_check import greedy
+    from mpi_check import batched_greedy, greedy
+    if runner_greedy:
+        greedy = batched_greedy
     from pyengine.engine.model_runner import ModelRunner
     r = ModelRunner(model, **kw)
     out, pos = [], 0

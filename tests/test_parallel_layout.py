@@ -10,7 +10,7 @@ import pytest
 
 from model_paths import model_path
 from pyengine.engine.forward_batch import ForwardBatch
-from pyengine.parallel.layout import plan_ranks, rank_config, split_heads, split_layers
+from pyengine.parallel.layout import plan_ranks, rank_config, split_experts, split_heads, split_layers
 from pyengine.parallel.mpi import decode_batch, encode_batch, split_batch
 
 
@@ -38,6 +38,13 @@ def test_bad_configurations_say_what_to_change():
         split_layers(30, 31)
     with pytest.raises(ValueError, match="positive integer"):
         plan_ranks(smollm2(), 0, 1)
+    with pytest.raises(ValueError, match="exceeds the model's 8 experts .* at most 8 ranks"):
+        split_experts(8, 9)
+
+
+def test_experts_split_whole_and_unevenly():
+    assert split_experts(8, 2) == [(0, 4), (4, 8)]
+    assert split_experts(8, 3) == [(0, 3), (3, 6), (6, 8)]
 
 
 def test_plan_balances_weights_and_stages():

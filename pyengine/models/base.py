@@ -346,8 +346,12 @@ class TransformerModel:
         L.wqkv.matmul(b.xn, out=b.qkv)
         if whole:
             qk, out = b.qkv[:, :(H + Hkv) * hd], b.qk.reshape(T, (H + Hkv) * hd)
-            rms_norm(qk[:, :H * hd], L.q_norm, eps, out=out[:, :H * hd])
-            rms_norm(qk[:, H * hd:], L.k_norm, eps, out=out[:, H * hd:])
+            if self.split_norm is not None:     # S17: this rank's heads only; the statistic is the ranks' sum
+                self.split_norm(qk[:, :H * hd], qk[:, H * hd:], L.q_norm, L.k_norm, eps, out[:, :H * hd],
+                                out[:, H * hd:])
+            else:
+                rms_norm(qk[:, :H * hd], L.q_norm, eps, out=out[:, :H * hd])
+                rms_norm(qk[:, H * hd:], L.k_norm, eps, out=out[:, H * hd:])
         else:
             qk = b.qkv[:, :(H + Hkv) * hd].reshape(T, H + Hkv, hd)
             rms_norm(qk[:, :H], L.q_norm, eps, out=b.qk[:, :H])
@@ -358,6 +362,7 @@ class TransformerModel:
         L.wo.matmul(b.attn.reshape(T, H * hd), out=b.proj)
 
     expert_load = None          # MoE models: an ExpertLoad (S16) the fast path counts routed tokens into
+    split_norm = None           # S17 (parallel/shard.py): OLMoE's whole-projection q/k norm over tensor ranks
 
     def feed_forward(self, i: int, L, b: Buffers) -> None:
         """b.proj = the feed-forward of b.xn: the gated MLP, or an MoE layer's experts (layer fields ``moe``,

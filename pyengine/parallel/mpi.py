@@ -54,7 +54,7 @@ from pyengine.parallel.layout import plan_ranks
 
 OP_STEP, OP_STOP, OP_STATS = 1, 2, 3
 HEADER = 8                     # int64 slots: op, T, sequences, logits rows, block-table entries
-MICRO_BATCHES_PER_STAGE = 2    # pipeline micro-batches per stage: bubble (M-1)/(2M-1) of a step with M stages
+MICRO_BATCHES_PER_STAGE = 2    # 2M micro-batches per step: bubble (M-1)/(3M-1) with M stages (docs/performance.md)
 IDLE_SPIN_S = 0.005            # a worker waiting for the next step polls without sleeping this long, then sleeps
 IDLE_SLEEP_S = 0.0005
 DEFAULT_TIMEOUT_S = 60.0       # a step part that waits this long on another rank means that rank is stuck

@@ -107,3 +107,20 @@ def test_serve_under_a_mismatched_mpiexec_says_what_to_change():
     assert p.returncode != 0
     assert "the MPI job has 2 ranks but tensor_parallel_size 3 x pipeline_parallel_size 1 = 3" in p.stderr
     assert "mpiexec -n 3" in p.stderr
+
+
+@pytest.mark.parametrize("ft", [True, False], ids=["ulfm", "no-ft"])
+def test_driver_warns_when_a_dying_rank_would_end_the_job(tmp_path, ft):
+    """Ranks started without Open MPI's fault tolerance (a hand-written mpiexec without --with-ft ulfm): rank 0
+    warns at start that a dying rank will end the whole job, and says the flag; with it, no warning."""
+    from pyengine.parallel.launch import mpiexec_command, rank_env
+    script = tmp_path / "g.py"
+    script.write_text("import logging\nlogging.basicConfig()\nfrom pyengine.parallel.mpi import MPIGroup\n"
+                      "g = MPIGroup(2, 1)\nif g.rank: g.recv_step()\nelse: g.stop()\n")
+    cmd = mpiexec_command(2, [str(script)])
+    if not ft:
+        i = cmd.index("--with-ft")
+        del cmd[i:i + 2]
+    p = subprocess.run(cmd, env=rank_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert ("start it with mpiexec --with-ft ulfm" in p.stderr) is not ft

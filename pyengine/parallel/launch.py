@@ -56,11 +56,12 @@ def check_split(model: str | None, tp: int, pp: int) -> None:
         raise ValueError("parallel runs need mpi4py: pip install 'pyengine[parallel]'") from None
 
 
-def relaunch(n: int, argv: list[str], grace: float = 60.0) -> int:
+def relaunch(n: int, argv: list[str], grace: float = 30.0) -> int:
     """Run ``python argv`` as ``n`` MPI ranks on this host and wait. Ctrl-C / SIGTERM go to rank 0 alone (found
     by the launcher's pid in its environment): it shuts its server down and sends every rank STOP, so all exit
     by themselves (exit code 0). Open MPI's mpiexec, signalled itself, would kill every rank at once, rank 0
-    without its shutdown; it gets the signal only if rank 0 is not found or not done within ``grace`` s."""
+    without its shutdown; it gets the signal only if rank 0 is not found or not done within ``grace`` s (its
+    shutdown takes at most ~15 s: uvicorn's 5 s, then STOP's deadlines)."""
     import signal
     import subprocess
     import threading

@@ -124,3 +124,19 @@ def test_driver_warns_when_a_dying_rank_would_end_the_job(tmp_path, ft):
     p = subprocess.run(cmd, env=rank_env(), capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     assert ("start it with mpiexec --with-ft ulfm" in p.stderr) is not ft
+
+
+def test_a_rank_that_cannot_load_its_part_fails_the_start_naming_it(tmp_path):
+    """One host of a job lacks the model file (here: rank 1 is given a missing path): that rank prints its own
+    error, and rank 0 fails at start — a ValueError naming the rank — instead of waiting for it forever."""
+    from pyengine.parallel.launch import mpiexec_command, rank_env
+    script = tmp_path / "start.py"
+    script.write_text("import os, sys\nfrom pyengine.parallel.launch import mpi_runner\n"
+                      "path = sys.argv[1] if os.environ['OMPI_COMM_WORLD_RANK'] == '0' else sys.argv[2]\n"
+                      "try:\n    mpi_runner(path, 2, 1, max_model_len=64).close()\n"
+                      "except ValueError as exc:\n    print('ERR ' + str(exc), flush=True)\n")
+    p = subprocess.run(mpiexec_command(2, [str(script), model_path("smollm2"), str(tmp_path / "missing.gguf")]),
+                       env=rank_env(), capture_output=True, text=True, timeout=300)
+    assert "missing.gguf" in p.stderr                          # the failing rank's own reason
+    err = [ln for ln in p.stdout.splitlines() if ln.startswith("ERR ")]
+    assert len(err) == 1 and "did not start: rank 1 (pid" in err[0] and "dead" in err[0], p.stdout + p.stderr[-2000:]

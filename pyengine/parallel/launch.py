@@ -116,7 +116,21 @@ def mpi_runner(model: str, tp: int, pp: int, timeout: float | None = None, **run
     from pyengine.engine.model_runner import ModelRunner
     from pyengine.parallel.mpi import DEFAULT_TIMEOUT_S, MPIGroup
     group = MPIGroup(tp, pp, DEFAULT_TIMEOUT_S if timeout is None else timeout)
-    runner = ModelRunner(model, parallel=group, **runner_kw)
+    group.starting = True                  # until every rank has its part (a rank may fail to load it)
+    try:
+        runner = ModelRunner(model, parallel=group, **runner_kw)
+        group.ready()
+    except Exception as exc:
+        if group.rank != 0:                # say why, then fail as a process: MPI_Finalize would wait for rank 0,
+            import signal                  # and an exit without it ends the job; a killed rank is what ULFM
+            import traceback               # reports to rank 0 as a failure
+            traceback.print_exc()
+            sys.stderr.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        lost = group.lost_rank_error(exc)
+        if lost:                           # e.g. the model file missing on another host: that rank said why
+            raise ValueError(f"the MPI job did not start: {lost} (its own error is printed above)") from None
+        raise
     if group.rank != 0:
         import signal
         signal.signal(signal.SIGINT, signal.SIG_IGN)       # a terminal's Ctrl-C: rank 0 decides, then says STOP

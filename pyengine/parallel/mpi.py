@@ -59,6 +59,7 @@ IDLE_SPIN_S = 0.005            # a worker waiting for the next step polls withou
 IDLE_SLEEP_S = 0.0005
 DEFAULT_TIMEOUT_S = 60.0       # a step part that waits this long on another rank means that rank is stuck
 TAG_ACT, TAG_BACK, TAG_STOP = 1000, 2000, 3000
+START_TIMEOUT_S = 600.0        # how long rank 0 waits for the slowest rank to load its part (large models)
 STOP_GRACE_S = 5.0             # after a failure: how long rank 0 waits for a live rank to take its STOP
 log = logging.getLogger("pyengine.parallel")
 
@@ -165,6 +166,24 @@ class MPIGroup:
         self.vocab_bounds = [q.vocab[0] for q in self.parts[:self.tp]] + [config.vocab_size]
         self.next = self.rank + self.tp if p.stage < self.pp - 1 else p.tp_rank   # the last stage: back to 0
         self.prev = self.rank - self.tp if p.stage > 0 else None
+
+    starting = False                      # launch.mpi_runner: the ranks are still building their parts
+
+    def ready(self) -> None:
+        """Every rank, once its part is built: a barrier (a rank that failed to start fails it)."""
+        self._wait(self.world.Ibarrier(), "start", timeout=max(self.timeout, START_TIMEOUT_S))
+        self.starting = False
+
+    def lost_rank_error(self, exc: BaseException) -> str | None:
+        """Rank 0: if ``exc`` came from losing another rank (ParallelError, or an MPI error of a blocking
+        call), the ranks it names; else None."""
+        if isinstance(exc, ParallelError):
+            return str(exc)
+        if isinstance(exc, self.MPI.Exception):
+            named = self._named_failures()
+            self._failure = f"{', '.join(named) or 'another rank'} failed ({exc.Get_error_string()})"
+            return self._failure
+        return None
 
     @property
     def is_driver(self) -> bool:
@@ -290,7 +309,7 @@ class MPIGroup:
         if getattr(self, "_stopped", False):
             return
         self._stopped = True
-        if not self.failure and not self._failed_ranks():
+        if not self.failure and not self.starting and not self._failed_ranks():
             try:                          # idle ranks take it at once: a short deadline
                 t = min(self.timeout, STOP_GRACE_S)
                 self._wait(self.world.Ibcast(np.array([OP_STOP] + [0] * (HEADER - 1), np.int64), 0), "stop", timeout=t)

@@ -23,6 +23,7 @@ def main() -> None:
     ap.add_argument("--logits", default="[[33, 5], [20, 6]]", help="JSON [[n, seed], ...]: a context, then passes")
     ap.add_argument("--prompts", default=None, help="JSON file: prompts for batched greedy decoding")
     ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--runner-greedy", action="store_true", help="greedy on the runner itself (no tokenizer)")
     a = ap.parse_args()
     from pyengine.engine.model_runner import ModelRunner
     from pyengine.parallel.mpi import MPIGroup
@@ -41,7 +42,9 @@ def main() -> None:
             pos += n
         np.savez(os.path.join(a.out, "logits.npz"), *passes)
         if a.prompts:
-            out["greedy"] = greedy(runner, json.load(open(a.prompts)), a.max_tokens)
+            prompts = json.load(open(a.prompts))
+            out["greedy"] = (batched_greedy(runner, prompts, a.max_tokens) if a.runner_greedy
+                             else greedy(runner, prompts, a.max_tokens))
         out["stats"] = group.stats()
         json.dump(out, open(os.path.join(a.out, "result.json"), "w"))
     finally:
@@ -63,6 +66,28 @@ def greedy(runner, prompts, max_tokens):
                 done[o.request_id] = o.outputs[0].token_ids
     assert eng.num_used_blocks() == 0
     return [done[f"r{i}"] for i in range(len(prompts))]
+
+
+def batched_greedy(runner, prompts, max_tokens):
+    """Greedy continuations of token-id prompts decoded together on the runner (models without a tokenizer):
+    one batch prefills them all, then each step decodes one token of every sequence."""
+    from pyengine.engine.forward_batch import ForwardBatch
+    bs = runner.block_size
+    seqs = [list(p) for p in prompts]
+    per = -(-(max(map(len, seqs)) + max_tokens) // bs)
+    tables = [np.arange(i * per, (i + 1) * per, dtype=np.int32) for i in range(len(seqs))]
+    done = [0] * len(seqs)                   # tokens of each sequence already in the KV cache
+    for _ in range(max_tokens):
+        new = [s[d:] for s, d in zip(seqs, done)]
+        ql = [len(n) for n in new]
+        batch = ForwardBatch(np.concatenate(new).astype(np.int64),
+                             np.concatenate([np.arange(d, d + q) for d, q in zip(done, ql)]).astype(np.int64),
+                             ql, [d + q for d, q in zip(done, ql)], tables, np.cumsum(ql) - 1)
+        nxt = runner.run(batch).argmax(-1)
+        for i, t in enumerate(nxt.tolist()):
+            done[i] += ql[i]
+            seqs[i].append(t)
+    return [s[len(p):] for s, p in zip(seqs, prompts)]
 
 
 if __name__ == "__main__":

@@ -160,17 +160,34 @@ def test_mpi_parallel_equals_one_process(tiny, tmp_path, tp, pp):
     """S17 over MPI (tests/mpi_check.py under mpiexec): Megatron tensor parallelism by heads and FFN columns (4
     ranks: more than the 2 KV heads, so each KV head is replicated on 2 ranks that split its query heads),
     pipeline stages, and both: a 33-token prompt, a decode and a 20-token pass equal one process."""
-    from pyengine.parallel.launch import check_split
-    from pyengine.parallel.layout import TP_UNSPLIT_ARCHS
     from test_mpi_parallel import reference, run_mpi
     variant, path, _ = tiny
-    if tp > 1 and ARCH_OF[variant] in TP_UNSPLIT_ARCHS:         # refused before any rank starts, saying why
-        with pytest.raises(ValueError, match="tensor parallelism is not defined for this MoE layout"):
-            check_split(path, tp, pp)
-        return
     passes = [[33, 5], [1, 6], [20, 7]]
     res, got = run_mpi(tmp_path, path, tp, pp, kw=KW, logits=passes)
     want, _ = reference(path, kw=KW, logits=passes)
     for a, b in zip(got, want):
         assert close(a, b)
     assert len(res["stats"]) == tp * pp
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("variant", ["qwen2moe", "olmoe"])
+def test_mpi_moe_greedy_and_logits_equal_one_process(tmp_path, variant, tp, pp):
+    """S17 on the two MoE layouts that once refused tensor parallelism — Qwen2-MoE (QKV biases, a shared expert)
+    and OLMoE (q/k norms over all heads): routed experts split across the tensor ranks (expert parallelism, 4 of
+    the 8 each), the shared expert by its columns, the norms' statistic summed over the ranks. Logits within
+    1e-4 of one process and batched greedy continuations identical, for TP 2 and PP 2."""
+    from test_mpi_parallel import reference, run_mpi
+    path = str(write_tiny(tmp_path / f"{variant}.gguf", variant, seed=5))
+    passes = [[33, 5], [1, 6], [20, 7]]
+    prompts = [ids(n, 20 + n).tolist() for n in (3, 11, 26, 7)]
+    res, got = run_mpi(tmp_path, path, tp, pp, kw=KW, logits=passes, prompts=prompts, runner_greedy=True)
+    want, greedy = reference(path, kw=KW, logits=passes, prompts=prompts, runner_greedy=True)
+    for a, b in zip(got, want):
+        assert close(a, b, 1e-4)
+    assert res["greedy"] == greedy and len(set(map(tuple, greedy))) > 1    # not one repeated token stream
+    parts = res["parts"]
+    if tp == 2:
+        assert [p["experts"] for p in parts] == [[0, 4], [4, 8]]
+        if variant == "qwen2moe":
+            assert [p["shared"] for p in parts] == [[0, 32], [32, 64]]

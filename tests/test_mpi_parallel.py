@@ -4,7 +4,8 @@ MPI job (tests/mpi_check.py under the wheel's mpiexec, ranks oversubscribing the
 a prompt and of passes after it, and the batched greedy continuations of the golden prompts decoded together
 with other prompts. References: the same model in one process (logits within 1e-4 of the logits' scale; greedy
 tokens identical) and HF transformers' greedy continuations (tests/golden/generation_smollm2.json). Also with
-Open MPI forced onto TCP (no shared memory), as between hosts."""
+Open MPI forced onto TCP (no shared memory), as between hosts. A rank killed between engine steps makes the next
+step fail naming it, and the job still ends by itself (fault tolerance: parallel/mpi.py)."""
 import json
 import os
 import subprocess
@@ -26,15 +27,17 @@ EXTRA = ["The three primary colors are", "In 1492, Columbus", "The quick brown f
 MAX_TOKENS = 8
 
 
-def run_mpi(tmp, model, tp, pp, tcp=False, kw=KW, logits=LOGITS, prompts=None, max_tokens=MAX_TOKENS):
-    """One MPI job of tp x pp ranks; returns (result dict, [logits arrays])."""
+def run_mpi(tmp, model, tp, pp, tcp=False, kw=KW, logits=LOGITS, prompts=None, max_tokens=MAX_TOKENS,
+            runner_greedy=False):
+    """One MPI job of tp x pp ranks; returns (result dict, [logits arrays]). ``runner_greedy``: prompts are
+    token-id lists decoded on the runner (mpi_check.batched_greedy), not through the engine."""
     from pyengine.parallel.launch import mpiexec_command, rank_env
     args = [os.path.join(HERE, "mpi_check.py"), "--model", model, "--tp", str(tp), "--pp", str(pp), "--out",
             str(tmp), "--kw", json.dumps(kw), "--logits", json.dumps(logits), "--max-tokens", str(max_tokens)]
     if prompts is not None:
         path = os.path.join(tmp, "prompts.json")
         json.dump(prompts, open(path, "w"))
-        args += ["--prompts", path]
+        args += ["--prompts", path] + (["--runner-greedy"] if runner_greedy else [])
     env = rank_env(tcp)
     env["PYTHONPATH"] = os.pathsep.join([HERE, env.get("PYTHONPATH", "")])
     proc = subprocess.run(mpiexec_command(tp * pp, args), env=env, capture_output=True, text=True, timeout=600)
@@ -44,10 +47,12 @@ def run_mpi(tmp, model, tp, pp, tcp=False, kw=KW, logits=LOGITS, prompts=None, m
     return res, [npz[f"arr_{i}"] for i in range(len(logits))]
 
 
-def reference(model, kw=KW, logits=LOGITS, prompts=None, max_tokens=MAX_TOKENS):
+def reference(model, kw=KW, logits=LOGITS, prompts=None, max_tokens=MAX_TOKENS, runner_greedy=False):
     """The same passes and greedy continuations in one process."""
     sys.path.insert(0, HERE)
-    from mpi_check import greedy
+    from mpi_check import batched_greedy, greedy
+    if runner_greedy:
+        greedy = batched_greedy
     from pyengine.engine.model_runner import ModelRunner
     r = ModelRunner(model, **kw)
     out, pos = [], 0
@@ -140,3 +145,50 @@ def test_gemma3_tp2_replicates_its_single_kv_head(tmp_path):
         assert np.abs(a - b).max() <= 1e-4 * max(1.0, np.abs(b).max())
         assert (a.argmax(-1) == b.argmax(-1)).all()
     assert [(p["q_heads"], p["kv_heads"]) for p in res["parts"]] == [([0, 1], [0]), ([2, 3], [0])]
+
+
+FAULT_SCRIPT = """
+import json, os, signal, sys
+from pyengine.engine.llm_engine import LLMEngine
+from pyengine.parallel.launch import mpi_runner
+from pyengine.parallel.mpi import ParallelError
+from pyengine.sampling_params import SamplingParams
+runner = mpi_runner(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), max_model_len=256, max_num_seqs=4)
+eng = LLMEngine(runner=runner, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=runner.max_num_batched_tokens)
+for i in range(3):
+    eng.add_request(f"r{i}", [1, 2, 3, 4 + i], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+eng.step(); eng.step()
+victim = int(sys.argv[4])
+os.kill(runner.parallel.where[victim][1], signal.SIGKILL)
+try:
+    while eng.has_unfinished_requests():
+        eng.step()
+    err = None
+except ParallelError as exc:
+    err = str(exc)
+used = eng.num_used_blocks()
+for i in range(3):
+    eng.abort_request(f"r{i}")
+print("OUT " + json.dumps({"error": err, "failure": runner.failure, "used_before": used,
+                           "used_after": eng.num_used_blocks()}), flush=True)
+runner.close()
+"""
+
+
+@pytest.mark.parametrize("tp,pp,victim,tcp", [(2, 1, 1, True), (2, 2, 3, False)], ids=["tp2-tcp", "tp2pp2"])
+def test_dead_rank_fails_the_engine_step_naming_it(tmp_path, tp, pp, victim, tcp):
+    """A rank SIGKILLed between engine steps (over TCP, as between hosts; and the last rank of TP 2 x PP 2): the
+    next step raises ParallelError naming it within the deadline (MPI_ERR_PROC_FAILED from ULFM, not a hang),
+    rank 0 lives on, aborting the requests frees their KV, and the job ends by itself (every live rank takes
+    rank 0's STOP)."""
+    from pyengine.parallel.launch import mpiexec_command, rank_env
+    script = tmp_path / "fault.py"
+    script.write_text(FAULT_SCRIPT)
+    p = subprocess.run(mpiexec_command(tp * pp, [str(script), model_path("smollm2"), str(tp), str(pp), str(victim)]),
+                       env=rank_env(tcp), capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("OUT ")]
+    assert len(lines) == 1 and p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    out = json.loads(lines[0][4:])
+    assert out["error"] and f"rank {victim} (pid" in out["error"] and "dead" in out["error"]
+    assert out["failure"] == out["error"]
+    assert out["used_before"] > 0 and out["used_after"] == 0

@@ -1,8 +1,9 @@
 """S17 over MPI behind the OpenAI server: `pyengine serve --tensor-parallel-size 2` and `--pipeline-parallel-size
 2` start their ranks themselves (the wheel's mpiexec) and serve the official `openai` client the same greedy
-tokens as one process (the reference: LLM in this process). Faults: a rank that stops answering mid-step
-(SIGSTOP) makes the in-flight request fail with a clear 503 within the timeout, /health turns unhealthy naming
-the rank, new requests get 503, and stopping the server stops every rank."""
+tokens as one process (the reference: LLM in this process). Faults: a rank that stops answering (SIGSTOP) or
+dies (SIGKILL) mid-step makes the in-flight request fail with a clear error within the timeout while the server
+lives on, /health turns unhealthy naming the rank, new requests get 503, its KV is freed, and stopping the
+server stops every rank."""
 import os
 import re
 import signal
@@ -72,14 +73,28 @@ class Server:
     def client(self):
         return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
 
-    def stop(self):
+    def stop(self) -> int | None:
+        """SIGTERM to the server process alone (as a service manager does): it must stop its ranks itself.
+        Returns its exit code (None if it had to be killed)."""
+        code = None
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+            os.kill(self.proc.pid, signal.SIGTERM)
             try:
-                self.proc.wait(60)
+                code = self.proc.wait(60)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+                pass
+        else:
+            code = self.proc.returncode
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)      # whatever is left (nothing, when it works)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+        return code
+
+
+def gone(pid: int) -> bool:
+    return not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
 
 
 @pytest.fixture(scope="module")
@@ -107,14 +122,22 @@ def test_openai_client_over_mpi_ranks(reference, flags):
                                          messages=[{"role": "user", "content": "Hi!"}])
         assert "".join(ch.choices[0].delta.content or "" for ch in chat if ch.choices)
     finally:
-        s.stop()
+        code = s.stop()
+    assert code == 0                                       # SIGTERM: rank 0 shut down and sent every rank STOP
     time.sleep(1)
-    assert all(not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
-               for pid in ranks.values()), "a rank outlived the server"
+    assert all(gone(pid) for pid in ranks.values()), "a rank outlived the server"
 
 
-def test_stuck_rank_fails_requests_with_503_and_health_names_it():
-    s = Server("--tensor-parallel-size", "2", "--parallel-timeout", "3")
+FAULTS = [("SIGSTOP", "stopped", ["--tensor-parallel-size", "2"]), ("SIGKILL", "dead", ["--tensor-parallel-size", "2"]),
+          ("SIGKILL", "dead", ["--pipeline-parallel-size", "2"])]
+
+
+@pytest.mark.parametrize("sig,state,flags", FAULTS, ids=["tp2-hang", "tp2-die", "pp2-die"])
+def test_lost_rank_fails_requests_with_503_and_health_names_it(sig, state, flags):
+    """A rank that hangs (SIGSTOP) or dies (SIGKILL) mid-generation: the in-flight request fails with an error
+    naming it, within the timeout; its KV blocks are freed; /health says which rank and how; new requests get
+    503; the server (rank 0) keeps answering, and SIGTERM to it stops every rank."""
+    s = Server(*flags, "--parallel-timeout", "3")
     try:
         s.wait_ready()
         ranks = ranks_of(s.proc.pid)
@@ -122,23 +145,24 @@ def test_stuck_rank_fails_requests_with_503_and_health_names_it():
         stream = c.completions.create(model="SmolLM2-135M-Instruct", prompt="Once upon a time", max_tokens=200,
                                       temperature=0, stream=True, extra_body={"ignore_eos": True})
         next(iter(stream))                               # generation is under way
-        os.kill(ranks[1], signal.SIGSTOP)
+        os.kill(ranks[1], getattr(signal, sig))
         t0 = time.time()
         with pytest.raises(openai.APIError) as err:
             for _ in stream:
                 pass
         assert time.time() - t0 < 30                     # detected within the timeout, not hung
         assert "rank 1" in str(err.value.body or err.value) or "unavailable" in str(err.value)
+        assert s.proc.poll() is None                      # rank 0 and its server survived the loss
         h = httpx.get(s.url + "/health", timeout=5)
-        assert h.status_code == 503 and "rank 1" in h.json()["reason"] and "stopped" in h.json()["reason"]
+        assert h.status_code == 503 and "rank 1" in h.json()["reason"] and state in h.json()["reason"]
         with pytest.raises(openai.APIStatusError) as err:
             c.completions.create(model="SmolLM2-135M-Instruct", prompt="Hi", max_tokens=2)
-        assert err.value.status_code == 503
+        assert err.value.status_code == 503 and "rank 1" in str(err.value.body)
         m = httpx.get(s.url + "/metrics", timeout=5).text
         used = re.search(r"^\w*kv_cache_used_blocks (\S+)$", m, re.M)
         assert used and float(used.group(1)) == 0.0            # the failed request's KV blocks were freed
     finally:
-        s.stop()
+        code = s.stop()
+    assert code is not None                                      # it stopped by itself on SIGTERM
     time.sleep(1)
-    for pid in ranks.values():
-        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    assert all(gone(pid) for pid in ranks.values()), "a rank outlived the server"

@@ -10,7 +10,7 @@ import pytest
 
 from model_paths import model_path
 from pyengine.engine.forward_batch import ForwardBatch
-from pyengine.parallel.layout import plan_ranks, rank_config, split_heads, split_layers
+from pyengine.parallel.layout import plan_ranks, rank_config, split_experts, split_heads, split_layers
 from pyengine.parallel.mpi import decode_batch, encode_batch, split_batch
 
 
@@ -38,6 +38,13 @@ def test_bad_configurations_say_what_to_change():
         split_layers(30, 31)
     with pytest.raises(ValueError, match="positive integer"):
         plan_ranks(smollm2(), 0, 1)
+    with pytest.raises(ValueError, match="exceeds the model's 8 experts .* at most 8 ranks"):
+        split_experts(8, 9)
+
+
+def test_experts_split_whole_and_unevenly():
+    assert split_experts(8, 2) == [(0, 4), (4, 8)]
+    assert split_experts(8, 3) == [(0, 3), (3, 6), (6, 8)]
 
 
 def test_plan_balances_weights_and_stages():
@@ -100,3 +107,36 @@ def test_serve_under_a_mismatched_mpiexec_says_what_to_change():
     assert p.returncode != 0
     assert "the MPI job has 2 ranks but tensor_parallel_size 3 x pipeline_parallel_size 1 = 3" in p.stderr
     assert "mpiexec -n 3" in p.stderr
+
+
+@pytest.mark.parametrize("ft", [True, False], ids=["ulfm", "no-ft"])
+def test_driver_warns_when_a_dying_rank_would_end_the_job(tmp_path, ft):
+    """Ranks started without Open MPI's fault tolerance (a hand-written mpiexec without --with-ft ulfm): rank 0
+    warns at start that a dying rank will end the whole job, and says the flag; with it, no warning."""
+    from pyengine.parallel.launch import mpiexec_command, rank_env
+    script = tmp_path / "g.py"
+    script.write_text("import logging\nlogging.basicConfig()\nfrom pyengine.parallel.mpi import MPIGroup\n"
+                      "g = MPIGroup(2, 1)\nif g.rank: g.recv_step()\nelse: g.stop()\n")
+    cmd = mpiexec_command(2, [str(script)])
+    if not ft:
+        i = cmd.index("--with-ft")
+        del cmd[i:i + 2]
+    p = subprocess.run(cmd, env=rank_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert ("start it with mpiexec --with-ft ulfm" in p.stderr) is not ft
+
+
+def test_a_rank_that_cannot_load_its_part_fails_the_start_naming_it(tmp_path):
+    """One host of a job lacks the model file (here: rank 1 is given a missing path): that rank prints its own
+    error, and rank 0 fails at start — a ValueError naming the rank — instead of waiting for it forever."""
+    from pyengine.parallel.launch import mpiexec_command, rank_env
+    script = tmp_path / "start.py"
+    script.write_text("import os, sys\nfrom pyengine.parallel.launch import mpi_runner\n"
+                      "path = sys.argv[1] if os.environ['OMPI_COMM_WORLD_RANK'] == '0' else sys.argv[2]\n"
+                      "try:\n    mpi_runner(path, 2, 1, max_model_len=64).close()\n"
+                      "except ValueError as exc:\n    print('ERR ' + str(exc), flush=True)\n")
+    p = subprocess.run(mpiexec_command(2, [str(script), model_path("smollm2"), str(tmp_path / "missing.gguf")]),
+                       env=rank_env(), capture_output=True, text=True, timeout=300)
+    assert "missing.gguf" in p.stderr                          # the failing rank's own reason
+    err = [ln for ln in p.stdout.splitlines() if ln.startswith("ERR ")]
+    assert len(err) == 1 and "did not start: rank 1 (pid" in err[0] and "dead" in err[0], p.stdout + p.stderr[-2000:]

@@ -89,6 +89,9 @@ class Experts:
     (E, F or d, row bytes) of gate, up and down, dequantized per used expert into ``scratch`` (bound by the
     runner: the arena's lean region, shared with the lean matrices)."""
 
+    held: tuple | None = None     # S17 expert parallelism (parallel_linear.ExpertSlice): the experts held here
+    comm = None                   # ... and the ranks' Allreduce that ends the layer
+
     def __init__(self, gate: tuple, up: tuple, down: tuple, d: int, f: int, mode: str, act: str = "silu"):
         """gate, up, down: (raw uint8 (E, rows, row_bytes), ggml_type) as TensorReader.stacked reads them."""
         self.d, self.f, self.act, self.mode = d, f, act, mode
@@ -230,8 +233,12 @@ def moe_forward(moe: MoE, m: MoEConfig, x: np.ndarray, out: np.ndarray, s: MoESc
     counts = np.bincount(flat, minlength=m.n_experts)
     np.take(x, order // k, axis=0, out=s.xs)
     bounds = np.concatenate([[0], np.cumsum(counts)])
+    held = moe.experts.held
     for e in np.flatnonzero(counts).tolist():            # one product per used expert, over all its tokens
         a, b = int(bounds[e]), int(bounds[e + 1])
+        if held is not None and not held[0] <= e < held[1]:
+            s.ys[a:b] = 0.0                               # S17: another rank's expert; its rows come in the sum
+            continue
         moe.experts.ffn(e, s.xs[a:b], s.ys[a:b], s.gate_up[a:b], s.h[a:b])
     np.multiply(s.ys, w.reshape(-1)[order][:, None], out=s.ys)
     inverse = np.empty_like(order)
@@ -244,6 +251,8 @@ def moe_forward(moe: MoE, m: MoEConfig, x: np.ndarray, out: np.ndarray, s: MoESc
         np.matmul(x, moe.shared_gate[:, None], out=s.sh_gate)
         np.multiply(s.sh_out, gate_probs(s.sh_gate, "sigmoid", out=s.sh_gate), out=s.sh_out)
         out += s.sh_out
+    if moe.experts.comm is not None:                     # S17: the ranks' experts (and shared columns) summed
+        moe.experts.comm.allreduce(out)
     return counts
 
 

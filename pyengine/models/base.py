@@ -403,8 +403,12 @@ class TransformerModel:
         ops.matmul(L.wqkv, b.xn, b.qkv)
         if whole:
             qk, out = b.qkv[:, :(H + Hkv) * hd], b.qk.reshape(T, (H + Hkv) * hd)
-            ops.rms_norm(qk[:, :H * hd], L.q_norm, eps, out[:, :H * hd])
-            ops.rms_norm(qk[:, H * hd:], L.k_norm, eps, out[:, H * hd:])
+            if self.split_norm is not None:     # S17: this rank's heads only; the statistic is the ranks' sum
+                ops.call(self.split_norm, qk[:, :H * hd], qk[:, H * hd:], L.q_norm, L.k_norm, eps,
+                         out[:, :H * hd], out[:, H * hd:])
+            else:
+                ops.rms_norm(qk[:, :H * hd], L.q_norm, eps, out[:, :H * hd])
+                ops.rms_norm(qk[:, H * hd:], L.k_norm, eps, out[:, H * hd:])
         else:
             qk = b.qkv[:, :(H + Hkv) * hd].reshape(T, H + Hkv, hd)
             ops.rms_norm(qk[:, :H], L.q_norm, eps, b.qk[:, :H])
@@ -415,6 +419,7 @@ class TransformerModel:
         ops.matmul(L.wo, b.attn.reshape(T, H * hd), b.proj)
 
     expert_load = None          # MoE models: an ExpertLoad (S16) the fast path counts routed tokens into
+    split_norm = None           # S17 (parallel/shard.py): OLMoE's whole-projection q/k norm over tensor ranks
 
     def feed_forward(self, i: int, L, b: Buffers, ops: EagerOps = EAGER) -> None:
         """b.proj = the feed-forward of b.xn: the gated MLP, or an MoE layer's experts (layer fields ``moe``,

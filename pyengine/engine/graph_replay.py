@@ -280,10 +280,13 @@ class StepCapture(EagerOps):
 def group_attention_ops(layer: int, q: np.ndarray, kv, group: QueryGroup, out: np.ndarray, scratch,
                         scale: float, own) -> list:
     """The calls of layers/paged_attention.py ``group_attention`` and layers/attention.py ``decode_attention``
-    for one query group, bound: the context read (a zero-copy view of the cache, or the gather into
+    for one query group over a float32 cache, bound (a cache stored as fp16 / q8_0 / q4_0 goes through
+    ``stored_decode_attention``, bound as the one ``group_attention`` call): the context read (a zero-copy view of the cache, or the gather into
     k_batch / v_batch), the regrouped scaled queries, the score products by key chunk, the mask, softmax and
     the weighted values, written into ``out``'s rows. ``own(shape)``: the step's scratch allocator. Raises
     ValueError if a view would need a copy (reshape(copy=False))."""
+    if kv.converts:       # stored K/V formats: layers/attention.py stored_decode_attention, as one bound call
+        return [partial(group_attention, layer, q, kv, group, out, scratch, scale)]
     G, nb = group.blocks.shape
     bs, n = kv.block_size, group.blocks.size * kv.block_size
     ops = []

@@ -41,9 +41,10 @@ from functools import partial
 import numpy as np
 
 from pyengine import tuning
-from pyengine.engine.kv_cache import slot_mapping
+from pyengine.engine.kv_cache import PagedKVCache, slot_mapping
 from pyengine.engine.step_plan import KindPlan, StepPlan, group_arrays, read_span
 from pyengine.layers.activation import gated_activation_ops
+from pyengine.layers.linear import Embedding
 from pyengine.layers.norm import rms_norm_ops
 from pyengine.layers.paged_attention import AttentionPlan, QueryGroup, group_attention
 from pyengine.layers.rotary import apply_rope_ops, rope_rows_ops
@@ -270,7 +271,12 @@ class StepCapture(EagerOps):
         self.step.flat = None
 
     def call(self, f, *args) -> None:
-        self._run([partial(f, *args)])
+        bound = None      # the embedding lookup and a KV write have bound forms of fewer Python-level calls
+        if isinstance(f, Embedding):
+            bound = f.ops(*args)
+        elif getattr(f, "__func__", None) is PagedKVCache.write:
+            bound = f.__self__.write_ops(*args)
+        self._run(bound or [partial(f, *args)])
 
     def rms_norm(self, x, weight, eps, out) -> None:
         self._run(rms_norm_ops(x, weight, eps, out, self.step.own(x.shape[:-1] + (1,))))
@@ -308,8 +314,8 @@ def group_attention_ops(layer: int, q: np.ndarray, kv, group: QueryGroup, out: n
     ``stored_decode_attention``, bound as the one ``group_attention`` call): the context read (a zero-copy
     view of the cache, or the gather into k_batch / v_batch), the regrouped scaled queries (``prescaled``:
     scaled already, with their RoPE rows; for one query per sequence, a view), the score products by key
-    chunk, the mask, softmax and the weighted values, written into ``out``'s rows. ``own(shape)``: the step's scratch allocator. Raises
-    ValueError if a view would need a copy (reshape(copy=False))."""
+    chunk, the mask, softmax and the weighted values, written into ``out``'s rows. ``own(shape)``: the step's
+    scratch allocator. Raises ValueError if a view would need a copy (reshape(copy=False))."""
     if kv.converts:       # stored K/V formats: layers/attention.py stored_decode_attention, as one bound call
         return [partial(group_attention, layer, q, kv, group, out, scratch, 1.0 if prescaled else scale)]
     G, nb = group.blocks.shape

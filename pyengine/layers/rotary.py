@@ -85,16 +85,18 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, out: np.ndarray 
 def rope_rows_ops(tables, positions: np.ndarray, rows, n_heads: int | None, scale: float | None, own) -> list:
     """S13: the bound calls gathering a step's rows for ``apply_rope_ops`` from one kind's (max_len, hd/2)
     tables: [cos | cos] and [-sin | sin] (T, heads, hd) for every rotated head, the first ``n_heads`` (the
-    queries) times ``scale`` when given (a power of two: exact)."""
+    queries) times ``scale`` when given (a power of two). Each is one gather and one broadcast multiply by a
+    (heads, 2, 1) pattern of +-1 / +-scale: exact."""
+    n = rows[0].shape[1]
+    f = np.ones((n, 1, 1), np.float32)
+    if scale is not None:
+        f[:n_heads] = np.float32(scale)
     ops = []
-    for table, full, sign in zip(tables, rows, (None, np.negative)):
+    for table, full, sign in zip(tables, rows, (np.float32([1, 1]), np.float32([-1, 1]))):
         tmp = own((len(positions), table.shape[1]))
-        four = full.reshape(full.shape[:2] + (2, table.shape[1]))
-        ops += [partial(np.take, table, positions, 0, tmp, "clip"), partial(np.copyto, four, tmp[:, None, None, :])]
-        if sign is not None:
-            ops.append(partial(sign, four[:, :, 0], four[:, :, 0]))
-        if scale is not None:
-            ops.append(partial(np.multiply, full[:, :n_heads], np.float32(scale), full[:, :n_heads]))
+        ops += [partial(np.take, table, positions, 0, tmp, "clip"),
+                partial(np.multiply, tmp[:, None, None, :], f * sign[:, None],
+                        full.reshape(full.shape[:2] + (2, table.shape[1])))]
     return ops
 
 

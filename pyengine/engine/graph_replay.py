@@ -7,16 +7,18 @@ arguments) around NumPy kernels that each take a microsecond. The course's answe
   capture   the first step of a shape bucket runs through ``StepCapture``: the model's fast path calls it for
             every operation (models/base.py ``EagerOps``), and it records each one as a ``functools.partial``
             with every argument already bound -- buffer views of the arena, scratch slices, the step's index
-            arrays -- then runs it. Norms, RoPE, activations, matrix products and decode-group attention are
-            recorded as their individual ufunc / matmul calls (``rms_norm_ops``, ``apply_rope_ops``,
-            ``gated_activation_ops``, ``Linear.matmul_ops``, ``group_attention_ops`` below); the rest (the
-            embedding lookup, KV writes, gathers, an MoE layer) as one call each.
+            arrays -- then runs it. Norms, RoPE, activations, matrix products, decode-group attention, the
+            embedding lookup and KV writes are recorded as their individual ufunc / matmul / assignment calls
+            (``rms_norm_ops``, ``apply_rope_ops`` (3 calls over full-width RoPE rows, a power-of-two
+            attention scale folded into the queries' rows: exact), ``gated_activation_ops``,
+            ``Linear.matmul_ops``, ``group_attention_ops`` below, ``Embedding.ops``, ``write_ops``); the rest
+            (quantized KV writes, stored-format attention, gathers, an MoE layer) as one call each.
   replay    later steps with the same bucket copy their per-step data (token ids, positions, cache slots,
             logits rows, each query group's block ids and mask) into the arrays the calls were bound to and
             run the list: ``for op in step.flat: op()``. When the batch alone names its bucket (``batch_key``:
             its query lengths and logits rows), ``bind_batch`` derives just those arrays from the block tables
-            and a bound prologue gathers the RoPE rows once for all layers: the runner's plan is skipped.
-            Otherwise the plan is made and ``bind`` copies from it.
+            (the runner's plan is skipped); otherwise the plan is made and ``bind`` copies from it. Either way
+            a bound prologue then gathers the step's RoPE rows once for all layers.
   re-bind   a group's padded context grows by a block every block_size tokens (and a lone sequence's blocks
             may stop being one zero-copy run): then only that group's attention calls are rebuilt in every
             layer (``CapturedStep.regroup``, ``BoundAttention.build``), not the whole step.

@@ -43,7 +43,7 @@ from functools import partial
 import numpy as np
 
 from pyengine import tuning
-from pyengine.engine.kv_cache import PagedKVCache, slot_mapping
+from pyengine.engine.kv_cache import PagedKVCache, contiguous_start, slot_mapping
 from pyengine.engine.step_plan import KindPlan, StepPlan, group_arrays, read_span
 from pyengine.layers.activation import gated_activation_ops
 from pyengine.layers.linear import Embedding
@@ -222,18 +222,31 @@ class CapturedStep:
         bs, ql, cl, tables = self.block_size, batch.query_lens, batch.context_lens, batch.block_tables
         for k, (window, groups, members) in enumerate(zip(self.windows, self.groups, self.members)):
             for i, (g, mem) in enumerate(zip(groups, members)):
-                reads = [(0, cl[s]) + read_span(ql[s], cl[s], bs, window) + (tables[s],) for s in mem]
-                nb = max(r[3] for r in reads)
-                if len(mem) * nb * bs > self.max_slots:
-                    return False
-                same = nb == g.blocks.shape[1]
-                blocks, lens, key_starts, _, start = group_arrays(reads, g.q_len, bs, window,
-                                                                  g.blocks if same else None, mask=False)
-                if not same or start != g.start:
-                    g = self.regroup(k, i, blocks, start, window)
+                if len(mem) == 1:        # a lone sequence (most decodes): group_arrays' work, in scalars
+                    c, table = cl[mem[0]], tables[mem[0]]
+                    b0, nb = read_span(ql[mem[0]], c, bs, window)
+                    if nb * bs > self.max_slots:
+                        return False
+                    run = table[b0:b0 + nb]
+                    start = contiguous_start(run, c - b0 * bs, bs)
+                    if nb != g.blocks.shape[1] or start != g.start:
+                        g = self.regroup(k, i, np.array(run, np.int64)[None], start, window)
+                    else:
+                        g.blocks[0] = run
+                    edge = c - b0 * bs - g.q_len
+                else:
+                    reads = [(0, cl[s]) + read_span(ql[s], cl[s], bs, window) + (tables[s],) for s in mem]
+                    nb = max(r[3] for r in reads)
+                    if len(mem) * nb * bs > self.max_slots:
+                        return False
+                    same = nb == g.blocks.shape[1]
+                    blocks, lens, key_starts, _, start = group_arrays(reads, g.q_len, bs, window,
+                                                                      g.blocks if same else None, mask=False)
+                    if not same or start != g.start:
+                        g = self.regroup(k, i, blocks, start, window)
+                    edge = (lens - key_starts - g.q_len)[:, None, None]
                 lj = self.lj[k][i]
                 mask = g.mask.reshape((len(mem),) + lj.shape[1:])
-                edge = (lens - key_starts - g.q_len)[:, None, None]
                 np.greater(lj, edge, out=mask)
                 if window is not None:
                     mask |= lj <= edge - window

@@ -7,16 +7,18 @@ arguments) around NumPy kernels that each take a microsecond. The course's answe
   capture   the first step of a shape bucket runs through ``StepCapture``: the model's fast path calls it for
             every operation (models/base.py ``EagerOps``), and it records each one as a ``functools.partial``
             with every argument already bound -- buffer views of the arena, scratch slices, the step's index
-            arrays -- then runs it. Norms, RoPE, activations, matrix products and decode-group attention are
-            recorded as their individual ufunc / matmul calls (``rms_norm_ops``, ``apply_rope_ops``,
-            ``gated_activation_ops``, ``Linear.matmul_ops``, ``group_attention_ops`` below); the rest (the
-            embedding lookup, KV writes, gathers, an MoE layer) as one call each.
+            arrays -- then runs it. Norms, RoPE, activations, matrix products, decode-group attention, the
+            embedding lookup and KV writes are recorded as their individual ufunc / matmul / assignment calls
+            (``rms_norm_ops``, ``apply_rope_ops`` (3 calls over full-width RoPE rows, a power-of-two
+            attention scale folded into the queries' rows: exact), ``gated_activation_ops``,
+            ``Linear.matmul_ops``, ``group_attention_ops`` below, ``Embedding.ops``, ``write_ops``); the rest
+            (quantized KV writes, stored-format attention, gathers, an MoE layer) as one call each.
   replay    later steps with the same bucket copy their per-step data (token ids, positions, cache slots,
             logits rows, each query group's block ids and mask) into the arrays the calls were bound to and
             run the list: ``for op in step.flat: op()``. When the batch alone names its bucket (``batch_key``:
             its query lengths and logits rows), ``bind_batch`` derives just those arrays from the block tables
-            and a bound prologue gathers the RoPE rows once for all layers: the runner's plan is skipped.
-            Otherwise the plan is made and ``bind`` copies from it.
+            (the runner's plan is skipped); otherwise the plan is made and ``bind`` copies from it. Either way
+            a bound prologue then gathers the step's RoPE rows once for all layers.
   re-bind   a group's padded context grows by a block every block_size tokens (and a lone sequence's blocks
             may stop being one zero-copy run): then only that group's attention calls are rebuilt in every
             layer (``CapturedStep.regroup``, ``BoundAttention.build``), not the whole step.
@@ -33,6 +35,7 @@ it runs in Pyodide as well (tests/test_pyodide_graph_replay.py).
 """
 from __future__ import annotations
 
+import math
 import operator
 from collections import OrderedDict
 from functools import partial
@@ -40,12 +43,13 @@ from functools import partial
 import numpy as np
 
 from pyengine import tuning
-from pyengine.engine.kv_cache import slot_mapping
+from pyengine.engine.kv_cache import PagedKVCache, contiguous_start, slot_mapping
 from pyengine.engine.step_plan import KindPlan, StepPlan, group_arrays, read_span
 from pyengine.layers.activation import gated_activation_ops
+from pyengine.layers.linear import Embedding
 from pyengine.layers.norm import rms_norm_ops
 from pyengine.layers.paged_attention import AttentionPlan, QueryGroup, group_attention
-from pyengine.layers.rotary import apply_rope_ops
+from pyengine.layers.rotary import apply_rope_ops, rope_rows_ops
 from pyengine.models.base import EagerOps
 
 
@@ -84,12 +88,18 @@ def _mask_shape(G: int, q_len: int, L: int, window) -> tuple:
     return (G, 1, 1, L) if q_len == 1 and window is None else (G, 1, 1, q_len, L)
 
 
+def _exact_scale(scale) -> bool:
+    """A power of two (as float32): multiplying by it commutes exactly with rounding (normal values)."""
+    return scale is not None and scale > 0 and math.frexp(scale)[0] == 0.5 and float(np.float32(scale)) == scale
+
+
 class BoundAttention:
     """One query group's attention in one layer of a captured step: its bound calls (``group_attention_ops``),
     rebuilt by ``build`` when the group's padded block count or zero-copy start changes."""
 
-    def __init__(self, step: "CapturedStep", kind: int, index: int, layer: int, q, kv, out, scratch, scale):
-        self.step, self.kind, self.index = step, kind, index
+    def __init__(self, step: "CapturedStep", kind: int, index: int, layer: int, q, kv, out, scratch, scale,
+                 prescaled: bool = False):
+        self.step, self.kind, self.index, self.prescaled = step, kind, index, prescaled
         self.args = (layer, q, kv, out, scratch, scale)
         self.ops: list = []
         self.build()
@@ -102,9 +112,11 @@ class BoundAttention:
             own.append(np.empty(shape, np.float32))
             return own[-1]
         try:
-            self.ops = group_attention_ops(layer, q, kv, group, out, scratch, scale, alloc)
+            self.ops = group_attention_ops(layer, q, kv, group, out, scratch, scale, alloc, self.prescaled)
         except ValueError:            # a view that would need a copy: keep the group as one call
-            self.ops = [partial(group_attention, layer, q, kv, group, out, scratch, scale)]
+            # (queries already scaled: times 1.0, exact)
+            self.ops = [partial(group_attention, layer, q, kv, group, out, scratch,
+                                1.0 if self.prescaled else scale)]
         self.scratch = own
 
     def __call__(self) -> None:
@@ -118,7 +130,8 @@ class CapturedStep:
     ``blocks`` and ``mask``), owned here and refilled by ``bind`` (from a plan) or ``bind_batch`` (from the
     batch itself). ``logits`` is the view the last calls write."""
 
-    def __init__(self, plan: StepPlan, batch, rope_tables: list, block_size: int, max_slots: int):
+    def __init__(self, plan: StepPlan, batch, rope_tables: list, block_size: int, max_slots: int,
+                 n_heads: int | None = None, scale: float | None = None):
         self.key = None
         self.ops: list = []             # the recorded calls; a group's attention is one BoundAttention entry
         self.flat: list | None = None   # the same with each BoundAttention's calls spliced in (what replays)
@@ -143,13 +156,19 @@ class CapturedStep:
                          for g in gs] for gs in self.groups]
         self.unsplit = all(len({g.q_len for g in gs}) == len(gs) for gs in self.groups)
         self.lj = [[self._lj(g) for g in gs] for gs in self.groups]
-        # the plan's RoPE gather, bound: this step's rows of each kind's tables, once for all layers
-        self.prologue = []
-        for (tcos, tsin), k in zip(rope_tables, plan.kinds):
-            for table, rows in ((tcos, k.cos), (tsin, k.sin)):
-                tmp = self.own((len(self.positions), table.shape[1]))
-                self.prologue += [partial(np.take, table, self.positions, 0, tmp, "clip"),
-                                  partial(np.copyto, rows, tmp[:, None, :])]
+        # RoPE as three calls (layers/rotary.py ``apply_rope_ops``) over full-width rows [cos | cos] and
+        # [-sin | sin] of every rotated head, gathered once per step for all layers by the bound prologue;
+        # with a power-of-two attention scale the query heads' rows carry it (exact), so attention skips its
+        # scaling pass (``prescale``)
+        self.prescale = scale if n_heads is not None and _exact_scale(scale) else None
+        self.rope_rows, self.prologue = [], []
+        for tables, k in zip(rope_tables, plan.kinds):
+            shape = k.cos.shape[:2] + (2 * k.cos.shape[2],)          # (T, rotated heads, hd)
+            rows = self.own(shape), self.own(shape)
+            self.rope_rows.append(rows)
+            self.prologue += rope_rows_ops(tables, self.positions, rows, n_heads, self.prescale, self.own)
+        for op in self.prologue:
+            op()
 
     @staticmethod
     def _lj(g: QueryGroup) -> np.ndarray:
@@ -179,10 +198,10 @@ class CapturedStep:
         self.flat = None
         return g
 
-    def bind(self, plan: StepPlan) -> None:
-        """Copy a later step's data (same bucket) into the arrays the calls read. Its RoPE rows are in the arena
-        already: the plan gathered them once for all layers."""
+    def bind(self, plan: StepPlan, batch) -> None:
+        """Copy a later step's data (same bucket) into the arrays the calls read, and gather its RoPE rows."""
         np.copyto(self.token_ids, plan.token_ids)
+        np.copyto(self.positions, batch.positions)
         np.copyto(self.slots, plan.slots)
         np.copyto(self.logits_indices, plan.logits_indices)
         for k, (mine, kind) in enumerate(zip(self.groups, plan.kinds)):
@@ -192,6 +211,8 @@ class CapturedStep:
                 else:
                     np.copyto(g.blocks, new.blocks)
                 np.copyto(g.mask, new.mask)
+        for op in self.prologue:
+            op()
 
     def bind_batch(self, batch) -> bool:
         """Derive a later batch's data (same ``batch_key``) straight into the bound arrays, without a plan;
@@ -201,18 +222,31 @@ class CapturedStep:
         bs, ql, cl, tables = self.block_size, batch.query_lens, batch.context_lens, batch.block_tables
         for k, (window, groups, members) in enumerate(zip(self.windows, self.groups, self.members)):
             for i, (g, mem) in enumerate(zip(groups, members)):
-                reads = [(0, cl[s]) + read_span(ql[s], cl[s], bs, window) + (tables[s],) for s in mem]
-                nb = max(r[3] for r in reads)
-                if len(mem) * nb * bs > self.max_slots:
-                    return False
-                same = nb == g.blocks.shape[1]
-                blocks, lens, key_starts, _, start = group_arrays(reads, g.q_len, bs, window,
-                                                                  g.blocks if same else None, mask=False)
-                if not same or start != g.start:
-                    g = self.regroup(k, i, blocks, start, window)
+                if len(mem) == 1:        # a lone sequence (most decodes): group_arrays' work, in scalars
+                    c, table = cl[mem[0]], tables[mem[0]]
+                    b0, nb = read_span(ql[mem[0]], c, bs, window)
+                    if nb * bs > self.max_slots:
+                        return False
+                    run = table[b0:b0 + nb]
+                    start = contiguous_start(run, c - b0 * bs, bs)
+                    if nb != g.blocks.shape[1] or start != g.start:
+                        g = self.regroup(k, i, np.array(run, np.int64)[None], start, window)
+                    else:
+                        g.blocks[0] = run
+                    edge = c - b0 * bs - g.q_len
+                else:
+                    reads = [(0, cl[s]) + read_span(ql[s], cl[s], bs, window) + (tables[s],) for s in mem]
+                    nb = max(r[3] for r in reads)
+                    if len(mem) * nb * bs > self.max_slots:
+                        return False
+                    same = nb == g.blocks.shape[1]
+                    blocks, lens, key_starts, _, start = group_arrays(reads, g.q_len, bs, window,
+                                                                      g.blocks if same else None, mask=False)
+                    if not same or start != g.start:
+                        g = self.regroup(k, i, blocks, start, window)
+                    edge = (lens - key_starts - g.q_len)[:, None, None]
                 lj = self.lj[k][i]
                 mask = g.mask.reshape((len(mem),) + lj.shape[1:])
-                edge = (lens - key_starts - g.q_len)[:, None, None]
                 np.greater(lj, edge, out=mask)
                 if window is not None:
                     mask |= lj <= edge - window
@@ -252,7 +286,12 @@ class StepCapture(EagerOps):
         self.step.flat = None
 
     def call(self, f, *args) -> None:
-        self._run([partial(f, *args)])
+        bound = None      # the embedding lookup and a KV write have bound forms of fewer Python-level calls
+        if isinstance(f, Embedding):
+            bound = f.ops(*args)
+        elif getattr(f, "__func__", None) is PagedKVCache.write:
+            bound = f.__self__.write_ops(*args)
+        self._run(bound or [partial(f, *args)])
 
     def rms_norm(self, x, weight, eps, out) -> None:
         self._run(rms_norm_ops(x, weight, eps, out, self.step.own(x.shape[:-1] + (1,))))
@@ -264,26 +303,36 @@ class StepCapture(EagerOps):
         self._run(lin.matmul_ops(x, scratch) + gated_activation_ops(scratch, lin.act, out))
 
     def rope(self, x, cos, sin, out, tmp) -> None:
-        self._run(apply_rope_ops(x, cos, sin, out, tmp))
+        step = self.step
+        kind = next((k for k, kp in enumerate(step.plan.kinds) if kp.cos is cos), None)
+        if kind is None or x.shape[1] != step.rope_rows[kind][0].shape[1]:
+            raise ValueError("a captured step rotates the heads of its plan's RoPE rows only")
+        self._run(apply_rope_ops(x, *step.rope_rows[kind], out, step.own(x.shape)))
 
     def attention(self, i, q, kv, plan, out, scratch, scale) -> None:
         if plan.runs:
             raise ValueError("a step with long queries is not captured (step_key keeps it plain)")
         step = self.step
         kind = next(k for k, kp in enumerate(step.plan.kinds) if kp.attention is plan)
+        if step.prescale is not None and scale != step.prescale:
+            raise ValueError(f"attention scale {scale} is not the one folded into the RoPE rows ({step.prescale})")
         for index in range(len(plan.groups)):
-            bound = BoundAttention(step, kind, index, i, q, kv, out, scratch, scale)
+            bound = BoundAttention(step, kind, index, i, q, kv, out, scratch, scale, step.prescale is not None)
             step.attention.setdefault((kind, index), []).append(bound)
             self._run([bound])
 
 
 def group_attention_ops(layer: int, q: np.ndarray, kv, group: QueryGroup, out: np.ndarray, scratch,
-                        scale: float, own) -> list:
+                        scale: float, own, prescaled: bool = False) -> list:
     """The calls of layers/paged_attention.py ``group_attention`` and layers/attention.py ``decode_attention``
-    for one query group, bound: the context read (a zero-copy view of the cache, or the gather into
-    k_batch / v_batch), the regrouped scaled queries, the score products by key chunk, the mask, softmax and
-    the weighted values, written into ``out``'s rows. ``own(shape)``: the step's scratch allocator. Raises
-    ValueError if a view would need a copy (reshape(copy=False))."""
+    for one query group over a float32 cache, bound (a cache stored as fp16 / q8_0 / q4_0 goes through
+    ``stored_decode_attention``, bound as the one ``group_attention`` call): the context read (a zero-copy
+    view of the cache, or the gather into k_batch / v_batch), the regrouped scaled queries (``prescaled``:
+    scaled already, with their RoPE rows; for one query per sequence, a view), the score products by key
+    chunk, the mask, softmax and the weighted values, written into ``out``'s rows. ``own(shape)``: the step's
+    scratch allocator. Raises ValueError if a view would need a copy (reshape(copy=False))."""
+    if kv.converts:       # stored K/V formats: layers/attention.py stored_decode_attention, as one bound call
+        return [partial(group_attention, layer, q, kv, group, out, scratch, 1.0 if prescaled else scale)]
     G, nb = group.blocks.shape
     bs, n = kv.block_size, group.blocks.size * kv.block_size
     ops = []
@@ -304,9 +353,13 @@ def group_attention_ops(layer: int, q: np.ndarray, kv, group: QueryGroup, out: n
         qs = own((G * Q, H, hd))
         ops.append(partial(np.take, q, group.rows, 0, qs))
     s = scratch.scores[:G * H * Q * L].reshape((G, Hkv, g * Q, L), copy=False)
-    qg = own((G, Hkv, g * Q, hd))
-    ops.append(partial(np.multiply, qs.reshape((G, Q, Hkv, g, hd), copy=False).transpose(0, 2, 3, 1, 4),
-                       np.array(scale, np.float32), qg.reshape(G, Hkv, g, Q, hd)))
+    q5 = qs.reshape((G, Q, Hkv, g, hd), copy=False).transpose(0, 2, 3, 1, 4)
+    if prescaled and Q == 1:        # the queries (scaled with their RoPE rows) already are (G, Hkv, g, hd)
+        qg = qs.reshape((G, Hkv, g, hd), copy=False)
+    else:
+        qg = own((G, Hkv, g * Q, hd))
+        ops.append(partial(np.copyto, qg.reshape(G, Hkv, g, Q, hd), q5) if prescaled else
+                   partial(np.multiply, q5, np.array(scale, np.float32), qg.reshape(G, Hkv, g, Q, hd)))
     kt, vt = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)
     ops += [partial(np.matmul, qg, kt[..., l0:l0 + chunk], s[..., l0:l0 + chunk]) for l0 in range(0, L, chunk)]
     mx, den, acc = own((G, Hkv, g * Q, 1)), own((G, Hkv, g * Q, 1)), own((G, Hkv, g * Q, hd))
@@ -366,10 +419,11 @@ class StepGraphs:
         if step is not None:
             self.steps.move_to_end(key)
             self.replays += 1
-            step.bind(plan)
+            step.bind(plan, batch)
             logits = step.replay()
         else:
-            step = CapturedStep(plan, batch, buffers.rope_tables, block_size, max_slots)
+            step = CapturedStep(plan, batch, buffers.rope_tables, block_size, max_slots, model.config.n_heads,
+                                model.scale)
             step.key = key
             step.logits = logits = model.forward(step.plan, kv, buffers.rows(plan.num_tokens),
                                                  ops=StepCapture(step))

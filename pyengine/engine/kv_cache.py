@@ -21,6 +21,9 @@ the blocks of float32.
 """
 from __future__ import annotations
 
+import operator
+from functools import partial
+
 import numpy as np
 
 from pyengine.arena import Arena, ArenaSpec, spec
@@ -111,6 +114,14 @@ class PagedKVCache:
             v = quantize(v).reshape(len(slots), self.n_kv_heads, row)
         self.k_slots[layer][slots] = k             # fp16: rounded to nearest on assignment
         self.v_slots[layer][slots] = v
+
+    def write_ops(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> list | None:
+        """S13: ``write`` as two bound assignments for a captured step (engine/graph_replay.py), or None for
+        the quantized formats (their rows are quantized first: one call)."""
+        if self.dtype in _QUANT:
+            return None
+        return [partial(operator.setitem, self.k_slots[layer], slots, k),
+                partial(operator.setitem, self.v_slots[layer], slots, v)]
 
     # --- reads ------------------------------------------------------------------------------------------
     def _to_float(self, stored: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -208,7 +219,7 @@ def contiguous_start(block_table: np.ndarray, context_len: int, block_size: int)
     if n == 0:
         return 0
     table = np.asarray(block_table[:n], dtype=np.int64)
-    if n == 1 or bool(np.all(np.diff(table) == 1)):
+    if n == 1 or bool((table[1:] - table[:-1] == 1).all()):
         return int(table[0]) * block_size
     return None
 

@@ -229,6 +229,16 @@ class Embedding:
             return s.columns(token_ids, out)
         return s.rows(token_ids, out)                 # QuantMatrix / LeanLinear
 
+    def ops(self, token_ids: np.ndarray, out: np.ndarray) -> list | None:
+        """S13: the lookup as one bound gather for a captured step, when the rows come from one float32 (d, V)
+        array (untied, or a tied head of one column block); else None (then the lookup is one call)."""
+        s = self.source
+        blocks = getattr(s, "blocks", None)
+        table = s if isinstance(s, np.ndarray) else blocks[0] if blocks is not None and len(blocks) == 1 else None
+        if table is None:
+            return None
+        return [partial(np.take, table, token_ids, 1, out.T, "clip")]
+
 
 def make_linear(m: QuantMatrix, mode: str, act: str | None = None) -> Linear:
     """The Linear for a weight in the given weights mode."""

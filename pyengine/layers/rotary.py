@@ -82,13 +82,35 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, out: np.ndarray 
     return out
 
 
+def rope_rows_ops(tables, positions: np.ndarray, rows, n_heads: int | None, scale: float | None, own) -> list:
+    """S13: the bound calls gathering a step's rows for ``apply_rope_ops`` from one kind's (max_len, hd/2)
+    tables: [cos | cos] and [-sin | sin] (T, heads, hd) for every rotated head, the first ``n_heads`` (the
+    queries) times ``scale`` when given (a power of two). Each is one gather and one broadcast multiply by a
+    (heads, 2, 1) pattern of +-1 / +-scale: exact."""
+    n = rows[0].shape[1]
+    f = np.ones((n, 1, 1), np.float32)
+    if scale is not None:
+        f[:n_heads] = np.float32(scale)
+    ops = []
+    for table, full, sign in zip(tables, rows, (np.float32([1, 1]), np.float32([-1, 1]))):
+        tmp = own((len(positions), table.shape[1]))
+        ops += [partial(np.take, table, positions, 0, tmp, "clip"),
+                partial(np.multiply, tmp[:, None, None, :], f * sign[:, None],
+                        full.reshape(full.shape[:2] + (2, table.shape[1])))]
+    return ops
+
+
 def apply_rope_ops(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, out: np.ndarray, tmp: np.ndarray) -> list:
-    """S13: the six ufuncs of ``apply_rope`` (cos/sin repeated per head), bound for a captured step."""
-    half = x.shape[-1] // 2
-    x1, x2, o1, o2 = x[..., :half], x[..., half:], out[..., :half], out[..., half:]
-    return [partial(np.multiply, x1, cos, o1), partial(np.multiply, x2, sin, tmp),
-            partial(np.subtract, o1, tmp, o1), partial(np.multiply, x2, cos, o2),
-            partial(np.multiply, x1, sin, tmp), partial(np.add, o2, tmp, o2)]
+    """S13: ``apply_rope`` as three bound calls for a captured step (engine/graph_replay.py), exactly:
+    out = x [cos | cos] + swap(x) [-sin | sin] with swap(x) = [x2 | x1] a view, so o1 = x1 cos + x2 (-sin) =
+    x1 cos - x2 sin and o2 = x2 cos + x1 sin, the same roundings. cos, sin: (T, heads, hd) rows (from
+    ``rope_rows_ops``); tmp: scratch of x's shape."""
+    T, n, hd = x.shape
+    four = (T, n, 2, hd // 2)
+    x4 = x.reshape(four, copy=False)
+    o4, t4 = out.reshape(four, copy=False), tmp.reshape(four, copy=False)
+    return [partial(np.multiply, x4, cos.reshape(four), o4),
+            partial(np.multiply, x4[:, :, ::-1], sin.reshape(four), t4), partial(np.add, o4, t4, o4)]
 
 
 def apply_rope_interleaved(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:

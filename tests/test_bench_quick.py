@@ -149,6 +149,14 @@ def test_bench_kv_quick():
     finite_positive(re.findall(rf"@2048 x({NUMBER})", out), "decode ratio", 1)
 
 
+
+def test_bench_kv_scales_quick():
+    """--only scales: both head shapes, both orders agreeing (the bench raises otherwise), two ratios each."""
+    out = bench("kv", "--quick", "--only", "scales")
+    rows = re.findall(rf"^\s+(SmolLM2-135M|Gemma 3 270M) .*K x({NUMBER})\s+V x({NUMBER})$", out, re.M)
+    assert [r[0] for r in rows] == ["SmolLM2-135M", "Gemma 3 270M"], out
+    finite_positive([x for r in rows for x in r[1:]], "fold / cast-then-scale ratios", 4)
+
 def test_bench_structured_quick():
     out = bench("structured", "--limit", "4", "--engines", "pyengine", "--tokens", "10")
     row = re.search(rf"^pyengine\s+(\d+)/(\d+)\s+({NUMBER})ms\s+({NUMBER})ms\s+({NUMBER})ms\s+({NUMBER})ms", out, re.M)

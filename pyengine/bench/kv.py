@@ -16,6 +16,10 @@ every dtype (its float32 cache swapped for one of each other dtype in turn), alt
 
 Table 2, per weight format written by `pyengine quantize` from the model file: size, PPL and KL against the
 original file (float32 KV), single-stream decode tok/s in the resident and lean weight modes.
+
+``--only scales`` (no model): per head shape, the K and V sides of one decode group over Q8_0 keys with the
+block scales folded into scores / probabilities against casting the values and scaling them in place: the
+measurement behind layers/attention.py folding them at every head size.
 Ratios against the first row are measured in the same run; absolute figures drift with the shared machine.
 """
 from __future__ import annotations
@@ -36,7 +40,8 @@ def add_arguments(p) -> None:
     p.add_argument("--model", action="append", default=None, metavar="PATH",
                    help="GGUF file (repeatable; default: SmolLM2-135M and, if assembled, Gemma 3 270M)")
     p.add_argument("--quick", action="store_true", help="fewer windows and steps (about a minute per table)")
-    p.add_argument("--only", choices=("kv", "weights"), default=None, help="one table only")
+    p.add_argument("--only", choices=("kv", "weights", "scales"), default=None,
+                   help="one table only (scales: the Q8_0 scale-folding measurement, no model)")
     p.add_argument("--ctx", type=int, default=None, help="perplexity window (default 512; --quick 256)")
     p.add_argument("--windows", type=int, default=None, help="perplexity windows (default 8; --quick 2)")
     p.add_argument("--steps", type=int, default=None, help="timed decode steps (default 16; --quick 4)")
@@ -244,6 +249,104 @@ def weights_table(path: str, args, tmp: str) -> None:
               f"{rates['resident']:9.1f} {rates['lean']:7.1f}", flush=True)
 
 
+# --- --only scales: the measured rule behind folding the Q8_0 scales (layers/attention.py) ------------------
+SCALE_SHAPES = (("SmolLM2-135M", 3, 64, 3), ("Gemma 3 270M", 1, 256, 4))   # (KV heads, head_dim, queries per KV head)
+
+
+def _best(fns: dict, rounds: int) -> dict:
+    """Best time (µs) of each callable, timed in alternating rounds (each round calls every one once)."""
+    for f in fns.values():
+        f()
+    best = {name: float("inf") for name in fns}
+    for _ in range(rounds):
+        for name, f in fns.items():
+            t = time.perf_counter()
+            f()
+            best[name] = min(best[name], (time.perf_counter() - t) * 1e6)
+    return best
+
+
+def scales_table(args) -> None:
+    """One decode query group over 2048 Q8_0 keys per head shape, in 1024-key tiles (data in cache): the K
+    and V sides with the block scales folded into scores / probabilities (what stored_decode_attention does)
+    against casting the values and scaling them in place (then one product per key chunk, as float32 KV)."""
+    from pyengine import tuning
+    from pyengine.gguf.quants import quantize_q8_0
+    from pyengine.layers.attention import _block_scales, _tile_values
+    L, t, chunk = 2048, 1024, tuning.DECODE_KEY_CHUNK
+    rounds = 20 if args.quick else 200
+    print(f"\n== Q8_0 block scales: fold vs cast-then-scale, {L} keys in {t}-key tiles, best of {rounds} "
+          f"alternating rounds (µs) ==")
+    print(f"  {'head shape':28} {'K fold':>8} {'K scale':>8} {'V fold':>8} {'V scale':>8} {'f32 K':>7} {'f32 V':>7}"
+          "   fold / cast-then-scale")
+    rng = np.random.default_rng(0)
+    for name, Hkv, hd, g in SCALE_SHAPES:
+        nb = hd // 32
+        x = rng.standard_normal((2, L * Hkv, hd)).astype(np.float32)
+        raw = [np.asarray(quantize_q8_0(x[i])).reshape(1, L, Hkv, nb * 34) for i in range(2)]
+        kf, vf = (x[i].reshape(1, L, Hkv, hd) for i in range(2))
+        q = rng.standard_normal((1, Hkv, g, hd)).astype(np.float32)
+        qs = q.reshape(1, Hkv, g, nb, 32).transpose(0, 1, 3, 2, 4)
+        vals = np.empty(t * Hkv * nb * 34, np.float32)
+        cast = np.empty((1, t, Hkv, nb, 32), np.float32)
+        sbuf = np.empty(2 * L * Hkv * nb, np.float32)
+        s, parts = np.empty((1, Hkv, g, L), np.float32), np.empty((1, Hkv, nb, g, L), np.float32)
+        p = rng.random((1, Hkv, g, L), dtype=np.float32)
+        res = {}
+
+        def k_fold():
+            for l0 in range(0, L, t):
+                kt = _tile_values("q8_0", raw[0][:, l0:l0 + t], vals, None).swapaxes(-1, -2)
+                for c in range(l0, l0 + t, chunk):
+                    np.matmul(qs, kt[..., c - l0:c - l0 + chunk], out=parts[..., c:c + chunk])
+            res["K fold"] = np.einsum("xhbgl,xhbl->xhgl", parts, _block_scales(raw[0], 34, sbuf), out=s).copy()
+
+        def scaled_tile(r, l0):      # values of tile l0 cast (strided: the scale bytes skipped), times d in place
+            blocks = r[:, l0:l0 + t].reshape(1, t, Hkv, nb, 34)
+            np.copyto(cast, blocks[..., 2:].view(np.int8), casting="unsafe")
+            d = _block_scales(r[:, l0:l0 + t], 34, sbuf)                        # (1, Hkv, nb, t)
+            np.multiply(cast, d.transpose(0, 3, 1, 2)[..., None], out=cast)
+            return cast.reshape(1, t, Hkv, hd)
+
+        def k_scale():
+            for l0 in range(0, L, t):
+                kt = scaled_tile(raw[0], l0).transpose(0, 2, 3, 1)
+                for c in range(l0, l0 + t, chunk):
+                    np.matmul(q, kt[..., c - l0:c - l0 + chunk], out=s[..., c:c + chunk])
+            res["K scale"] = s.copy()
+
+        def v_fold():
+            pd = parts
+            np.multiply(p[:, :, None], _block_scales(raw[1], 34, sbuf)[:, :, :, None], out=pd)
+            acc = sum(np.matmul(pd[..., l0:l0 + t], _tile_values("q8_0", raw[1][:, l0:l0 + t], vals, None))
+                      for l0 in range(0, L, t))
+            res["V fold"] = acc.transpose(0, 1, 3, 2, 4).reshape(1, Hkv, g, hd)
+
+        def v_scale():
+            res["V scale"] = sum(np.matmul(p[..., l0:l0 + t], scaled_tile(raw[1], l0).transpose(0, 2, 1, 3))
+                                 for l0 in range(0, L, t))
+
+        kt32, vt32 = kf.transpose(0, 2, 3, 1), vf.transpose(0, 2, 1, 3)
+
+        def k_f32():
+            for c in range(0, L, chunk):
+                np.matmul(q, kt32[..., c:c + chunk], out=s[..., c:c + chunk])
+
+        def v_f32():
+            return sum(np.matmul(p[..., c:c + chunk], vt32[:, :, c:c + chunk]) for c in range(0, L, chunk))
+
+        us = _best({"K fold": k_fold, "K scale": k_scale, "V fold": v_fold, "V scale": v_scale,
+                    "f32 K": k_f32, "f32 V": v_f32}, rounds)
+        for side in ("K", "V"):                       # both orders compute the same numbers (float rounding)
+            a, b = res[f"{side} fold"], res[f"{side} scale"]
+            if not np.allclose(a, b, rtol=1e-4, atol=1e-3 * float(np.abs(b).max())):
+                raise AssertionError(f"{name}: the {side} side's two orders disagree")
+        print(f"  {name + f' ({Hkv} x {hd}, g={g})':28} " + " ".join(
+            f"{us[c]:{8 if c[0] != 'f' else 7}.0f}" for c in ("K fold", "K scale", "V fold", "V scale", "f32 K",
+                                                             "f32 V"))
+              + f"   K x{us['K fold'] / us['K scale']:.2f}  V x{us['V fold'] / us['V scale']:.2f}")
+
+
 def run(args) -> int:
     args.ctx = args.ctx or (256 if args.quick else 512)
     args.windows = args.windows or (2 if args.quick else 8)
@@ -256,6 +359,10 @@ def run(args) -> int:
     if bad:
         raise ValueError(f"unknown KV dtype / weight type: {', '.join(bad)}")
     t0 = time.perf_counter()
+    if args.only == "scales":
+        scales_table(args)
+        print(f"\n(total {time.perf_counter() - t0:.0f} s)")
+        return 0
     with tempfile.TemporaryDirectory(prefix="pyengine-bench-kv-") as tmp:
         models = _models(args)
         if args.only != "weights":

@@ -292,7 +292,7 @@ def decode_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, lens: np.ndarr
 # so a tile of stored rows needs only a contiguous cast to float32 (Q4_0: after unpacking the nibbles), of all
 # its bytes, the scale bytes too: the contiguous cast is ~1.5x faster than a strided one skipping them, and the
 # matmuls read past them; scaling the keys instead would cost one more broadcast pass over every value, ~2x the
-# cast (docs/performance.md).
+# cast: the fold wins at head sizes 64 and 256 alike (`pyengine bench kv --only scales`, docs/performance.md).
 
 def _block_bytes(fmt: str) -> int:
     return {"q8_0": 34, "q4_0": 18}[fmt]

@@ -346,3 +346,31 @@ def test_backoff_chooses_for_the_batch_not_for_its_luckiest_sequence():
     prior = [_Seq(0.6) for _ in range(8)]
     assert _decoder(costs, 8).draft_lens(prior) == [4] * 8
     assert _decoder(costs, 8).draft_lens(prior, available=[4] + [0] * 7) == [0] * 8
+
+
+class _Graphs:
+    captures = 0
+
+
+@pytest.mark.parametrize("capture_every", [0, 1, 3])
+def test_a_step_that_captured_is_no_cost_sample(capture_every):
+    """S13 x S14: a step during which the runner captured a new bucket costs more than its replays will, so the
+    back-off does not price its draft length by it; the other decode-only steps are samples."""
+    eng = make_engine(speculative_config={"method": "ngram", "num_speculative_tokens": 4}, num_blocks=128)
+    eng.runner.graphs = graphs = _Graphs()
+    run, calls, captured = eng.runner.run, [0], []
+
+    def capturing_run(batch):
+        calls[0] += 1
+        if capture_every and calls[0] % capture_every == 0:
+            graphs.captures += 1
+            captured.append(calls[0])
+        return run(batch)
+    eng.runner.run = capturing_run
+    samples = []
+    observe = eng.spec.observe_step
+    eng.spec.observe_step = lambda s, n, k: (samples.append(calls[0]), observe(s, n, k))
+    add_all(eng, prompts(2, seed=21), SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    run_all(eng)
+    assert not set(samples) & set(captured)
+    assert (samples == []) == (capture_every == 1)       # the others' decode-only steps are samples

@@ -3,8 +3,11 @@
 For three workloads — code editing (the prompt holds the code the answer repeats with changes), summarising a
 given passage, open-ended chat — greedy decode tok/s of one stream and of 8 sequences at once, without
 speculation, with the n-gram proposer and with a draft model, and each proposer's acceptance. Every figure is
-a ratio to the same workload's plain decode in the same run (plain runs first and last, around the others, and
-counts as their median: the shared host's speed drifts). The decode phase is timed from the step at which every
+a ratio to the same workload's plain decode in the same run: plain runs before and after each round of the
+other methods, each run counts against the mean of the two plain runs around it, and ``--rounds N`` reports
+the median over N such rounds (the shared host's speed drifts). Each method keeps one engine for the whole
+run, as a server does, warmed up once per batch size on the first workload: its back-off then prices draft
+lengths by step costs it measured there instead of exploring them again in every timed run. The decode phase is timed from the step at which every
 sequence has its first token to the end (prefill excluded).
 
 ``--draft-model`` defaults to a copy of the target's first 24 layers written with the `gguf` package (the only
@@ -74,8 +77,10 @@ def add_arguments(p) -> None:
     # and the back-off picks shorter drafts where acceptance is lower (docs/performance.md)
     p.add_argument("--k", type=int, default=8, help="num_speculative_tokens (default 8)")
     p.add_argument("--streams", default="1,8", help="sequences decoding at once (default 1,8)")
-    p.add_argument("--repeat", type=int, default=1,
-                   help="runs of each method per row (medians; plain also runs once more, last)")
+    p.add_argument("--repeat", "--rounds", type=int, default=1,
+                   help="rounds per row, each running every method once after plain (plain also runs once "
+                        "more, last); a method's ratio is the median over rounds of its run over the mean of "
+                        "the two plain runs around it")
     p.add_argument("--only", default="", help="comma list of workloads (code-edit,summarise,chat)")
     p.add_argument("--draft-model", default=None,
                    help="draft GGUF ('none': skip draft_model; default: the target's first 24 layers)")
@@ -123,17 +128,25 @@ def _truncated_copy(src: str, n_layers: int) -> str | None:
     return path
 
 
-def _decode(runner, draft_runner, prompts: list[list[int]], spec, max_tokens: int, k: int):
-    """(decode tok/s, tokens, acceptance rate, mean acceptance length, draft tokens, decode tokens per CPU
-    second) for these prompts decoding together."""
+def _engine(runner, draft_runner, spec):
+    """One method's engine for the whole run, as a server keeps one: its back-off measures what a step with m
+    drafts costs once (in the warm-up), not again in every timed run."""
     from pyengine.engine.llm_engine import LLMEngine
+    return LLMEngine(runner=runner, max_model_len=runner.max_model_len, max_num_seqs=runner.max_num_seqs,
+                     max_num_batched_tokens=runner.max_num_batched_tokens, enable_prefix_caching=False,
+                     speculative_config=spec, draft_runner=draft_runner if spec and spec["method"] == "draft_model"
+                     else None)
+
+
+def _decode(eng, prompts: list[list[int]], max_tokens: int):
+    """(decode tok/s, tokens, acceptance rate, mean acceptance length, draft tokens, decode tokens per CPU
+    second) for these prompts decoding together in the engine ``eng`` (its spec counters: this run's)."""
+    from pyengine.engine.spec_decode import mean_acceptance_length
     from pyengine.sampling_params import SamplingParams
 
-    eng = LLMEngine(runner=runner, max_model_len=runner.max_model_len, max_num_seqs=runner.max_num_seqs,
-                    max_num_batched_tokens=runner.max_num_batched_tokens, enable_prefix_caching=False,
-                    speculative_config=spec, draft_runner=draft_runner if spec and spec["method"] == "draft_model"
-                    else None)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    names = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+    before = eng.stats()
     for i, ids in enumerate(prompts):
         eng.add_request(str(i), {"prompt_token_ids": ids}, params)
     seqs = [s for r in eng.requests.values() for s in r.seqs]
@@ -147,9 +160,10 @@ def _decode(runner, draft_runner, prompts: list[list[int]], spec, max_tokens: in
                 outs[o.request_id] = o.outputs[0].token_ids
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     n = sum(len(t) for t in outs.values()) - n0
-    st = eng.stats()
-    return n / dt, [outs[str(i)] for i in range(len(prompts))], st["spec_decode_acceptance_rate"], \
-        st["spec_decode_mean_acceptance_length"], st["spec_decode_num_draft_tokens"], n / cpu
+    after = eng.stats()
+    drafts, drafted, accepted = (after[x] - before[x] for x in names)
+    return n / dt, [outs[str(i)] for i in range(len(prompts))], accepted / drafted if drafted else 0.0, \
+        mean_acceptance_length(drafts, accepted), drafted, n / cpu
 
 
 LLAMA_CPP_SCRIPT = r'''
@@ -178,6 +192,15 @@ def _llama_cpp(python: str, model: str, prompts: list[list[int]], max_tokens: in
     if res.returncode != 0:
         raise RuntimeError(f"llama-cpp-python failed: {res.stderr.strip()[-400:]}")
     return json.loads(res.stdout)
+
+
+def _bracketed(rs: list, plain: list, field: int, is_plain: bool) -> float:
+    """A method's rate over plain's: per round, its run over the mean of the plain runs just before and after
+    it (round i runs plain i, the methods, then plain i + 1 opens the next round), the median over rounds.
+    Plain itself: 1.0."""
+    if is_plain:
+        return 1.0
+    return float(np.median([r[field] / ((plain[i][field] + plain[i + 1][field]) / 2) for i, r in enumerate(rs)]))
 
 
 def run(args) -> int:
@@ -209,31 +232,33 @@ def run(args) -> int:
                    for c in convs] for w, convs in loads.items()}
     print(f"pyengine bench spec: {os.path.basename(path)}, k={k}, {args.max_tokens} greedy tokens per sequence"
           + (f", draft {os.path.basename(draft_path)}" if draft_path else ""))
-    _decode(runner, None, prompts[next(iter(prompts))][:1], None, 8, k)          # warm-up
+    engines = {name: _engine(runner, draft_runner, spec) for name, spec in configs.items()}
+    warm = prompts[next(iter(prompts))]
+    for B in streams:          # warm-up: every method at every batch size (captured steps, measured step costs)
+        for eng in engines.values():
+            _decode(eng, warm[:B], args.max_tokens // 2)
     rows = []
     print(f"{'workload':<10} {'seqs':>4} {'method':<6} {'tok/s':>7} {'x plain':>8} {'cpu x':>6} {'accept':>7} "
           f"{'mean len':>8} {'same tokens':>11}")
     ours_single: dict[tuple[str, str], tuple[float, float]] = {}   # (workload, method) -> (tok/s, per CPU s)
     for w, ps in prompts.items():
         for B in streams:
-            # plain first and last (and each method once per repeat in between): the host's speed drifts, so
-            # plain is the median of its runs around the others
+            # plain before and after each round of the other methods: the host's speed drifts (_bracketed)
             runs: dict[str, list] = {name: [] for name in configs}
             order = [n for _ in range(args.repeat) for n in configs] + ["plain"]
             for name in order:
-                runs[name].append(_decode(runner, draft_runner, ps[:B], configs[name], args.max_tokens, k))
-            base = float(np.median([r[0] for r in runs["plain"]]))
-            base_cpu = float(np.median([r[5] for r in runs["plain"]]))
+                runs[name].append(_decode(engines[name], ps[:B], args.max_tokens))
             base_toks = runs["plain"][0][1]
             for name, rs in runs.items():
                 rate = float(np.median([r[0] for r in rs]))
-                cpu = float(np.median([r[5] for r in rs])) / base_cpu
+                wall = _bracketed(rs, runs["plain"], 0, name == "plain")
+                cpu = _bracketed(rs, runs["plain"], 5, name == "plain")
                 _, toks, acc, mal, drafted, _ = rs[-1]
                 same = sum(a == b for a, b in zip(toks, base_toks))
-                rows.append((w, B, name, rate, rate / base, acc, mal, cpu))
+                rows.append((w, B, name, rate, wall, acc, mal, cpu))
                 if B == 1:
                     ours_single[(w, name)] = (rate, float(np.median([r[5] for r in rs])))
-                print(f"{w:<10} {B:>4} {name:<6} {rate:>7.1f} {rate / base:>7.2f}x {cpu:>5.2f}x "
+                print(f"{w:<10} {B:>4} {name:<6} {rate:>7.1f} {wall:>7.2f}x {cpu:>5.2f}x "
                       f"{acc if drafted else float('nan'):>7.2f} {mal if drafted else float('nan'):>8.2f} "
                       f"{same:>5}/{len(toks):<5}", flush=True)
     worst = min(r[4] for r in rows if r[2] != "plain")

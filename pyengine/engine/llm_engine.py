@@ -350,7 +350,10 @@ class LLMEngine:
         # S14's back-off prices draft lengths by the times of steps that only decode (no prompt chunks)
         decode_only = all(n == 1 + len(s.spec_token_ids) for s, n in sched.scheduled) and not sched.preempted
         batch, sampled = self._build_batch(sched)
+        captures = self._captures()
         logits = self.runner.run(batch) if batch.token_ids.size else None
+        # S13: a step captured now costs more than its replays will; it would price its draft length too high
+        decode_only = decode_only and self._captures() == captures
         self.scheduler.on_step_done(sched)
 
         deltas: dict[str, dict[int, list]] = {}
@@ -374,6 +377,11 @@ class LLMEngine:
                 self.counters["finished_requests"] += 1
         self.scheduler.observe_step(sched, self.clock() - t_step)
         return outputs
+
+    def _captures(self) -> int:
+        """S13: steps the runner has captured so far (0 without captured steps)."""
+        graphs = getattr(self.runner, "graphs", None)
+        return graphs.captures if graphs is not None else 0
 
     def _sample(self, sampled: list[Sequence], logits, deltas: dict) -> None:
         """Plain rows through the batch sampler; sequences with drafts through the rejection sampler."""

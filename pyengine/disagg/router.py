@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from pyengine.disagg.instance import HEARTBEAT_S
 from pyengine.engine.llm_engine import EngineOverloaded, LLMEngine, check_prompt, stop_token_ids
-from pyengine.parallel.mpi import ParallelError, _proc_state
+from pyengine.parallel.mpi import ParallelError, proc_state
 from pyengine.server.engine_loop import EngineFailure
 
 STEP_WAIT_S = 0.02             # a step returns after this long without news (the server loop then steps again)
@@ -296,7 +296,7 @@ class Router:
                 continue
             why = None
             if inst.info.get("host") == host:
-                state = _proc_state(inst.info["pid"])
+                state = proc_state(inst.info["pid"])
                 if state in ("gone", "Z", "X", "T", "t"):
                     why = f"pid {inst.info['pid']} {'stopped' if state in 'Tt' else 'dead'}"
             owes = any(inst.rank in (r.prefill, r.decode) for r in self.requests.values())

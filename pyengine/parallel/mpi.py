@@ -242,7 +242,7 @@ class MPIGroup:
         failed = self._failed_ranks() if mpi else set()
         named = []
         for r, (h, pid) in enumerate(self.where):
-            state = _proc_state(pid) if h == host else "?"
+            state = proc_state(pid) if h == host else "?"
             if r and (r in failed or state in ("gone", "Z", "X", "T", "t")):
                 named.append(f"rank {r} (pid {pid} on {h}: {'stopped' if state in 'Tt' else 'dead'})")
         return named
@@ -445,7 +445,7 @@ class MPIGroup:
             self.await_stop()
 
 
-def _proc_state(pid: int) -> str:
+def proc_state(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0]

@@ -8,7 +8,8 @@ FFN columns. Heads split by KV group (a query head and its KV head stay on one r
 communication): SmolLM2's 3 KV groups of 3 query heads over 2 ranks give 2 + 1 groups (6 + 3 query heads).
 With more ranks than KV heads, a KV head is replicated and its group's query heads are split (Gemma 3 270M: 4
 query heads, 1 KV head over 2 ranks = 2 + 2 query heads, each with a copy of the KV head). The FFN columns are
-then shared out so that each rank's weights are about equal (the rank with fewer heads takes more columns).
+split evenly: each sub-layer ends in an Allreduce, so each waits for its own slowest rank, and evening out the
+weights per rank instead (more FFN columns for the rank with fewer heads) made the MLP uneven as well.
 
 Mixtures of experts (S16) split by experts — expert parallelism: each tensor rank holds whole experts, E / N of
 them (uneven allowed), computes the routed (token, expert) pairs whose expert it holds, and the layer ends with
@@ -84,15 +85,11 @@ def _cuts(total: int, shares: list[float], unit: int) -> list[int]:
 
 
 def split_ffn(config, heads: list, tp: int) -> list[tuple[int, int]]:
-    """FFN column ranges balancing each rank's weight count (attention weights + its FFN columns)."""
-    c = config
-    d, hd, F = c.d_model, c.head_dim, c.ffn_dim
-    attn = [(2 * len(q) + 2 * len(kv)) * hd * d for q, kv in heads]   # Q and O rows/cols, K and V
-    total = sum(attn) + 3 * F * d
-    want = [max(total / tp - a, 0.0) / (3 * d) for a in attn]         # FFN columns that would even them out
-    if sum(want) <= 0:
-        want = [1.0] * tp
-    cuts = _cuts(F, want, FFN_UNIT)
+    """FFN column ranges, as even as FFN_UNIT allows. Not balanced against the heads: the attention and the MLP
+    sub-layers each end in an Allreduce, so each waits for its slowest rank on its own; giving the rank with
+    fewer heads more FFN columns (equal weights per rank) made the MLP uneven too (measured: docs/scaling.md)."""
+    F = config.ffn_dim
+    cuts = _cuts(F, [1.0] * tp, FFN_UNIT)
     if any(b <= a for a, b in zip(cuts, cuts[1:])):
         raise ValueError(f"tensor_parallel_size {tp} leaves a rank no FFN columns (ffn_dim {F}): use fewer ranks")
     return list(zip(cuts, cuts[1:]))

@@ -59,12 +59,14 @@ def cross_step_passes(runner, passes):
     """The ``--logits`` passes again, each launched with a step of another sequence (random tokens, blocks at
     the end of the pool) behind it, so that two steps are in flight when the pass's logits come back."""
     rng = np.random.default_rng(99)
-    other = np.arange(runner.num_blocks - 16, runner.num_blocks, dtype=np.int32)
+    lens = rng.integers(1, 40, len(passes)).tolist()
+    need = -(-sum(lens) // runner.block_size)
+    assert need + -(-sum(n for n, _ in passes) // runner.block_size) <= runner.num_blocks
+    other = np.arange(runner.num_blocks - need, runner.num_blocks, dtype=np.int32)
     out, pos, opos = [], 0, 0
-    for n, seed in passes:
+    for (n, seed), m in zip(passes, lens):
         ids = np.random.default_rng(seed).integers(3, runner.config.vocab_size, n)
         runner.launch(runner.contiguous_batch(ids, pos, logits_all=True))
-        m = int(rng.integers(1, 40))
         b = runner.contiguous_batch(rng.integers(3, runner.config.vocab_size, m), opos)
         b.block_tables = [other[:len(b.block_tables[0])]]
         runner.launch(b)

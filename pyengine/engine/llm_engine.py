@@ -11,6 +11,11 @@ keeps an accepted prefix plus one token of the model's own, and the rejected dra
 A constrained sequence's (S15) draft is first cut where its grammar stops allowing it, and each of its k+1
 verification rows is masked with the grammar state after the drafts before it (structured/processor.py).
 
+S17 cross-step pipelining: with a runner over M > 1 pipeline stages (``runner.pipeline_groups``) the running
+sequences are dealt into M groups and ``step()`` launches the next step of every group not in flight, then
+finishes the oldest one in flight (``_pipelined_step``): the stages overlap across steps, and a sequence is
+scheduled again only once its step's tokens are back.
+
 A request with ``n > 1`` becomes n sequences. The first one prefills the prompt; the others wait until it
 has produced its first token, by which time the prompt's full blocks are in the prefix cache, so they
 only compute the last partial block (with prefix caching off they simply compute the prompt again).

@@ -31,7 +31,7 @@ class ModelRunner:
                       default budget then holds 2x / 3.8x / 7.1x the blocks
     parallel          S17 over MPI: a `pyengine.parallel.mpi.MPIGroup`; this process builds only its rank's part
                       (its stage's layers, its heads and FFN columns, its KV heads) and ``run`` on rank 0 first
-                      broadcasts the step to the other ranks (which run ``parallel.worker_loop(runner)``)
+                      sends the step to the other ranks (which run ``parallel.worker_loop(runner)``)
     enforce_eager     S13 off switch (vLLM's name): every step runs plain; by default a step whose queries are
                       all short (decodes, speculative verification) is captured once per shape bucket and
                       replayed (engine/graph_replay.py); a parallel runner always runs plain

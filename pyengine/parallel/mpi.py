@@ -46,7 +46,7 @@ from killing rank 0.) So:
              the broken world's collectives cannot be used) and exit.
     stop     after a failure rank 0 sends STOP to every live rank (a synchronous send: done = received) and
              kills those of this host that do not take it (a stopped process); a stuck remote rank leaves it
-             only ``Abort``, which ends the job. Without a failure: one broadcast STOP, every rank exits.
+             only ``Abort``, which ends the job. Without a failure: a STOP order to each rank, every rank exits.
 
 `pyengine serve` starts its ranks with ``--with-ft ulfm`` (launch.mpiexec_command); a job started by the user
 needs it too (``mpiexec --with-ft ulfm -n N ...``), else a dying rank still ends the job (rank 0 logs a warning

@@ -67,9 +67,16 @@ def reference(model, kw=KW, logits=LOGITS, prompts=None, max_tokens=MAX_TOKENS, 
     return out, (greedy(r, prompts, max_tokens) if prompts is not None else None)
 
 
+# two prompts sharing their first blocks: the second hits the prefix cache (with pipeline stages: from
+# whichever group computed them first); with the 16 others, more than max_num_seqs: admissions wait
+PREAMBLE = ("You are a helpful assistant. Answer in one short sentence, be precise, and never invent facts "
+            "that were not given to you, whatever the question may be and whoever may ask it. Question: ")
+SHARED = [PREAMBLE + "what colour is the sky?", PREAMBLE + "how many legs has a spider?"]
+
+
 def prompts():
     golden = json.load(open(GOLDEN))["cases"]
-    return [{"prompt_token_ids": c["prompt_ids"]} for c in golden] + EXTRA
+    return [{"prompt_token_ids": c["prompt_ids"]} for c in golden] + SHARED[:1] + EXTRA + SHARED[1:]
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +102,7 @@ def test_parallel_equals_one_process_and_hf(one, tmp_path, tp, pp, tcp):
         # float32 partial sums added in another order: rounding only
         assert np.abs(a - b).max() <= 1e-4 * max(1.0, np.abs(b).max()), np.abs(a - b).max()
     assert res["greedy"] == ref_greedy
+    assert res["engine"]["prefix_cache_hit_tokens"] >= 32
     golden = json.load(open(GOLDEN))["cases"]
     for i, c in enumerate(golden):                  # the independent reference, as the single-process test
         want = c["greedy_ids"][:MAX_TOKENS]

@@ -70,7 +70,7 @@ from pyengine.parallel.layout import plan_ranks
 OP_STEP, OP_STOP, OP_STATS, OP_LAUNCH, OP_FINISH = 1, 2, 3, 4, 5
 HEADER = 8                     # int64 slots: op, T, sequences, logits rows, block-table entries, discard
 CROSS_STEP = True              # pp >= 2: M groups of sequences in flight across steps (PP 2 32-sequence decode
-                               # 2.2x the within-step mode's in one bench parallel run: docs/performance.md)
+                               # 2.2-2.7x the within-step mode's in bench parallel: docs/performance.md)
 MICRO_BATCHES_PER_STAGE = 2    # within-step: 2M micro-batches per step, bubble (M-1)/(3M-1) (docs/performance.md)
 IDLE_SPIN_S = 0.005            # a worker waiting for the next step polls without sleeping this long, then sleeps
 IDLE_SLEEP_S = 0.0005

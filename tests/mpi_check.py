@@ -1,7 +1,9 @@
 """Run under mpiexec by tests/test_mpi_parallel.py and tests/test_model_contracts.py: one MPI job with
 ``--tp`` x ``--pp`` ranks builds the parallel runner and writes, from rank 0, what the test compares against one
 process: logits of a prompt and of passes after it (``--logits``), and batched greedy continuations through the
-LLMEngine (``--prompts``, a JSON list; decoded together, so passes are batched with other sequences).
+LLMEngine (``--prompts``, a JSON list; decoded together, so passes are batched with other sequences). With
+pipeline stages the engine keeps one step of each group of sequences in flight (cross-step pipelining), and
+the logits passes are also run that way (``logits_cross.npz``).
 
     mpiexec -n 2 python tests/mpi_check.py --model M --tp 2 --pp 1 --out DIR [--prompts P.json] [--kw JSON]
 """
@@ -41,17 +43,40 @@ def main() -> None:
             passes.append(runner.run(runner.contiguous_batch(ids, pos, logits_all=True)).copy())
             pos += n
         np.savez(os.path.join(a.out, "logits.npz"), *passes)
+        if runner.pipeline_groups > 1:    # the same passes under cross-step pipelining, each with a step of
+            np.savez(os.path.join(a.out, "logits_cross.npz"), *cross_step_passes(runner, json.loads(a.logits)))
         if a.prompts:
             prompts = json.load(open(a.prompts))
             out["greedy"] = (batched_greedy(runner, prompts, a.max_tokens) if a.runner_greedy
-                             else greedy(runner, prompts, a.max_tokens))
+                             else greedy(runner, prompts, a.max_tokens, out))
         out["stats"] = group.stats()
         json.dump(out, open(os.path.join(a.out, "result.json"), "w"))
     finally:
         runner.close()
 
 
-def greedy(runner, prompts, max_tokens):
+def cross_step_passes(runner, passes):
+    """The ``--logits`` passes again, each launched with a step of another sequence (random tokens, blocks at
+    the end of the pool) behind it, so that two steps are in flight when the pass's logits come back."""
+    rng = np.random.default_rng(99)
+    lens = rng.integers(1, 40, len(passes)).tolist()
+    need = -(-sum(lens) // runner.block_size)
+    assert need + -(-sum(n for n, _ in passes) // runner.block_size) <= runner.num_blocks
+    other = np.arange(runner.num_blocks - need, runner.num_blocks, dtype=np.int32)
+    out, pos, opos = [], 0, 0
+    for (n, seed), m in zip(passes, lens):
+        ids = np.random.default_rng(seed).integers(3, runner.config.vocab_size, n)
+        runner.launch(runner.contiguous_batch(ids, pos, logits_all=True))
+        b = runner.contiguous_batch(rng.integers(3, runner.config.vocab_size, m), opos)
+        b.block_tables = [other[:len(b.block_tables[0])]]
+        runner.launch(b)
+        out.append(runner.finish().copy())
+        runner.finish()
+        pos, opos = pos + n, opos + m
+    return out
+
+
+def greedy(runner, prompts, max_tokens, out=None):
     from pyengine.engine.llm_engine import LLMEngine
     from pyengine.sampling_params import SamplingParams
     eng = LLMEngine(runner=runner, max_model_len=runner.max_model_len, max_num_seqs=runner.max_num_seqs,
@@ -65,6 +90,8 @@ def greedy(runner, prompts, max_tokens):
             if o.finished:
                 done[o.request_id] = o.outputs[0].token_ids
     assert eng.num_used_blocks() == 0
+    if out is not None:
+        out["engine"] = {k: v for k, v in eng.stats().items() if isinstance(v, (int, float))}
     return [done[f"r{i}"] for i in range(len(prompts))]
 
 

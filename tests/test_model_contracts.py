@@ -165,7 +165,9 @@ def test_mpi_parallel_equals_one_process(tiny, tmp_path, tp, pp):
     passes = [[33, 5], [1, 6], [20, 7]]
     res, got = run_mpi(tmp_path, path, tp, pp, kw=KW, logits=passes)
     want, _ = reference(path, kw=KW, logits=passes)
-    for a, b in zip(got, want):
+    if pp > 1:                                   # the passes again under cross-step pipelining (mpi_check.py)
+        got, want = got + res["logits_cross"], want + want
+    for a, b in zip(got, want, strict=True):
         assert close(a, b)
     assert len(res["stats"]) == tp * pp
 

@@ -2,7 +2,8 @@
 unevenly), pipeline parallelism and both combined compute what one process computes. Each configuration is one
 MPI job (tests/mpi_check.py under the wheel's mpiexec, ranks oversubscribing the 2 cores) that writes logits of
 a prompt and of passes after it, and the batched greedy continuations of the golden prompts decoded together
-with other prompts. References: the same model in one process (logits within 1e-4 of the logits' scale; greedy
+with other prompts. With pipeline stages the engine runs cross-step pipelining (a step of each of the pp groups
+of sequences in flight), and the logits passes are also run with another step in flight behind each. References: the same model in one process (logits within 1e-4 of the logits' scale; greedy
 tokens identical) and HF transformers' greedy continuations (tests/golden/generation_smollm2.json). Also with
 Open MPI forced onto TCP (no shared memory), as between hosts. A rank killed between engine steps makes the next
 step fail naming it, and the job still ends by itself (fault tolerance: parallel/mpi.py)."""
@@ -44,6 +45,9 @@ def run_mpi(tmp, model, tp, pp, tcp=False, kw=KW, logits=LOGITS, prompts=None, m
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.load(open(os.path.join(tmp, "result.json")))
     npz = np.load(os.path.join(tmp, "logits.npz"))
+    cross = os.path.join(tmp, "logits_cross.npz")   # pipeline stages: the passes under cross-step pipelining
+    if os.path.exists(cross):
+        res["logits_cross"] = [np.load(cross)[f"arr_{i}"] for i in range(len(logits))]
     return res, [npz[f"arr_{i}"] for i in range(len(logits))]
 
 
@@ -63,9 +67,16 @@ def reference(model, kw=KW, logits=LOGITS, prompts=None, max_tokens=MAX_TOKENS, 
     return out, (greedy(r, prompts, max_tokens) if prompts is not None else None)
 
 
+# two prompts sharing their first blocks: the second hits the prefix cache (with pipeline stages: from
+# whichever group computed them first); with the 16 others, more than max_num_seqs: admissions wait
+PREAMBLE = ("You are a helpful assistant. Answer in one short sentence, be precise, and never invent facts "
+            "that were not given to you, whatever the question may be and whoever may ask it. Question: ")
+SHARED = [PREAMBLE + "what colour is the sky?", PREAMBLE + "how many legs has a spider?"]
+
+
 def prompts():
     golden = json.load(open(GOLDEN))["cases"]
-    return [{"prompt_token_ids": c["prompt_ids"]} for c in golden] + EXTRA
+    return [{"prompt_token_ids": c["prompt_ids"]} for c in golden] + SHARED[:1] + EXTRA + SHARED[1:]
 
 
 @pytest.fixture(scope="module")
@@ -80,10 +91,18 @@ CONFIGS = [(2, 1, False), (3, 1, False), (1, 2, False), (2, 2, False), (2, 1, Tr
 def test_parallel_equals_one_process_and_hf(one, tmp_path, tp, pp, tcp):
     ref_logits, ref_greedy = one
     res, got = run_mpi(tmp_path, model_path("smollm2"), tp, pp, tcp, prompts=prompts())
-    for a, b in zip(got, ref_logits):
+    if pp > 1:       # cross-step pipelining: the engine kept a step of each of the pp groups in flight
+        assert res["engine"]["pipeline_groups"] == pp and res["engine"]["max_groups_in_flight"] == pp
+        assert len(res["logits_cross"]) == len(got)
+        got = got + res["logits_cross"]
+        ref_logits = ref_logits + ref_logits
+    else:
+        assert "logits_cross" not in res and "max_groups_in_flight" not in res["engine"]
+    for a, b in zip(got, ref_logits, strict=True):
         # float32 partial sums added in another order: rounding only
         assert np.abs(a - b).max() <= 1e-4 * max(1.0, np.abs(b).max()), np.abs(a - b).max()
     assert res["greedy"] == ref_greedy
+    assert res["engine"]["prefix_cache_hit_tokens"] >= 32
     golden = json.load(open(GOLDEN))["cases"]
     for i, c in enumerate(golden):                  # the independent reference, as the single-process test
         want = c["greedy_ids"][:MAX_TOKENS]
@@ -192,3 +211,58 @@ def test_dead_rank_fails_the_engine_step_naming_it(tmp_path, tp, pp, victim, tcp
     assert out["error"] and f"rank {victim} (pid" in out["error"] and "dead" in out["error"]
     assert out["failure"] == out["error"]
     assert out["used_before"] > 0 and out["used_after"] == 0
+
+
+ABORT_SCRIPT = """
+import json, sys
+from pyengine.engine.llm_engine import LLMEngine
+from pyengine.parallel.launch import mpi_runner
+from pyengine.sampling_params import SamplingParams
+runner = mpi_runner(sys.argv[1], 1, 2, max_model_len=256, max_num_seqs=4)
+eng = LLMEngine(runner=runner, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=runner.max_num_batched_tokens)
+for i, p in enumerate(json.loads(sys.argv[2])):
+    eng.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+eng.step()                                # group 0's first step is back, group 1's is in flight
+groups = {s.request_id: s.group for s in eng.scheduler.running}
+victim = next(r for r, g in sorted(groups.items()) if g == 1)
+used = eng.num_used_blocks()
+eng.abort_request(victim)
+held = eng.num_used_blocks()              # its step is in flight: its blocks are not free yet
+eng.step()                                # group 1's step is back
+live = len({b for s in eng.scheduler.running for b in s.block_table})
+after = eng.num_used_blocks()
+done = {}
+while eng.has_unfinished_requests():
+    for o in eng.step():
+        if o.finished:
+            done[o.request_id] = o.outputs[0].token_ids
+print("OUT " + json.dumps(dict(groups=groups, victim=victim, used=used, held=held, live=live, after=after,
+                               final=eng.num_used_blocks(), done=done)), flush=True)
+runner.close()
+"""
+
+
+def test_abort_of_a_sequence_in_flight_frees_its_blocks_when_its_step_is_back(tmp_path):
+    """PP 2, cross-step: four requests dealt into two groups; one of group 1 is aborted while group 1's step is
+    in flight. Its blocks stay held until that step is back, then are free (used = the live sequences' blocks);
+    the other requests generate what one process generates, and at the end no block is used."""
+    from pyengine import LLM
+    from pyengine.parallel.launch import mpiexec_command, rank_env
+    from pyengine.sampling_params import SamplingParams
+    script = tmp_path / "abort.py"
+    script.write_text(ABORT_SCRIPT)
+    prompts = EXTRA[:4]
+    p = subprocess.run(mpiexec_command(2, [str(script), model_path("smollm2"), json.dumps(prompts)]),
+                       env=rank_env(), capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("OUT ")]
+    assert p.returncode == 0 and len(lines) == 1, p.stdout[-2000:] + p.stderr[-3000:]
+    out = json.loads(lines[0][4:])
+    assert sorted(out["groups"].values()) == [0, 0, 1, 1]
+    assert out["held"] == out["used"] > out["after"] == out["live"] > 0
+    assert out["final"] == 0
+    want = LLM(model_path("smollm2"), max_model_len=256, max_num_seqs=4).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert set(out["done"]) == {f"r{i}" for i in range(4)} - {out["victim"]}
+    for i, o in enumerate(want):
+        if f"r{i}" != out["victim"]:
+            assert out["done"][f"r{i}"] == o.outputs[0].token_ids

@@ -182,3 +182,36 @@ def test_invalid_configuration_and_requests():
     with pytest.raises(ValueError, match="KV blocks"):
         sch.check_fits(30, 20)
     sch.check_fits(30, 10)
+
+
+def test_pipeline_groups_never_touch_a_step_in_flight():
+    """S17 cross-step pipelining: two groups, each step scheduled while the other group's is in flight, the pool
+    small enough to preempt. A group's step never schedules, grows or preempts a sequence of the step in flight,
+    a group holds at most ceil(max_num_seqs / 2) sequences, and all finish with every block back."""
+    sim = Sim(num_blocks=14, block_size=4, max_num_seqs=5, max_num_batched_tokens=16)
+    sim.sch.num_groups = 2
+    for n in (9, 5, 7, 3, 6, 8, 4):
+        sim.add(n, max_tokens=7)
+    in_flight: dict[int, object] = {}
+    for step in range(2000):
+        if not sim.sch.has_unfinished():
+            break
+        g = step % 2
+        out = sim.sch.schedule(g)
+        other = {s.seq_id for s, _ in in_flight.get(1 - g, None).scheduled} if 1 - g in in_flight else set()
+        assert not other & {s.seq_id for s, _ in out.scheduled}
+        assert not other & {s.seq_id for s in out.preempted}
+        assert all(s.group == g for s, _ in out.scheduled) and all(s.group == g for s in out.preempted)
+        assert sum(s.group == g for s in sim.sch.running) <= 3
+        in_flight[g] = out
+        back = in_flight.pop(1 - g, None)        # the other group's step comes back: advance and sample it
+        if back is not None:
+            sim.sch.on_step_done(back)
+            for s, _ in back.scheduled:
+                if s.status is SequenceStatus.RUNNING and s.num_computed_tokens == s.num_tokens:
+                    s.append_token(3)
+                    if s.num_output_tokens >= s.max_tokens:
+                        sim.sch.finish(s)
+                        sim.finished.append(s)
+    assert len(sim.finished) == 7 and sim.bm.num_used_blocks() == 0
+    assert sim.sch.num_preemptions > 0

@@ -5,6 +5,9 @@ Per setup (each its own job: `mpiexec -n N python -m pyengine.bench.parallel --j
 single-stream greedy decode, the aggregate decode of 32 sequences (median step), a 512-token prefill, the
 float32 weights and KV cache each rank holds, and per rank the share of the measured steps it computed (stage
 utilisation: with pipeline stages, how much they overlap) and waited on messages (communication per step).
+A setup with pipeline stages runs with cross-step pipelining (the
+engine keeps a step of each of its M groups of sequences in flight) and, in the same run, in the within-step
+mode (one step at a time cut into micro-batches: row "pp2/within"), for comparison (parallel/mpi.py).
 Then the latency and bandwidth of the messages those setups send (Allreduce of a decode's / a 32-sequence
 step's / a prefill's activations, Send+Recv of the same), over shared memory and over forced TCP. With
 ``--hf-python PY``: HF transformers' batched generate on the 32 sequences' prompts, as `bench paging` does.
@@ -33,6 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", type=int, default=512)
     p.add_argument("--hf-python", default=None, help="interpreter with torch + transformers for the HF baseline")
     p.add_argument("--no-transport", action="store_true", help="skip the Allreduce / Send-Recv measurements")
+    p.add_argument("--pipeline-modes", default="cross-step,within-step",
+                   help="with pipeline stages: cross-step (M groups of sequences in flight) and/or within-step")
     p.add_argument("--job", default=None, help=argparse.SUPPRESS)
 
 
@@ -47,7 +52,7 @@ def _job(spec: dict) -> None:
     group = None
     if backend == "mpi":
         from pyengine.parallel.mpi import MPIGroup
-        group = MPIGroup(tp, pp)
+        group = MPIGroup(tp, pp, cross_step=spec.get("cross_step", True))
         runner = ModelRunner(spec["model"], parallel=group, **kw)
         if group.rank != 0:
             group.worker_loop(runner)
@@ -69,16 +74,20 @@ def _job(spec: dict) -> None:
         eng.step()
         if group is not None:
             group.stats()                              # reset the counters: only the timed steps count
-        rates, t0 = [], time.perf_counter()
+        # a rate per round of engine steps: one step of each group of sequences (cross-step: pp groups), so
+        # that every sequence gets a token per round
+        rates, t0, k = [], time.perf_counter(), eng.pipeline_groups
         for _ in range(steps):
             t = time.perf_counter()
-            made = sum(len(o.outputs[0].delta_token_ids) for o in eng.step())
+            made = sum(len(o.outputs[0].delta_token_ids) for _ in range(k) for o in eng.step())
             rates.append(made / (time.perf_counter() - t))
         wall = time.perf_counter() - t0
         if group is not None:
             out[f"ranks_{count}"] = [dict(s, wall_s=wall) for s in group.stats()]
         for i in range(count):
             eng.abort_request(f"r{i}")
+        while eng.has_unfinished_requests():           # a step still in flight comes back
+            eng.step()
         return float(np.median(rates))
 
     out["decode_1"] = decode(1)
@@ -158,27 +167,34 @@ def run(args) -> int:
     for s in names:
         if s not in SETUPS:
             raise SystemExit(f"unknown setup {s!r} (known: {', '.join(SETUPS)})")
-    results = {}
+    modes = [m for m in args.pipeline_modes.split(",") if m]
+    if not modes or set(modes) - {"cross-step", "within-step"}:
+        raise SystemExit(f"--pipeline-modes takes cross-step and/or within-step, got {args.pipeline_modes!r}")
+    results, rows = {}, []
     for s in names:
         tp, pp, backend = SETUPS[s]
-        spec = dict(model=model, tp=tp, pp=pp, backend=backend, sequences=args.sequences, steps=args.steps,
-                    prefill=args.prefill)
-        argv = ["-m", "pyengine.bench.parallel", "--job", json.dumps(spec)]
-        results[s] = _launch(tp * pp if backend == "mpi" else 1, argv)
+        for mode in modes if pp > 1 else ["cross-step"]:
+            row = s if mode == "cross-step" else f"{s}/within"
+            spec = dict(model=model, tp=tp, pp=pp, backend=backend, sequences=args.sequences, steps=args.steps,
+                        prefill=args.prefill, cross_step=mode == "cross-step")
+            argv = ["-m", "pyengine.bench.parallel", "--job", json.dumps(spec)]
+            results[row] = _launch(tp * pp if backend == "mpi" else 1, argv)
+            rows.append(row)
     n = args.sequences
     base = results.get("one")
     print(f"S17 parallel setups on {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} ({n} sequences, "
-          f"{args.steps} decode steps timed, median step; ratios against one process in the same run):")
-    print(f"  {'setup':9} {'1-stream tok/s':>15} {f'{n}-seq tok/s':>13} {'prefill tok/s':>14}   "
+          f"{args.steps} decode rounds timed (a step of every sequence), median round; ratios against one process "
+          f"in the same run):")
+    print(f"  {'setup':10} {'1-stream tok/s':>15} {f'{n}-seq tok/s':>13} {'prefill tok/s':>14}   "
           f"weights / KV MiB per rank       comm ms/step, busy % per rank")
-    for s in names:
+    for s in rows:
         r = results[s]
         rel = (lambda k: f" ({r[k] / base[k]:.2f}x)" if base and s != "one" else "")
         held = ", ".join(f"{_mb(h['weights_bytes'])}/{_mb(h['kv_bytes'])}" for h in r["held"])
         ranks = r.get(f"ranks_{n}")
         comm = ", ".join(f"{1e3 * q['comm_s'] / max(q['steps'], 1):.1f}/{100 * q['busy_s'] / q['wall_s']:.0f}%"
                          for q in ranks) if ranks else "-"
-        print(f"  {s:9} {r['decode_1']:8.1f}{rel('decode_1'):>7} {r['decode_n']:7.1f}{rel('decode_n'):>7} "
+        print(f"  {s:10} {r['decode_1']:8.1f}{rel('decode_1'):>7} {r['decode_n']:7.1f}{rel('decode_n'):>7} "
               f"{r['prefill']:7.0f}{rel('prefill'):>7}   {held:30}  {comm}")
     if args.hf_python:
         from types import SimpleNamespace
@@ -187,7 +203,7 @@ def run(args) -> int:
         rng = np.random.default_rng(0)
         prompts = [rng.integers(1000, 30000, size=int(rng.integers(8, 48))).tolist() for _ in range(n)]
         hf = _hf_batched_rate(SimpleNamespace(model=model, hf_python=args.hf_python), prompts, args.steps)
-        for s in names:
+        for s in rows:
             print(f"  {s} / HF transformers batched generate ({hf['threads']} threads), {n}-sequence decode: "
                   f"{results[s]['decode_n'] / hf['decode_tok_s']:.2f}x ({hf['decode_tok_s']:.1f} tok/s)")
     if not args.no_transport:

@@ -70,7 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="S17: ranks splitting every layer by heads / FFN columns (MPI; one Allreduce per sub-layer)")
     p.add_argument("--pipeline-parallel-size", type=int, default=1,
-                   help="S17: pipeline stages of contiguous layers (MPI; N x M ranks with --tensor-parallel-size)")
+                   help="S17: pipeline stages of contiguous layers (MPI; N x M ranks with --tensor-parallel-size); "
+                        "M groups of sequences, a step of each in flight, keep the stages busy")
     p.add_argument("--prefill-instances", type=int, default=0,
                    help="S18: prefill engines (MPI ranks) computing prompts and shipping their KV blocks; with "
                         "--decode-instances (1 + P + D ranks, the router on rank 0)")

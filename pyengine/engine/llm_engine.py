@@ -11,6 +11,11 @@ keeps an accepted prefix plus one token of the model's own, and the rejected dra
 A constrained sequence's (S15) draft is first cut where its grammar stops allowing it, and each of its k+1
 verification rows is masked with the grammar state after the drafts before it (structured/processor.py).
 
+S17 cross-step pipelining: with a runner over M > 1 pipeline stages (``runner.pipeline_groups``) the running
+sequences are dealt into M groups and ``step()`` launches the next step of every group not in flight, then
+finishes the oldest one in flight (``_pipelined_step``): the stages overlap across steps, and a sequence is
+scheduled again only once its step's tokens are back.
+
 A request with ``n > 1`` becomes n sequences. The first one prefills the prompt; the others wait until it
 has produced its first token, by which time the prompt's full blocks are in the prefix cache, so they
 only compute the last partial block (with prefix caching off they simply compute the prompt again).
@@ -74,6 +79,14 @@ class _Request:
     @property
     def finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
+
+
+class _Flight:
+    """One scheduled step, from its scheduling until its logits are back (S17: several may be in flight)."""
+
+    def __init__(self, group, sched, batch, sampled, decode_only, t_step, t_start):
+        self.group, self.sched, self.batch, self.sampled = group, sched, batch, sampled
+        self.decode_only, self.t_step, self.t_start = decode_only, t_step, t_start
 
 
 class LLMEngine:
@@ -148,6 +161,12 @@ class LLMEngine:
                                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                                    enable_chunked_prefill=enable_chunked_prefill, watermark=watermark,
                                    aging_steps=aging_steps, chunk_budget=chunk_budget)
+        # S17 cross-step pipelining (parallel/mpi.py): the running sequences are dealt into M groups, one step
+        # of each in flight at once (one group with speculative decoding: its drafts need the latest tokens)
+        self.pipeline_groups = getattr(runner, "pipeline_groups", 1) if speculative_config is None else 1
+        self.scheduler.num_groups = self.pipeline_groups
+        self._in_flight: list[_Flight] = []
+        self.max_groups_in_flight = 0
         self.clock = time.perf_counter          # S11: step durations for the chunk budget (tests inject one)
         from pyengine.layers.sampler import Sampler
         self.sampler = Sampler()
@@ -245,9 +264,10 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        flying = {s.seq_id for f in self._in_flight for s, _ in f.sched.scheduled}
         for seq, checker in zip(req.seqs, req.checkers):
-            if not seq.is_finished:
-                self._finish(seq)
+            if not seq.is_finished:        # S17: blocks of a sequence in flight are freed when its step is back
+                self._finish(seq, free_blocks=seq.seq_id not in flying)
                 checker.finish("abort")
                 seq.finish_reason = "abort"
         for seq in req.seqs:
@@ -257,7 +277,8 @@ class LLMEngine:
         return self._make_output(req, {})
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Also True while a step is in flight (S17: of aborted sequences, whose blocks it frees when back)."""
+        return bool(self.requests or self._in_flight)
 
     def num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -321,18 +342,58 @@ class LLMEngine:
                 self._draft_masks[seq.seq_id] = masks
 
     def step(self) -> list[RequestOutput]:
+        if self.pipeline_groups > 1:
+            return self._pipelined_step()
         t_step = self.clock()
         # S14's back-off prices a step by the process's CPU time: on a shared host its wall time also holds
         # other processes' load, which drifts more than the draft lengths' costs differ (docs/performance.md)
         t_start = time.process_time()
         if self.spec is not None:
             self._propose()
-        sched = self.scheduler.schedule()
+        flight = self._schedule(0, t_step, t_start)
+        if flight is None:
+            return []
+        captures = self._captures()
+        logits = self.runner.run(flight.batch) if flight.batch.token_ids.size else None
+        # S13: a step captured now costs more than its replays will; it would price its draft length too high
+        flight.decode_only = flight.decode_only and self._captures() == captures
+        return self._complete(flight, logits)
+
+    def _pipelined_step(self) -> list[RequestOutput]:
+        """S17 cross-step pipelining: launch the next step of every group not in flight, then finish the
+        oldest step in flight and return its outputs. While that step's activations went through the later
+        stages, stage 0 (this process) already ran the other groups' steps; a sequence is scheduled again
+        only once its step is back and sampled."""
+        try:
+            flying = {f.group for f in self._in_flight}
+            for g in range(self.pipeline_groups):
+                flight = None if g in flying else self._schedule(g, self.clock(), time.process_time())
+                if flight is not None:
+                    if flight.batch.token_ids.size:
+                        self.runner.launch(flight.batch)
+                    self._in_flight.append(flight)
+            self.max_groups_in_flight = max(self.max_groups_in_flight, len(self._in_flight))
+            if not self._in_flight:
+                if self.scheduler.has_unfinished():
+                    raise RuntimeError("scheduler could not schedule any of the unfinished requests")
+                return []
+            flight = self._in_flight.pop(0)
+            logits = self.runner.finish() if flight.batch.token_ids.size else None
+        except Exception:                  # e.g. a lost rank: no step is in flight any more
+            for f in self._in_flight:
+                self._free_aborted(f.sched)
+            self._in_flight.clear()
+            raise
+        return self._complete(flight, logits)
+
+    def _schedule(self, group: int, t_step: float, t_start: float) -> _Flight | None:
+        """Plan ``group``'s next step (None if it has nothing to run) and build its batch."""
+        sched = self.scheduler.schedule(group)
         if sched.is_empty:
-            if self.scheduler.has_unfinished():
+            if self.pipeline_groups == 1 and self.scheduler.has_unfinished():
                 # add_request's checks make this unreachable; fail loudly rather than spin forever
                 raise RuntimeError("scheduler could not schedule any of the unfinished requests")
-            return []
+            return None
         now = time.monotonic()
         self.counters["steps"] += 1
         for seq, n in sched.scheduled:
@@ -350,10 +411,22 @@ class LLMEngine:
         # S14's back-off prices draft lengths by the times of steps that only decode (no prompt chunks)
         decode_only = all(n == 1 + len(s.spec_token_ids) for s, n in sched.scheduled) and not sched.preempted
         batch, sampled = self._build_batch(sched)
-        captures = self._captures()
-        logits = self.runner.run(batch) if batch.token_ids.size else None
-        # S13: a step captured now costs more than its replays will; it would price its draft length too high
-        decode_only = decode_only and self._captures() == captures
+        return _Flight(group, sched, batch, sampled, decode_only, t_step, t_start)
+
+    def _free_aborted(self, sched: SchedulerOutput) -> list[Sequence]:
+        """S17: free the blocks of the sequences of a step that were aborted while it was in flight."""
+        gone = [s for s, _ in sched.scheduled if s.is_finished]
+        for seq in gone:
+            self.block_manager.free(seq)
+        return gone
+
+    def _complete(self, flight: _Flight, logits) -> list[RequestOutput]:
+        """A step's logits are back: advance its sequences, sample, check stops, make the outputs."""
+        sched, sampled = flight.sched, flight.sampled
+        if self._free_aborted(sched):      # S17 (one row per sequence: no drafts with pipelining)
+            keep = [i for i, s in enumerate(sampled) if not s.is_finished]
+            logits, sampled = (logits[keep] if keep else None), [sampled[i] for i in keep]
+            sched.scheduled = [(s, n) for s, n in sched.scheduled if not s.is_finished]
         self.scheduler.on_step_done(sched)
 
         deltas: dict[str, dict[int, list]] = {}
@@ -361,8 +434,8 @@ class LLMEngine:
         if sampled:
             self._sample(sampled, logits, deltas)
         if self.spec is not None:
-            if decode_only:
-                self.spec.observe_step(time.process_time() - t_start, len(sched.scheduled), num_drafts)
+            if flight.decode_only:
+                self.spec.observe_step(time.process_time() - flight.t_start, len(sched.scheduled), num_drafts)
             for seq, _ in sched.scheduled:
                 seq.spec_token_ids, seq.spec_draft_probs = [], None
             self._draft_masks.clear()
@@ -375,7 +448,8 @@ class LLMEngine:
                 for s in req.seqs:
                     self._seq_owner.pop(s.seq_id, None)
                 self.counters["finished_requests"] += 1
-        self.scheduler.observe_step(sched, self.clock() - t_step)
+        # S17: with pipelining, launch to finish: what the group's sequences wait between two tokens
+        self.scheduler.observe_step(sched, self.clock() - flight.t_step)
         return outputs
 
     def _captures(self) -> int:
@@ -469,8 +543,8 @@ class LLMEngine:
             self.scheduler.running.remove(seq)
             self.prefilled.append(seq)
 
-    def _finish(self, seq: Sequence) -> None:
-        self.scheduler.finish(seq)
+    def _finish(self, seq: Sequence, free_blocks: bool = True) -> None:
+        self.scheduler.finish(seq, free_blocks)
         if self.spec is not None:
             self.spec.release(seq)
 
@@ -569,4 +643,6 @@ class LLMEngine:
             "num_preemptions": sch.num_preemptions, **self.counters,
             **spec_stats(self.spec),
             **(sch.chunk_budget.stats() if sch.chunk_budget is not None else {}),
+            **({"pipeline_groups": self.pipeline_groups, "max_groups_in_flight": self.max_groups_in_flight}
+               if self.pipeline_groups > 1 else {}),
         }

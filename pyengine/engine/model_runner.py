@@ -31,7 +31,7 @@ class ModelRunner:
                       default budget then holds 2x / 3.8x / 7.1x the blocks
     parallel          S17 over MPI: a `pyengine.parallel.mpi.MPIGroup`; this process builds only its rank's part
                       (its stage's layers, its heads and FFN columns, its KV heads) and ``run`` on rank 0 first
-                      broadcasts the step to the other ranks (which run ``parallel.worker_loop(runner)``)
+                      sends the step to the other ranks (which run ``parallel.worker_loop(runner)``)
     enforce_eager     S13 off switch (vLLM's name): every step runs plain; by default a step whose queries are
                       all short (decodes, speculative verification) is captured once per shape bucket and
                       replayed (engine/graph_replay.py); a parallel runner always runs plain
@@ -123,14 +123,32 @@ class ModelRunner:
             self._tokenizer = Tokenizer.from_gguf(self.gguf)
         return self._tokenizer
 
-    def run(self, batch: ForwardBatch) -> np.ndarray:
-        """(len(logits_indices), V) float32 logits: a view into the arena, valid until the next run."""
+    def _check(self, batch: ForwardBatch) -> None:
         batch.validate(self.block_size, self.num_blocks, self.config.vocab_size)
         if batch.num_tokens > self.max_num_batched_tokens:
             raise ValueError(f"batch has {batch.num_tokens} tokens, max_num_batched_tokens is "
                              f"{self.max_num_batched_tokens}")
         if batch.context_lens and max(batch.context_lens) > self.max_model_len:
             raise ValueError(f"context length {max(batch.context_lens)} exceeds max_model_len {self.max_model_len}")
+
+    @property
+    def pipeline_groups(self) -> int:
+        """S17: steps of different sequences the engine may keep in flight (``launch`` .. ``finish``): the
+        pipeline stages with cross-step pipelining (parallel/mpi.py), else 1."""
+        return 1 if self.parallel is None else self.parallel.groups
+
+    def launch(self, batch: ForwardBatch) -> None:
+        """S17 cross-step pipelining: start a step and return at once (stage 0 has run its layers)."""
+        self._check(batch)
+        self.parallel.launch(self, batch)
+
+    def finish(self) -> np.ndarray:
+        """S17: the logits of the oldest launched step (as ``run`` returns them)."""
+        return self.parallel.finish(self)
+
+    def run(self, batch: ForwardBatch) -> np.ndarray:
+        """(len(logits_indices), V) float32 logits: a view into the arena, valid until the next run."""
+        self._check(batch)
         if self.parallel is not None:
             self.parallel.send_step(batch)                          # S17: every rank runs its part of it
             return self.parallel.step(self, batch)

@@ -12,6 +12,11 @@ sequence computes ``num_new`` of its ``num_tokens - num_computed_tokens`` missin
    With a `ChunkBudget` (engine/chunk_budget.py) a chunk is also cut to what the step's target inter-token
    latency leaves once the decodes are planned, from a cost model fitted to measured step times.
 
+S17 cross-step pipelining (parallel/mpi.py): with ``num_groups`` M > 1 the running sequences are dealt into M
+groups (each sequence joins the group that admits it, at most ceil(max_num_seqs / M) per group) and
+``schedule(g)`` plans group g's step alone: the other groups' sequences may be in flight, so it never grows,
+preempts or admits into them.
+
 Keys: ``(priority - age // aging_steps, arrival order)`` with the vLLM convention that a lower priority value
 is served first; age is counted in scheduler steps, so a long-waiting request eventually outranks any new
 arrival (no starvation) and the order is deterministic.
@@ -65,6 +70,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.step_count = 0
         self.num_preemptions = 0
+        self.num_groups = 1                  # S17: groups of sequences in flight at once (set by the engine)
 
     # queue management ----------------------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -85,13 +91,15 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
-    def finish(self, seq: Sequence) -> None:
-        """Take ``seq`` out of whatever queue holds it and free all its blocks (finish or abort)."""
+    def finish(self, seq: Sequence, free_blocks: bool = True) -> None:
+        """Take ``seq`` out of whatever queue holds it and free all its blocks (finish or abort); S17: a
+        sequence aborted while its step is in flight keeps them until the step is back (``free_blocks``)."""
         for queue in (self.running, self.waiting, self.preempted):
             if seq in queue:
                 queue.remove(seq)
                 break
-        self.bm.free(seq)
+        if free_blocks:
+            self.bm.free(seq)
         seq.status = SequenceStatus.FINISHED
 
     def has_unfinished(self) -> bool:
@@ -127,15 +135,18 @@ class Scheduler:
         return remaining if remaining <= budget else 0
 
     # planning ------------------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, group: int = 0) -> SchedulerOutput:
+        """The next step of ``group`` (S17: one of ``num_groups``; the only one without pipelining)."""
         self.step_count += 1
         out = SchedulerOutput()
         planned: dict[int, tuple[Sequence, int]] = {}
         budget = self.max_num_batched_tokens
         shape = out.shape = StepShape() if self.chunk_budget is not None else None
+        mine = [s for s in self.running if s.group == group]
+        group_cap = -(-self.max_num_seqs // self.num_groups)
 
         # 1. running sequences: decodes first, then chunks of prompts already under way
-        order = sorted(self.running, key=self.key)
+        order = sorted(mine, key=self.key)
         order = [s for s in order if not s.is_prefill] + [s for s in order if s.is_prefill]
         for seq in order:
             if seq.status is not SequenceStatus.RUNNING:
@@ -154,8 +165,9 @@ class Scheduler:
             if n <= 0 or n > budget:
                 continue
             while not self.bm.can_append(seq, n):
-                victim = max(self.running, key=self.key)
+                victim = max(mine, key=self.key)
                 self._preempt(victim)
+                mine.remove(victim)
                 out.preempted.append(victim)
                 if victim.seq_id in planned:               # give back what it had been promised
                     budget += planned.pop(victim.seq_id)[1]
@@ -175,7 +187,7 @@ class Scheduler:
         if not out.preempted:
             candidates = sorted(self.preempted + self.waiting, key=self.key)
             for seq in candidates:
-                if len(self.running) >= self.max_num_seqs or budget <= 0:
+                if len(self.running) >= self.max_num_seqs or len(mine) >= group_cap or budget <= 0:
                     break
                 if seq.wait_for is not None:
                     lead = seq.wait_for
@@ -195,7 +207,9 @@ class Scheduler:
                 self.bm.allocate(seq, cached, n)
                 (self.preempted if seq.status is SequenceStatus.PREEMPTED else self.waiting).remove(seq)
                 seq.status = SequenceStatus.RUNNING
+                seq.group = group
                 self.running.append(seq)
+                mine.append(seq)
                 planned[seq.seq_id] = (seq, n)
                 budget -= n
                 if shape is not None:

@@ -47,6 +47,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: Any = None
         self.num_preemptions = 0
+        self.group = 0                        # S17 cross-step pipelining: the group of sequences it runs in
         # S14 speculative decoding (see engine/spec_decode.py): this step's drafts, the distributions they were
         # drawn from (None: certain guesses), the running acceptance estimate and an unverified guess
         self.spec_token_ids: list[int] = []

@@ -3,14 +3,29 @@
     rank 0:  scheduler, sampling, HTTP  ->  Bcast(step plan: the ForwardBatch as one int64 array)  ->  its part
     rank r:  worker loop: receive the step, run its part, until a STOP message
 
-One step on every rank (``MPIGroup.step``): the batch is cut into micro-batches of about T / n tokens (n = 1
-without pipeline parallelism; a sequence may be cut between two: its second piece attends to the first's keys,
-which the same stage wrote a moment before). Per micro-batch, stage 0 embeds the tokens, the other stages
-receive the activations from the stage before (Recv), run their layers (their tensor-parallel products end with
-an Allreduce over the stage's tensor ranks) and send the result on (Isend) — the last stage sends only the rows
-whose logits are wanted back to stage 0, which holds the LM head (tied to the embedding in SmolLM2) and computes
-the logits, gathered from its tensor ranks onto rank 0. While a later stage works on micro-batch j, the earlier
-ones already work on j + 1: that is the overlap.
+The plan of each step, and every other order of rank 0 (finish, stats, stop), goes to each worker point to
+point (Isend, tag TAG_PLAN): messages from one sender on one tag are taken in the order sent, and rank 0 never
+waits for their delivery (a later call reaps the sends), so it may run ahead of the other stages.
+
+Pipeline parallelism (pp = M >= 2) runs in one of two ways (``cross_step``):
+
+    cross-step (default, CROSS_STEP)  vLLM's "virtual engines": the engine deals its running sequences into M
+             groups and keeps one step of each group in flight (``launch`` now, ``finish`` when its logits are
+             wanted). Stage 0 embeds and runs its layers for group A's step and sends the activations on; the
+             next stage runs them while stage 0 already runs group B's step; the last stage sends the rows
+             whose logits are wanted back to stage 0, which holds the LM head (tied to the embedding in
+             SmolLM2), and rank 0 samples A and only then schedules A's next step. Each stage runs every
+             group-step once, in launch order (so the KV cache of every stage sees the same order of writes),
+             reading its weights once per group-step; in steady state no stage waits for a fill or a drain.
+
+         stage 0:  A1  B1  A2  B2  A3 ...      (rank 0 between them: finish A1 -> sample -> schedule A2)
+         stage 1:      A1  B1  A2  B2  A3 ...
+
+    within-step (``cross_step=False``; `pyengine bench parallel` prints both): one step at a time, cut into
+             2M micro-batches of about T / 2M tokens (a sequence may be cut between two: its second piece
+             attends to the first's keys, which the same stage wrote a moment before); while a later stage
+             works on micro-batch j the earlier ones work on j + 1. The pipeline fills and drains every step,
+             and each micro-batch reads its stage's weights again: decode, bound by weight reads, pays for it.
 
 Faults. Every wait is a non-blocking request polled against a deadline (``timeout``): a rank that *hangs*
 mid-step makes rank 0 raise `ParallelError` naming it instead of blocking forever. A rank that *dies* must not
@@ -31,7 +46,7 @@ from killing rank 0.) So:
              the broken world's collectives cannot be used) and exit.
     stop     after a failure rank 0 sends STOP to every live rank (a synchronous send: done = received) and
              kills those of this host that do not take it (a stopped process); a stuck remote rank leaves it
-             only ``Abort``, which ends the job. Without a failure: one broadcast STOP, every rank exits.
+             only ``Abort``, which ends the job. Without a failure: a STOP order to each rank, every rank exits.
 
 `pyengine serve` starts its ranks with ``--with-ft ulfm`` (launch.mpiexec_command); a job started by the user
 needs it too (``mpiexec --with-ft ulfm -n N ...``), else a dying rank still ends the job (rank 0 logs a warning
@@ -52,13 +67,15 @@ import numpy as np
 from pyengine.engine.forward_batch import ForwardBatch
 from pyengine.parallel.layout import plan_ranks
 
-OP_STEP, OP_STOP, OP_STATS = 1, 2, 3
-HEADER = 8                     # int64 slots: op, T, sequences, logits rows, block-table entries
-MICRO_BATCHES_PER_STAGE = 2    # 2M micro-batches per step: bubble (M-1)/(3M-1) with M stages (docs/performance.md)
+OP_STEP, OP_STOP, OP_STATS, OP_LAUNCH, OP_FINISH = 1, 2, 3, 4, 5
+HEADER = 8                     # int64 slots: op, T, sequences, logits rows, block-table entries, discard
+CROSS_STEP = True              # pp >= 2: M groups of sequences in flight across steps (PP 2 32-sequence decode
+                               # 2.2-2.7x the within-step mode's in bench parallel: docs/performance.md)
+MICRO_BATCHES_PER_STAGE = 2    # within-step: 2M micro-batches per step, bubble (M-1)/(3M-1) (docs/performance.md)
 IDLE_SPIN_S = 0.005            # a worker waiting for the next step polls without sleeping this long, then sleeps
 IDLE_SLEEP_S = 0.0005
 DEFAULT_TIMEOUT_S = 60.0       # a step part that waits this long on another rank means that rank is stuck
-TAG_ACT, TAG_BACK, TAG_STOP = 1000, 2000, 3000
+TAG_ACT, TAG_BACK, TAG_STOP, TAG_PLAN = 1000, 2000, 3000, 4000
 START_TIMEOUT_S = 600.0        # how long rank 0 waits for the slowest rank to load its part (large models)
 STOP_GRACE_S = 5.0             # after a failure: how long rank 0 waits for a live rank to take its STOP
 log = logging.getLogger("pyengine.parallel")
@@ -82,11 +99,11 @@ def launched_under_mpi() -> bool:
     return any(k in os.environ for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "PMI_RANK"))
 
 
-def encode_batch(batch: ForwardBatch) -> tuple[np.ndarray, np.ndarray]:
+def encode_batch(batch: ForwardBatch, op: int = OP_STEP) -> tuple[np.ndarray, np.ndarray]:
     """(header, payload) int64 arrays of a step plan."""
     tables = [np.asarray(t, np.int64) for t in batch.block_tables]
     lens = [len(t) for t in tables]
-    header = np.array([OP_STEP, batch.num_tokens, batch.num_seqs, len(batch.logits_indices), sum(lens), 0, 0, 0],
+    header = np.array([op, batch.num_tokens, batch.num_seqs, len(batch.logits_indices), sum(lens), 0, 0, 0],
                       np.int64)
     payload = np.concatenate([np.asarray(batch.token_ids, np.int64), np.asarray(batch.positions, np.int64),
                               np.asarray(batch.query_lens, np.int64), np.asarray(batch.context_lens, np.int64),
@@ -129,9 +146,12 @@ def split_batch(batch: ForwardBatch, n: int) -> list[tuple[ForwardBatch, np.ndar
 
 class MPIGroup:
     """This process's place in the MPI job and the messages of each step. ``tp`` x ``pp`` ranks; ``setup(config)``
-    plans every rank's part (layout.plan_ranks) once the model's config is known."""
+    plans every rank's part (layout.plan_ranks) once the model's config is known. ``cross_step`` (rank 0's
+    choice; the workers follow its orders): with pp >= 2, ``groups`` = pp steps in flight (see the module
+    docstring), else one step at a time cut into micro-batches."""
 
-    def __init__(self, tp: int = 1, pp: int = 1, timeout: float = DEFAULT_TIMEOUT_S, comm=None):
+    def __init__(self, tp: int = 1, pp: int = 1, timeout: float = DEFAULT_TIMEOUT_S, comm=None,
+                 cross_step: bool | None = None):
         from mpi4py import MPI            # lazy: the core never needs it
         self.MPI = MPI
         self.world = comm if comm is not None else MPI.COMM_WORLD
@@ -148,6 +168,9 @@ class MPIGroup:
         self.comm_s = 0.0                 # time spent waiting for messages (all kinds), since the last reset
         self.busy_s = 0.0                 # time computing this rank's part of steps
         self.steps = 0
+        self.cross_step = CROSS_STEP if cross_step is None else bool(cross_step)
+        self._sending: list = []          # (request, buffer) of sends not known to be complete yet
+        self._open: list[int] = []        # rank 0, cross-step: logits rows of the steps launched, not finished
         # who is where: (host, pid) of every rank, to name a stuck one
         self.where = self.world.allgather((socket.gethostname(), os.getpid()))
         if self.rank == 0:                # a driver that exits without closing its runner still sends STOP
@@ -166,6 +189,7 @@ class MPIGroup:
         self.vocab_bounds = [q.vocab[0] for q in self.parts[:self.tp]] + [config.vocab_size]
         self.next = self.rank + self.tp if p.stage < self.pp - 1 else p.tp_rank   # the last stage: back to 0
         self.prev = self.rank - self.tp if p.stage > 0 else None
+        self.d_model = config.d_model
 
     starting = False                      # launch.mpi_runner: the ranks are still building their parts
 
@@ -281,28 +305,59 @@ class MPIGroup:
         for r, b in enumerate(bufs, start=1):
             out[:, bounds[r]:bounds[r + 1]] = b
 
-    # --- the per-step plan --------------------------------------------------------------------------
-    def send_step(self, batch: ForwardBatch) -> None:
+    # --- orders from rank 0 -------------------------------------------------------------------------
+    @property
+    def groups(self) -> int:
+        """Steps the engine may keep in flight at once: pp with cross-step pipelining, else 1."""
+        return self.pp if self.cross_step and self.pp > 1 else 1
+
+    def _post(self, header: np.ndarray, payload: np.ndarray | None = None, ranks=None) -> None:
+        """Rank 0: an order (and its step plan) to every worker, or to ``ranks``; not waited for."""
         if self.failure:
             raise ParallelError(self.failure)
-        header, payload = encode_batch(batch)
-        self._wait(self.world.Ibcast(header, 0), "step broadcast")
-        self._wait(self.world.Ibcast(payload, 0), "step broadcast")
+        try:
+            for r in range(1, self.size) if ranks is None else ranks:
+                self._sending.append((self.world.Isend(header, r, TAG_PLAN), header))
+                if payload is not None:
+                    self._sending.append((self.world.Isend(payload, r, TAG_PLAN + 1), payload))
+        except self.MPI.Exception as exc:
+            self._lost(f"failed (step plan: {exc.Get_error_string()})")
+        self._reap()
+
+    def _reap(self, wait: bool = False, timeout: float | None = None) -> None:
+        """Forget the sends that have completed (``wait``: wait for all of them, within the deadline)."""
+        if wait:
+            self._wait([r for r, _ in self._sending], "messages sent", timeout=timeout)
+            self._sending.clear()
+            return
+        try:
+            self._sending = [(r, b) for r, b in self._sending if not r.Test()]
+        except self.MPI.Exception as exc:
+            self._lost(f"failed (messages sent: {exc.Get_error_string()})")
+
+    def _order(self, op: int, rows: int = 0, discard: int = 0) -> np.ndarray:
+        return np.array([op, 0, 0, rows, 0, discard, 0, 0], np.int64)
+
+    def _recv(self, n: int, tag: int, idle: bool = False) -> np.ndarray:
+        buf = np.empty(n, np.int64)
+        self._wait(self.world.Irecv(buf, 0, tag), "idle" if idle else "step plan", idle=idle)
+        return buf
+
+    def send_step(self, batch: ForwardBatch) -> None:
+        """Rank 0, one step at a time: the step's plan to every worker (then ``step``)."""
+        self._post(*encode_batch(batch))
 
     def recv_step(self):
-        """A worker's next message: a ForwardBatch, OP_STATS or None (stop)."""
-        header = np.empty(HEADER, np.int64)
-        self._wait(self.world.Ibcast(header, 0), "idle", idle=True)
-        op = int(header[0])
-        if op == OP_STOP:                 # every rank took it once rank 0's barrier completes (see stop)
+        """A worker's next order: its header (int64 array; ``decode_batch`` with `recv_plan`), or None (stop)."""
+        header = self._recv(HEADER, TAG_PLAN, idle=True)
+        if int(header[0]) == OP_STOP:     # every rank took it once rank 0's barrier completes (see stop)
             self._wait(self.world.Ibarrier(), "stop")
             return None
-        if op == OP_STATS:
-            return OP_STATS
+        return header
+
+    def recv_plan(self, header: np.ndarray) -> ForwardBatch:
         T, S, R, nt = (int(v) for v in header[1:5])
-        payload = np.empty(2 * T + 3 * S + nt + R, np.int64)
-        self._wait(self.world.Ibcast(payload, 0), "step broadcast")
-        return decode_batch(header, payload)
+        return decode_batch(header, self._recv(2 * T + 3 * S + nt + R, TAG_PLAN + 1))
 
     def stop(self) -> None:
         """Rank 0: send the workers home (every rank then leaves its loop and exits). Idempotent; never raises."""
@@ -312,7 +367,10 @@ class MPIGroup:
         if not self.failure and not self.starting and not self._failed_ranks():
             try:                          # idle ranks take it at once: a short deadline
                 t = min(self.timeout, STOP_GRACE_S)
-                self._wait(self.world.Ibcast(np.array([OP_STOP] + [0] * (HEADER - 1), np.int64), 0), "stop", timeout=t)
+                while self._open:         # steps still in flight: take their rows back, unused
+                    self.finish(None, discard=True)
+                self._post(self._order(OP_STOP))
+                self._reap(wait=True, timeout=t)
                 self._wait(self.world.Ibarrier(), "stop", timeout=t)  # all took it: rank 0 may exit (before, its
                 return                                               # exit would be a failure to a late rank)
             except ParallelError:
@@ -368,56 +426,88 @@ class MPIGroup:
     def stats(self) -> list[dict]:
         """Rank 0: every rank's counters since the last call (then reset): steps, busy and waiting seconds."""
         if self.is_driver:
-            # (non-blocking on both sides: a blocking and a non-blocking collective never match)
-            self._wait(self.world.Ibcast(np.array([OP_STATS] + [0] * (HEADER - 1), np.int64), 0), "stats")
+            self._post(self._order(OP_STATS))
         mine = {"rank": self.rank, "stage": self.part.stage, "tp_rank": self.part.tp_rank, "steps": self.steps,
                 "busy_s": self.busy_s, "comm_s": self.comm_s, **getattr(self, "held", {})}
         self.busy_s = self.comm_s = 0.0
         self.steps = 0
         return self.world.gather(mine, 0)
 
-    # --- one step on this rank ---------------------------------------------------------------------
-    def step(self, runner, batch: ForwardBatch):
-        """This rank's part of a step; rank 0 returns the logits (len(logits_indices), V)."""
-        t0 = time.perf_counter()
-        c0 = self.comm_s
+    # --- this rank's part of a step -------------------------------------------------------------------
+    def _timed(self, fn, *args, count: bool = True):
+        """Run a part of a step, counting it in ``steps`` and its time, less the waits, in ``busy_s``."""
+        t0, c0 = time.perf_counter(), self.comm_s
         self._in_step = True
         try:
-            return self._step(runner, batch)
+            return fn(*args)
         finally:
             self._in_step = False
-            self.steps += 1
+            self.steps += count
             self.busy_s += time.perf_counter() - t0 - (self.comm_s - c0)
+
+    def step(self, runner, batch: ForwardBatch):
+        """One step at a time: this rank's part of it; rank 0 returns the logits (len(logits_indices), V)."""
+        return self._timed(self._step, runner, batch)
+
+    def launch(self, runner, batch: ForwardBatch) -> int:
+        """Rank 0, cross-step: start a step (its plan to every rank, stage 0's layers, activations sent on) and
+        return at once; ``finish`` it later, steps in launch order."""
+        self._post(*encode_batch(batch, OP_LAUNCH))
+        self._timed(self._stage_part, runner, batch)
+        rows = len(batch.logits_indices)
+        self._open.append(rows)
+        return rows
+
+    def finish(self, runner, discard: bool = False) -> np.ndarray | None:
+        """Rank 0, cross-step: the logits of the oldest launched step, once the last stage sends its rows
+        (``discard``: only take the rows back)."""
+        rows = self._open.pop(0)
+        if self.tp > 1:                   # the stage's other tensor ranks compute their columns of the head
+            self._post(self._order(OP_FINISH, rows, int(discard)), ranks=range(1, self.tp))
+        return self._timed(self._head_part, runner, rows, 0, 0, discard, count=False)
+
+    def _stage_part(self, runner, batch: ForwardBatch, j: int = 0) -> None:
+        """This stage's layers over ``batch`` (micro-batch ``j``): embed or receive, run, send on (not waited)."""
+        model, p = runner.model, self.part
+        plan = runner.plan(batch)
+        b = runner.buffers.rows(plan.num_tokens)
+        if p.stage == 0:
+            model.embed(plan.token_ids, b.x)
+        else:
+            self._wait(self.world.Irecv(b.x, self.prev, TAG_ACT + j), "activations")
+        model.run_layers(plan, runner.kv_cache, b)
+        if p.stage < self.pp - 1:
+            out, tag = b.x.copy(), TAG_ACT + j
+        else:                             # the last stage: the rows whose logits are wanted, back to stage 0
+            out, tag = np.take(b.x, plan.logits_indices, axis=0), TAG_BACK + j
+        self._sending.append((self.world.Isend(out, self.next, tag), out))
+        self._reap()
+
+    def _head_part(self, runner, rows: int, j: int = 0, first: int = 0, discard: bool = False):
+        """Stage 0: receive ``rows`` rows from the last stage, then the LM head over them (its tensor ranks'
+        columns gathered onto rank 0: rank 0's logits at buffers.logits[first:], or new ones if more rows);
+        ``discard``: only take the rows (a step still in flight at stop)."""
+        hx = np.empty((rows, self.d_model), np.float32)
+        self._wait(self.world.Irecv(hx, self.rank + (self.pp - 1) * self.tp, TAG_BACK + j), "last stage")
+        if discard:
+            return None
+        return runner.model.logits(hx, np.arange(rows), runner.buffers, first)
 
     def _step(self, runner, batch):
         model, kv, p = runner.model, runner.kv_cache, self.part
         if self.pp == 1:
             plan = runner.plan(batch)
             return model.forward(plan, kv, runner.buffers.rows(plan.num_tokens))
-        d = runner.config.d_model
         mbs = split_batch(batch, MICRO_BATCHES_PER_STAGE * self.pp)
-        sends = []
         for j, (mb, _) in enumerate(mbs):
-            plan = runner.plan(mb)
-            b = runner.buffers.rows(plan.num_tokens)
-            if p.stage == 0:
-                model.embed(plan.token_ids, b.x)
-            else:
-                self._wait(self.world.Irecv(b.x, self.prev, TAG_ACT + j), "activations")
-            model.run_layers(plan, kv, b)
-            if p.stage < self.pp - 1:
-                sends.append(self.world.Isend(b.x.copy(), self.next, TAG_ACT + j))
-            else:
-                sends.append(self.world.Isend(np.take(b.x, plan.logits_indices, axis=0), self.next, TAG_BACK + j))
+            self._stage_part(runner, mb, j)
         logits = None
         if p.stage == 0:
             b, R = runner.buffers, len(batch.logits_indices)
             logits = b.logits[:R] if R <= b.logits.shape[0] else np.empty((R, runner.config.vocab_size), np.float32)
             first = 0
             for j, (mb, sel) in enumerate(mbs):
-                hx = np.empty((len(sel), d), np.float32)
-                self._wait(self.world.Irecv(hx, self.rank + (self.pp - 1) * self.tp, TAG_BACK + j), "last stage")
-                part = model.logits(hx, np.arange(len(sel)), b, first)
+                part = self._head_part(runner, len(sel), j, first)
                 if R > b.logits.shape[0]:                 # more rows than planned: not in b.logits
                     logits[first:first + len(sel)] = part
                 first += len(sel)
@@ -426,20 +516,24 @@ class MPIGroup:
                 out = np.empty_like(logits)
                 out[order] = logits
                 logits = out
-        self._wait(sends, "activations sent")
+        self._reap(wait=True)
         return logits
 
     def worker_loop(self, runner) -> None:
-        """A worker rank: run steps until rank 0 says stop."""
+        """A worker rank: follow rank 0's orders until it says stop."""
         try:
             while True:
-                msg = self.recv_step()
-                if msg is None:
+                header = self.recv_step()
+                if header is None:
                     return
-                if msg is OP_STATS:
+                op = int(header[0])
+                if op == OP_STATS:
                     self.stats()
-                    continue
-                self.step(runner, msg)
+                elif op == OP_FINISH:     # stage 0's other tensor ranks: their columns of the LM head
+                    self._timed(self._head_part, runner, int(header[3]), 0, 0, bool(header[5]), count=False)
+                else:
+                    batch = self.recv_plan(header)
+                    self._timed(self._step if op == OP_STEP else self._stage_part, runner, batch)
         except _PeerLost as exc:
             print(f"pyengine rank {self.rank}: {exc}; waiting for rank 0 to stop", file=sys.stderr, flush=True)
             self.await_stop()

@@ -118,6 +118,19 @@ def rank_zero_pid(token: str) -> int | None:
     return None
 
 
+def _exit_without_finalize() -> None:
+    """After a rank of the job died: end this process at interpreter exit without MPI_Finalize, which under
+    ULFM can wait forever on the dead rank (seen in rank 0's ompi_mpi_finalize). The exit status is 1: the job
+    failed to start, whatever the caller does with the error first."""
+    import atexit
+
+    def leave():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    atexit.register(leave)
+
+
 def mpi_runner(model: str, tp: int, pp: int, timeout: float | None = None, **runner_kw):
     """Inside an MPI job: this rank's ModelRunner over an MPIGroup. On rank 0 it is returned (to drive an
     LLMEngine); on the other ranks the worker loop runs here until rank 0 stops, then the process exits."""
@@ -137,6 +150,7 @@ def mpi_runner(model: str, tp: int, pp: int, timeout: float | None = None, **run
             os.kill(os.getpid(), signal.SIGKILL)
         lost = group.lost_rank_error(exc)
         if lost:                           # e.g. the model file missing on another host: that rank said why
+            _exit_without_finalize()
             raise ValueError(f"the MPI job did not start: {lost} (its own error is printed above)") from None
         raise
     if group.rank != 0:

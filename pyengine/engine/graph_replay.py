@@ -363,10 +363,15 @@ def group_attention_ops(layer: int, q: np.ndarray, kv, group: QueryGroup, out: n
     kt, vt = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)
     ops += [partial(np.matmul, qg, kt[..., l0:l0 + chunk], s[..., l0:l0 + chunk]) for l0 in range(0, L, chunk)]
     mx, den, acc = own((G, Hkv, g * Q, 1)), own((G, Hkv, g * Q, 1)), own((G, Hkv, g * Q, hd))
-    ops += [partial(np.copyto, s.reshape(G, Hkv, g, Q, L), np.float32(-np.inf),
-                    where=group.mask.reshape((G, 1, 1, Q, L), copy=False)),
-            partial(np.maximum.reduce, s, -1, None, mx, True), partial(np.subtract, s, mx, s),
-            partial(np.exp, s, s), partial(np.add.reduce, s, -1, None, den, True),
+    # the softmax's ufuncs over the fewest dimensions the same elements allow (NumPy's per-call set-up grows
+    # with them): one query per sequence masks (G, H, L) by (G, 1, L); the reductions see (rows, L)
+    s2, rows = s.reshape(-1, L), G * Hkv * g * Q
+    masked = ((s.reshape(G, Hkv * g, L), group.mask.reshape((G, 1, L), copy=False)) if Q == 1 else
+              (s.reshape(G, Hkv, g, Q, L), group.mask.reshape((G, 1, 1, Q, L), copy=False)))
+    ops += [partial(np.copyto, masked[0], np.float32(-np.inf), where=masked[1]),
+            partial(np.maximum.reduce, s2, -1, None, mx.reshape(rows, 1), True),
+            partial(np.subtract, s2, mx.reshape(rows, 1), s2), partial(np.exp, s2, s2),
+            partial(np.add.reduce, s2, -1, None, den.reshape(rows, 1), True),
             partial(np.matmul, s[..., :chunk], vt[:, :, :chunk], acc)]
     if L > chunk:
         tmp = own(acc.shape)
@@ -375,8 +380,12 @@ def group_attention_ops(layer: int, q: np.ndarray, kv, group: QueryGroup, out: n
                     partial(np.add, acc, tmp, acc)]
     # acc / den straight into the output rows (the plain step divides in place, then copies: the same values)
     res = out[group.rows] if isinstance(group.rows, slice) else own((G * Q, H, hd))
-    ops.append(partial(np.divide, acc.reshape(G, Hkv, g, Q, hd), den.reshape(G, Hkv, g, Q, 1),
-                       res.reshape((G, Q, Hkv, g, hd), copy=False).transpose(0, 2, 3, 1, 4)))
+    if Q == 1:            # (G, Hkv, g, hd) is (G, H, hd): rows of hd
+        ops.append(partial(np.divide, acc.reshape(rows, hd), den.reshape(rows, 1),
+                           res.reshape((rows, hd), copy=False)))
+    else:
+        ops.append(partial(np.divide, acc.reshape(G, Hkv, g, Q, hd), den.reshape(G, Hkv, g, Q, 1),
+                           res.reshape((G, Q, Hkv, g, hd), copy=False).transpose(0, 2, 3, 1, 4)))
     if not isinstance(group.rows, slice):
         ops.append(partial(operator.setitem, out, group.rows, res))
     return ops

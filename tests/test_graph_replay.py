@@ -208,3 +208,32 @@ def test_silu_fold_is_exact(tmp_path):
     toks = np.random.default_rng(0).integers(3, VOCAB, 60)
     a = folded.run(folded.contiguous_batch(toks, 0, logits_all=True)).copy()
     assert np.array_equal(a, restored.run(restored.contiguous_batch(toks, 0, logits_all=True)))
+
+
+def test_verification_steps_in_any_order_replay_one_bucket(tmp_path):
+    """S13 bucket keys are order-free: 8 sequences verifying drafts (logits at every row, so the products run
+    as sgemm over 26-32 rows and the head over all of them) come in a new order every step, with two patterns
+    of draft lengths. Each pattern is captured once and then replayed in whatever order (``bind_batch`` puts
+    the batch's sequences in the captured order and keeps the logits in the batch's), every step bit for bit
+    the plain one. Before, every new order was a new bucket (a capture per step)."""
+    path = str(write_tiny(tmp_path / "llama.gguf", "llama", seed=7))
+    kw = dict(KW, max_logits=64)
+    plain, replayed = ModelRunner(path, enforce_eager=True, **kw), ModelRunner(path, **kw)
+    rng = np.random.default_rng(3)
+    tables = {s: np.arange(20 * s, 20 * s + 20, dtype=np.int32) for s in range(8)}
+    tables[3] = rng.permutation(np.arange(100, 120)).astype(np.int32)       # one gathered context
+    lens_a, lens_b = {s: 0 for s in tables}, {s: 0 for s in tables}
+    for s in tables:
+        toks = rng.integers(3, VOCAB, 17 + 2 * s)              # long queries: plain, never captured
+        plain.run(batch([(s, toks)], tables, lens_a))
+        replayed.run(batch([(s, toks)], tables, lens_b))
+    g, steps = replayed.graphs, 24
+    for t in range(steps):
+        drafts = [3] * 8 if t % 3 else [3, 3, 2, 3, 1, 3, 3, 2]          # per sequence s, drafts of length k
+        order = rng.permutation(8)
+        work = [(int(s), rng.integers(3, VOCAB, 1 + drafts[s])) for s in order]
+        a = plain.run(batch(work, tables, lens_a, set(tables))).copy()
+        b = replayed.run(batch(work, tables, lens_b, set(tables)))
+        assert np.array_equal(a, b), (t, order)
+    assert g.captures == 2 and g.replays == steps - 2 and g.unplanned == steps - 2, \
+        (g.captures, g.replays, g.unplanned)

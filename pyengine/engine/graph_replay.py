@@ -68,11 +68,13 @@ def step_key(plan: StepPlan, max_logits: int) -> tuple | None:
 def batch_key(batch, max_logits: int) -> tuple | None:
     """The bucket of a (validated) batch from its lengths alone, without planning it: sequences with the same
     query length form one group (step_plan.query_groups) unless their padded contexts overflow a group's slots,
-    which ``CapturedStep.bind_batch`` checks. None if some query is empty or long."""
+    which ``CapturedStep.bind_batch`` checks. Order-free: the sorted query lengths and the number of logits rows
+    (``bind_batch`` puts the batch's sequences in the captured step's order). None if some query is empty or
+    long."""
     ql = batch.query_lens
     if not ql or min(ql) < 1 or max(ql) > tuning.SHORT_QUERY_MAX or len(batch.logits_indices) > max_logits:
         return None
-    return (tuple(ql), len(batch.logits_indices)) + _tuning()
+    return (tuple(sorted(ql)), len(batch.logits_indices)) + _tuning()
 
 
 def _tuning() -> tuple:
@@ -150,7 +152,8 @@ class CapturedStep:
         self.attention: dict[tuple[int, int], list[BoundAttention]] = {}   # (kind, group) -> one per layer
         # which sequences of the batch each group holds (its rows' first rows), for bind_batch; a kind whose
         # sequences of one query length were split over several groups is planned every step instead
-        first = np.cumsum([0] + list(batch.query_lens))[:-1].tolist()
+        self.query_lens = list(batch.query_lens)          # the captured order of the sequences
+        first = np.cumsum([0] + self.query_lens)[:-1].tolist()
         seq_at = {r: s for s, r in enumerate(first)}
         self.members = [[[seq_at[int(r)] for r in np.arange(len(plan.token_ids))[g.rows][::g.q_len]]
                          for g in gs] for gs in self.groups]
@@ -220,6 +223,9 @@ class CapturedStep:
         if not self.unsplit:
             return False
         bs, ql, cl, tables = self.block_size, batch.query_lens, batch.context_lens, batch.block_tables
+        order = self._order(ql)
+        if order is not None:      # the same lengths in another order: the batch's sequences in the captured one
+            ql, cl, tables = self.query_lens, [cl[s] for s in order], [tables[s] for s in order]
         for k, (window, groups, members) in enumerate(zip(self.windows, self.groups, self.members)):
             for i, (g, mem) in enumerate(zip(groups, members)):
                 if len(mem) == 1:        # a lone sequence (most decodes): group_arrays' work, in scalars
@@ -250,9 +256,20 @@ class CapturedStep:
                 np.greater(lj, edge, out=mask)
                 if window is not None:
                     mask |= lj <= edge - window
-        np.copyto(self.token_ids, batch.token_ids)
-        np.copyto(self.positions, batch.positions)
-        np.copyto(self.logits_indices, batch.logits_indices)
+        if order is None:
+            np.copyto(self.token_ids, batch.token_ids)
+            np.copyto(self.positions, batch.positions)
+            np.copyto(self.logits_indices, batch.logits_indices)
+        else:
+            # captured row r holds the batch's row src[r]; logits rows stay in the batch's order (every op
+            # computes its rows alike wherever they sit: elementwise, per-row products, one group per query length)
+            first = np.cumsum([0] + list(batch.query_lens))
+            src = np.concatenate([np.arange(first[s], first[s + 1]) for s in order])
+            np.take(batch.token_ids, src, 0, self.token_ids)
+            np.take(batch.positions, src, 0, self.positions)
+            where = np.empty_like(src)
+            where[src] = np.arange(len(src))
+            np.take(where, batch.logits_indices, 0, self.logits_indices)
         i = 0
         for q, c, table in zip(ql, cl, tables):          # positions run from c - q to c - 1 (validated)
             if q == 1:
@@ -263,6 +280,18 @@ class CapturedStep:
         for op in self.prologue:
             op()
         return True
+
+    def _order(self, ql) -> list | None:
+        """None if ``ql`` lists the captured query lengths in the captured order; else, for each captured
+        sequence, the batch's sequence that takes its place (the next one of the same query length)."""
+        if list(ql) == self.query_lens:
+            return None
+        same: dict[int, list] = {}
+        for s, q in enumerate(ql):
+            same.setdefault(q, []).append(s)
+        for v in same.values():
+            v.reverse()
+        return [same[q].pop() for q in self.query_lens]
 
     def replay(self) -> np.ndarray:
         if self.flat is None:

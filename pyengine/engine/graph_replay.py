@@ -108,18 +108,17 @@ class BoundAttention:
 
     def build(self) -> None:
         layer, q, kv, out, scratch, scale = self.args
-        group, own = self.step.groups[self.kind][self.index], []
+        group, seen = self.step.groups[self.kind][self.index], {}
 
-        def alloc(shape):
-            own.append(np.empty(shape, np.float32))
-            return own[-1]
+        def alloc(shape):          # the step's pooled temporaries: no allocation when rebuilt
+            seen[shape] = seen.get(shape, -1) + 1
+            return self.step.temp(shape, seen[shape])
         try:
             self.ops = group_attention_ops(layer, q, kv, group, out, scratch, scale, alloc, self.prescaled)
         except ValueError:            # a view that would need a copy: keep the group as one call
             # (queries already scaled: times 1.0, exact)
             self.ops = [partial(group_attention, layer, q, kv, group, out, scratch,
                                 1.0 if self.prescaled else scale)]
-        self.scratch = own
 
     def __call__(self) -> None:
         for op in self.ops:
@@ -138,6 +137,7 @@ class CapturedStep:
         self.ops: list = []             # the recorded calls; a group's attention is one BoundAttention entry
         self.flat: list | None = None   # the same with each BoundAttention's calls spliced in (what replays)
         self.scratch: list[np.ndarray] = []          # reduction and regrouping buffers the plain calls allocate
+        self.pool: dict[tuple, np.ndarray] = {}     # ``temp``: those of them used within one call, shared
         self.token_ids, self.slots = plan.token_ids.copy(), plan.slots.copy()
         self.logits_indices = plan.logits_indices.copy()
         self.positions = np.array(batch.positions, np.int64)
@@ -184,6 +184,15 @@ class CapturedStep:
         """A float32 scratch array of this step (bound into its calls)."""
         a = np.empty(shape, np.float32)
         self.scratch.append(a)
+        return a
+
+    def temp(self, shape: tuple, n: int = 0) -> np.ndarray:
+        """The ``n``-th float32 temporary of this shape: written and read within one call of the model (a
+        norm's mean squares, RoPE's products, a group's attention), so every layer and group shares it (fewer
+        cache lines, and nothing allocated when ``regroup`` rebuilds the attention calls)."""
+        a = self.pool.get((shape, n))
+        if a is None:
+            a = self.pool[(shape, n)] = self.own(shape)
         return a
 
     def regroup(self, kind: int, index: int, blocks: np.ndarray, start, window) -> QueryGroup:
@@ -323,7 +332,7 @@ class StepCapture(EagerOps):
         self._run(bound or [partial(f, *args)])
 
     def rms_norm(self, x, weight, eps, out) -> None:
-        self._run(rms_norm_ops(x, weight, eps, out, self.step.own(x.shape[:-1] + (1,))))
+        self._run(rms_norm_ops(x, weight, eps, out, self.step.temp(x.shape[:-1] + (1,))))
 
     def matmul(self, lin, x, out) -> None:
         self._run(lin.matmul_ops(x, out))
@@ -336,7 +345,7 @@ class StepCapture(EagerOps):
         kind = next((k for k, kp in enumerate(step.plan.kinds) if kp.cos is cos), None)
         if kind is None or x.shape[1] != step.rope_rows[kind][0].shape[1]:
             raise ValueError("a captured step rotates the heads of its plan's RoPE rows only")
-        self._run(apply_rope_ops(x, *step.rope_rows[kind], out, step.own(x.shape)))
+        self._run(apply_rope_ops(x, *step.rope_rows[kind], out, step.temp(x.shape)))
 
     def attention(self, i, q, kv, plan, out, scratch, scale) -> None:
         if plan.runs:

@@ -43,7 +43,7 @@ from functools import partial
 import numpy as np
 
 from pyengine import tuning
-from pyengine.engine.kv_cache import PagedKVCache, contiguous_start, slot_mapping
+from pyengine.engine.kv_cache import PagedKVCache, slot_mapping
 from pyengine.engine.step_plan import KindPlan, StepPlan, group_arrays, read_span
 from pyengine.layers.activation import gated_activation_ops
 from pyengine.layers.linear import Embedding
@@ -242,8 +242,8 @@ class CapturedStep:
                     b0, nb = read_span(ql[mem[0]], c, bs, window)
                     if nb * bs > self.max_slots:
                         return False
-                    run = table[b0:b0 + nb]
-                    start = contiguous_start(run, c - b0 * bs, bs)
+                    run = table[b0:b0 + nb].tolist()      # a few ids: Python compares them fastest
+                    start = run[0] * bs if run == list(range(run[0], run[0] + nb)) else None
                     if nb != g.blocks.shape[1] or start != g.start:
                         g = self.regroup(k, i, np.array(run, np.int64)[None], start, window)
                     else:

@@ -138,6 +138,7 @@ class CapturedStep:
         self.flat: list | None = None   # the same with each BoundAttention's calls spliced in (what replays)
         self.scratch: list[np.ndarray] = []          # reduction and regrouping buffers the plain calls allocate
         self.pool: dict[tuple, np.ndarray] = {}     # ``temp``: those of them used within one call, shared
+        self.slot_elems: np.ndarray | None = None    # ``write_ops``: flat cache indices of a one-token step
         self.token_ids, self.slots = plan.token_ids.copy(), plan.slots.copy()
         self.logits_indices = plan.logits_indices.copy()
         self.positions = np.array(batch.positions, np.int64)
@@ -194,6 +195,25 @@ class CapturedStep:
         if a is None:
             a = self.pool[(shape, n)] = self.own(shape)
         return a
+
+    def write_ops(self, kv: PagedKVCache, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> list:
+        """A KV write, bound (``PagedKVCache.write_ops``). One token's K and V rows (contiguous, as in a lone
+        decode) into a float32 cache: as two ``np.put`` into the layer's flat cache (~1 us less than an
+        assignment through an index array) at the flat indices of the step's slot, prepared once per step for
+        all layers by the prologue."""
+        if not (kv.zero_copy and slots is self.slots and len(slots) == 1 and k.flags.c_contiguous
+                and v.flags.c_contiguous):
+            return kv.write_ops(layer, slots, k, v)
+        row = k.size                                  # one slot: Hkv x hd values
+        if self.slot_elems is None or self.slot_elems.size != row:
+            self.slot_elems, first = np.empty(row, np.int64), np.empty(1, np.int64)
+            ops = [partial(np.multiply, self.slots, row, first), partial(np.add, first, np.arange(row),
+                                                                          self.slot_elems)]
+            for op in ops:
+                op()
+            self.prologue += ops
+        return [partial(np.put, kv.k_slots[layer].reshape(-1, copy=False), self.slot_elems, k),
+                partial(np.put, kv.v_slots[layer].reshape(-1, copy=False), self.slot_elems, v)]
 
     def regroup(self, kind: int, index: int, blocks: np.ndarray, start, window) -> QueryGroup:
         """Give group ``index`` of ``kind`` new block ids of another padded length (or another zero-copy
@@ -328,7 +348,7 @@ class StepCapture(EagerOps):
         if isinstance(f, Embedding):
             bound = f.ops(*args)
         elif getattr(f, "__func__", None) is PagedKVCache.write:
-            bound = f.__self__.write_ops(*args)
+            bound = self.step.write_ops(f.__self__, *args)
         self._run(bound or [partial(f, *args)])
 
     def rms_norm(self, x, weight, eps, out) -> None:

@@ -114,7 +114,8 @@ class BoundAttention:
             seen[shape] = seen.get(shape, -1) + 1
             return self.step.temp(shape, seen[shape])
         try:
-            self.ops = group_attention_ops(layer, q, kv, group, out, scratch, scale, alloc, self.prescaled)
+            self.ops = group_attention_ops(layer, q, kv, group, out, scratch, scale, alloc, self.prescaled,
+                                           self.step.shared.setdefault((self.kind, self.index), {}))
         except ValueError:            # a view that would need a copy: keep the group as one call
             # (queries already scaled: times 1.0, exact)
             self.ops = [partial(group_attention, layer, q, kv, group, out, scratch,
@@ -138,6 +139,7 @@ class CapturedStep:
         self.flat: list | None = None   # the same with each BoundAttention's calls spliced in (what replays)
         self.scratch: list[np.ndarray] = []          # reduction and regrouping buffers the plain calls allocate
         self.pool: dict[tuple, np.ndarray] = {}     # ``temp``: those of them used within one call, shared
+        self.shared: dict[tuple, dict] = {}           # (kind, group) -> its layers' common attention calls
         self.slot_elems: np.ndarray | None = None    # ``write_ops``: flat cache indices of a one-token step
         self.token_ids, self.slots = plan.token_ids.copy(), plan.slots.copy()
         self.logits_indices = plan.logits_indices.copy()
@@ -224,6 +226,7 @@ class CapturedStep:
                        start=start)
         self.groups[kind][index] = g
         self.lj[kind][index] = self._lj(g)
+        self.shared.pop((kind, index), None)
         self.regroups += 1
         for bound in self.attention.get((kind, index), ()):
             bound.build()
@@ -381,14 +384,16 @@ class StepCapture(EagerOps):
 
 
 def group_attention_ops(layer: int, q: np.ndarray, kv, group: QueryGroup, out: np.ndarray, scratch,
-                        scale: float, own, prescaled: bool = False) -> list:
+                        scale: float, own, prescaled: bool = False, shared: dict | None = None) -> list:
     """The calls of layers/paged_attention.py ``group_attention`` and layers/attention.py ``decode_attention``
     for one query group over a float32 cache, bound (a cache stored as fp16 / q8_0 / q4_0 goes through
     ``stored_decode_attention``, bound as the one ``group_attention`` call): the context read (a zero-copy
     view of the cache, or the gather into k_batch / v_batch), the regrouped scaled queries (``prescaled``:
     scaled already, with their RoPE rows; for one query per sequence, a view), the score products by key
     chunk, the mask, softmax and the weighted values, written into ``out``'s rows. ``own(shape)``: the step's
-    scratch allocator. Raises ValueError if a view would need a copy (reshape(copy=False))."""
+    scratch allocator. ``shared``: a dict kept for the group's layers (until its shapes change), where the
+    calls that do not read this layer's keys and values are made once and reused. Raises ValueError if a
+    view would need a copy (reshape(copy=False))."""
     if kv.converts:       # stored K/V formats: layers/attention.py stored_decode_attention, as one bound call
         return [partial(group_attention, layer, q, kv, group, out, scratch, 1.0 if prescaled else scale)]
     G, nb = group.blocks.shape
@@ -402,51 +407,67 @@ def group_attention_ops(layer: int, q: np.ndarray, kv, group: QueryGroup, out: n
     else:
         ops.append(partial(kv.gather_blocks, layer, group.blocks, scratch.k_batch[:n], scratch.v_batch[:n]))
         k, v = scratch.k_batch[:n], scratch.v_batch[:n]
-    L, (Hkv, hd), (H, Q) = nb * bs, k.shape[-2:], (q.shape[1], group.q_len)
-    g, chunk = H // Hkv, tuning.DECODE_KEY_CHUNK
+    L, (Hkv, hd) = nb * bs, k.shape[-2:]
     k, v = k.reshape((G, L, Hkv, hd), copy=False), v.reshape((G, L, Hkv, hd), copy=False)
+    key = (q.__array_interface__["data"], q.shape, q.strides, out.__array_interface__["data"], scale, prescaled,
+           scratch.scores.__array_interface__["data"], L, Hkv, hd)
+    c = shared.get(key) if shared is not None else None
+    if c is None:
+        c = _softmax_ops(q, group, out, scratch, scale, own, prescaled, L, Hkv, hd)
+        if shared is not None:
+            shared[key] = c
+    qg, s, acc, tmp, chunk = c["qg"], c["s"], c["acc"], c["tmp"], tuning.DECODE_KEY_CHUNK
+    kt, vt = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)
+    ops += c["queries"]
+    ops += [partial(np.matmul, qg, kt[..., l0:l0 + chunk], s[..., l0:l0 + chunk]) for l0 in range(0, L, chunk)]
+    ops += c["softmax"]
+    ops.append(partial(np.matmul, s[..., :chunk], vt[:, :, :chunk], acc))
+    for l0 in range(chunk, L, chunk):
+        ops += [partial(np.matmul, s[..., l0:l0 + chunk], vt[:, :, l0:l0 + chunk], tmp),
+                partial(np.add, acc, tmp, acc)]
+    return ops + c["output"]
+
+
+def _softmax_ops(q, group: QueryGroup, out, scratch, scale, own, prescaled, L, Hkv, hd) -> dict:
+    """``group_attention_ops``' arrays and calls that are the same in every layer: the queries regrouped
+    (and scaled), the scores' views, the masked softmax and the division into the output rows."""
+    G, (H, Q), queries = group.blocks.shape[0], (q.shape[1], group.q_len), []
+    g = H // Hkv
     if isinstance(group.rows, slice):
         qs = q[group.rows]
     else:
         qs = own((G * Q, H, hd))
-        ops.append(partial(np.take, q, group.rows, 0, qs))
+        queries.append(partial(np.take, q, group.rows, 0, qs))
     s = scratch.scores[:G * H * Q * L].reshape((G, Hkv, g * Q, L), copy=False)
     q5 = qs.reshape((G, Q, Hkv, g, hd), copy=False).transpose(0, 2, 3, 1, 4)
     if prescaled and Q == 1:        # the queries (scaled with their RoPE rows) already are (G, Hkv, g, hd)
         qg = qs.reshape((G, Hkv, g, hd), copy=False)
     else:
         qg = own((G, Hkv, g * Q, hd))
-        ops.append(partial(np.copyto, qg.reshape(G, Hkv, g, Q, hd), q5) if prescaled else
-                   partial(np.multiply, q5, np.array(scale, np.float32), qg.reshape(G, Hkv, g, Q, hd)))
-    kt, vt = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)
-    ops += [partial(np.matmul, qg, kt[..., l0:l0 + chunk], s[..., l0:l0 + chunk]) for l0 in range(0, L, chunk)]
+        queries.append(partial(np.copyto, qg.reshape(G, Hkv, g, Q, hd), q5) if prescaled else
+                       partial(np.multiply, q5, np.array(scale, np.float32), qg.reshape(G, Hkv, g, Q, hd)))
     mx, den, acc = own((G, Hkv, g * Q, 1)), own((G, Hkv, g * Q, 1)), own((G, Hkv, g * Q, hd))
     # the softmax's ufuncs over the fewest dimensions the same elements allow (NumPy's per-call set-up grows
     # with them): one query per sequence masks (G, H, L) by (G, 1, L); the reductions see (rows, L)
     s2, rows = s.reshape(-1, L), G * Hkv * g * Q
     masked = ((s.reshape(G, Hkv * g, L), group.mask.reshape((G, 1, L), copy=False)) if Q == 1 else
               (s.reshape(G, Hkv, g, Q, L), group.mask.reshape((G, 1, 1, Q, L), copy=False)))
-    ops += [partial(np.copyto, masked[0], np.float32(-np.inf), where=masked[1]),
-            partial(np.maximum.reduce, s2, -1, None, mx.reshape(rows, 1), True),
-            partial(np.subtract, s2, mx.reshape(rows, 1), s2), partial(np.exp, s2, s2),
-            partial(np.add.reduce, s2, -1, None, den.reshape(rows, 1), True),
-            partial(np.matmul, s[..., :chunk], vt[:, :, :chunk], acc)]
-    if L > chunk:
-        tmp = own(acc.shape)
-        for l0 in range(chunk, L, chunk):
-            ops += [partial(np.matmul, s[..., l0:l0 + chunk], vt[:, :, l0:l0 + chunk], tmp),
-                    partial(np.add, acc, tmp, acc)]
+    softmax = [partial(np.copyto, masked[0], np.float32(-np.inf), where=masked[1]),
+               partial(np.maximum.reduce, s2, -1, None, mx.reshape(rows, 1), True),
+               partial(np.subtract, s2, mx.reshape(rows, 1), s2), partial(np.exp, s2, s2),
+               partial(np.add.reduce, s2, -1, None, den.reshape(rows, 1), True)]
+    tmp = own(acc.shape) if L > tuning.DECODE_KEY_CHUNK else None
     # acc / den straight into the output rows (the plain step divides in place, then copies: the same values)
     res = out[group.rows] if isinstance(group.rows, slice) else own((G * Q, H, hd))
     if Q == 1:            # (G, Hkv, g, hd) is (G, H, hd): rows of hd
-        ops.append(partial(np.divide, acc.reshape(rows, hd), den.reshape(rows, 1),
-                           res.reshape((rows, hd), copy=False)))
+        output = [partial(np.divide, acc.reshape(rows, hd), den.reshape(rows, 1),
+                          res.reshape((rows, hd), copy=False))]
     else:
-        ops.append(partial(np.divide, acc.reshape(G, Hkv, g, Q, hd), den.reshape(G, Hkv, g, Q, 1),
-                           res.reshape((G, Q, Hkv, g, hd), copy=False).transpose(0, 2, 3, 1, 4)))
+        output = [partial(np.divide, acc.reshape(G, Hkv, g, Q, hd), den.reshape(G, Hkv, g, Q, 1),
+                          res.reshape((G, Q, Hkv, g, hd), copy=False).transpose(0, 2, 3, 1, 4))]
     if not isinstance(group.rows, slice):
-        ops.append(partial(operator.setitem, out, group.rows, res))
-    return ops
+        output.append(partial(operator.setitem, out, group.rows, res))
+    return {"queries": queries, "qg": qg, "s": s, "acc": acc, "tmp": tmp, "softmax": softmax, "output": output}
 
 
 class StepGraphs:

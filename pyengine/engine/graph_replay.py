@@ -24,7 +24,8 @@ arguments) around NumPy kernels that each take a microsecond. The course's answe
             layer (``CapturedStep.regroup``, ``BoundAttention.build``), not the whole step.
 
 A bucket (``step_key``) is what fixes the step's other shapes: its tokens T, its logits rows, and per kind of
-layer each query group's rows and query length. Shapes are exact, not padded up: a padded row would change
+layer each query group's rows and query length; ``batch_key`` names it from the batch's sorted query lengths,
+and ``bind_batch`` puts a batch whose sequences come in another order into the captured order. Shapes are exact, not padded up: a padded row would change
 BLAS's kernel choice (matvec vs sgemm, the row-loop cut-offs of layers/linear.py), and padded keys the softmax
 sum's pairwise order, so a padded step could not be bit-identical to the plain one; and NumPy has no launch
 cost that a padded bucket would amortise (a capture costs about one plain step). Steps with a long query (a
@@ -208,7 +209,7 @@ class CapturedStep:
             return kv.write_ops(layer, slots, k, v)
         row = k.size                                  # one slot: Hkv x hd values
         if self.slot_elems is None or self.slot_elems.size != row:
-            self.slot_elems, first = np.empty(row, np.int64), np.empty(1, np.int64)
+            self.slot_elems, first = np.empty(row, np.intp), np.empty(1, np.intp)     # np.put takes intp
             ops = [partial(np.multiply, self.slots, row, first), partial(np.add, first, np.arange(row),
                                                                           self.slot_elems)]
             for op in ops:

@@ -237,3 +237,32 @@ def test_verification_steps_in_any_order_replay_one_bucket(tmp_path):
         assert np.array_equal(a, b), (t, order)
     assert g.captures == 2 and g.replays == steps - 2 and g.unplanned == steps - 2, \
         (g.captures, g.replays, g.unplanned)
+
+
+def test_bound_norm_and_products_equal_the_plain_functions():
+    """The bound one-row RMSNorm (scalar mean / eps / sqrt) and the bound products (np.dot) against the plain
+    functions they replace, bit for bit, over rows of very different scales (the sqrt's double rounding, eps
+    dominating tiny rows) and row counts on both sides of the row loop's cut-off."""
+    from pyengine.layers.linear import BlockedLinear, dense_matmul, dense_matmul_ops
+    from pyengine.layers.norm import rms_norm, rms_norm_ops
+    rng = np.random.default_rng(11)
+    for d in (64, 576):
+        for scale in (1e-6, 1e-3, 1.0, 1e3):
+            for _ in range(50):
+                x = (rng.standard_normal((1, d)) * scale).astype(np.float32)
+                out, ms = np.empty_like(x), np.empty((1, 1), np.float32)
+                for op in rms_norm_ops(x, None, 1e-5, out, ms):
+                    op()
+                assert np.array_equal(out, rms_norm(x, None, 1e-5)), (d, scale)
+    for rows in (1, 3, 8, 12):
+        x = rng.standard_normal((rows, 576)).astype(np.float32)
+        w = rng.standard_normal((576, 1536)).astype(np.float32)
+        out = np.empty((rows, 1536), np.float32)
+        for op in dense_matmul_ops(x, w, out):
+            op()
+        assert np.array_equal(out, dense_matmul(x, w, np.empty_like(out))), rows
+        head = BlockedLinear(rng.standard_normal((3000, 576)).astype(np.float32), width=1024)
+        out = np.empty((rows, 3000), np.float32)
+        for op in head.matmul_ops(x, out):
+            op()
+        assert np.array_equal(out, head.matmul(x)), rows

@@ -25,11 +25,12 @@ arguments) around NumPy kernels that each take a microsecond. The course's answe
 
 A bucket (``step_key``) is what fixes the step's other shapes: its tokens T, its logits rows, and per kind of
 layer each query group's rows and query length; ``batch_key`` names it from the batch's sorted query lengths,
-and ``bind_batch`` puts a batch whose sequences come in another order into the captured order. Shapes are exact, not padded up: a padded row would change
-BLAS's kernel choice (matvec vs sgemm, the row-loop cut-offs of layers/linear.py), and padded keys the softmax
-sum's pairwise order, so a padded step could not be bit-identical to the plain one; and NumPy has no launch
-cost that a padded bucket would amortise (a capture costs about one plain step). Steps with a long query (a
-prompt or chunk) stay plain: their attention runs tile by tile anyway, and their arithmetic dwarfs the calls.
+and ``bind_batch`` puts a batch whose sequences come in another order into the captured order. Shapes are
+exact, not padded up: a padded row would change BLAS's kernel choice (matvec vs sgemm, the row-loop cut-offs
+of layers/linear.py), and padded keys the softmax sum's pairwise order, so a padded step could not be
+bit-identical to the plain one; and NumPy has no launch cost that a padded bucket would amortise (a capture
+costs about one plain step). Steps with a long query (a prompt or chunk) stay plain: their attention runs tile
+by tile anyway, and their arithmetic dwarfs the calls.
 The replayed step computes exactly what the plain step computes (the same ufuncs in the same order on the
 same arrays; tests/test_graph_replay.py checks np.array_equal on the logits), and needs no threads or C code:
 it runs in Pyodide as well (tests/test_pyodide_graph_replay.py).

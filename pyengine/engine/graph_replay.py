@@ -454,6 +454,11 @@ def _softmax_ops(q, group: QueryGroup, out, scratch, scale, own, prescaled, L, H
     s2, rows = s.reshape(-1, L), G * Hkv * g * Q
     masked = ((s.reshape(G, Hkv * g, L), group.mask.reshape((G, 1, L), copy=False)) if Q == 1 else
               (s.reshape(G, Hkv, g, Q, L), group.mask.reshape((G, 1, 1, Q, L), copy=False)))
+    if G == 1 and Q == 1 and group.mask.ndim == 4:
+        # a lone decode without a window (group_mask's 4-D form) hides only keys past its context, all in its
+        # last block: mask that block alone (the rest of the mask is False), not all L keys
+        tail = L - L // group.blocks.shape[1]
+        masked = (masked[0][..., tail:], masked[1][..., tail:])
     softmax = [partial(np.copyto, masked[0], np.float32(-np.inf), where=masked[1]),
                partial(np.maximum.reduce, s2, -1, None, mx.reshape(rows, 1), True),
                partial(np.subtract, s2, mx.reshape(rows, 1), s2), partial(np.exp, s2, s2),

@@ -210,13 +210,14 @@ def test_silu_fold_is_exact(tmp_path):
     assert np.array_equal(a, restored.run(restored.contiguous_batch(toks, 0, logits_all=True)))
 
 
-def test_verification_steps_in_any_order_replay_one_bucket(tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_verification_steps_in_any_order_replay_one_bucket(tmp_path, arch):
     """S13 bucket keys are order-free: 8 sequences verifying drafts (logits at every row, so the products run
     as sgemm over 26-32 rows and the head over all of them) come in a new order every step, with two patterns
     of draft lengths. Each pattern is captured once and then replayed in whatever order (``bind_batch`` puts
     the batch's sequences in the captured order and keeps the logits in the batch's), every step bit for bit
     the plain one. Before, every new order was a new bucket (a capture per step)."""
-    path = str(write_tiny(tmp_path / "llama.gguf", "llama", seed=7))
+    path = str(write_tiny(tmp_path / f"{arch}.gguf", arch, seed=7))
     kw = dict(KW, max_logits=64)
     plain, replayed = ModelRunner(path, enforce_eager=True, **kw), ModelRunner(path, **kw)
     rng = np.random.default_rng(3)

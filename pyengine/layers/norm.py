@@ -27,7 +27,7 @@ def rms_norm_ops(x: np.ndarray, weight: np.ndarray | None, eps: float, out: np.n
     """S13: the same ufuncs as ``rms_norm``, bound to their arrays for a captured step (engine/graph_replay.py):
     ``ms`` (..., 1) is the bound scratch the eager form allocates. One row (a lone decode) is one call,
     ``rms_norm_row``: its mean square is a scalar, and NumPy's ufuncs on 0-d arrays cost ~3x those on a row."""
-    if ms.size == 1:
+    if ms.size == 1 and out.flags.c_contiguous:
         ops = [partial(rms_norm_row, x, out, out.reshape(-1), ms.reshape(()), np.float32(1.0 / x.shape[-1]),
                        np.float32(eps))]
         return ops + ([partial(np.multiply, out, weight, out)] if weight is not None else [])

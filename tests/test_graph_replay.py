@@ -208,3 +208,62 @@ def test_silu_fold_is_exact(tmp_path):
     toks = np.random.default_rng(0).integers(3, VOCAB, 60)
     a = folded.run(folded.contiguous_batch(toks, 0, logits_all=True)).copy()
     assert np.array_equal(a, restored.run(restored.contiguous_batch(toks, 0, logits_all=True)))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_verification_steps_in_any_order_replay_one_bucket(tmp_path, arch):
+    """S13 bucket keys are order-free: 8 sequences verifying drafts (logits at every row, so the products run
+    as sgemm over 26-32 rows and the head over all of them) come in a new order every step, with two patterns
+    of draft lengths. Each pattern is captured once and then replayed in whatever order (``bind_batch`` puts
+    the batch's sequences in the captured order and keeps the logits in the batch's), every step bit for bit
+    the plain one. Before, every new order was a new bucket (a capture per step)."""
+    path = str(write_tiny(tmp_path / f"{arch}.gguf", arch, seed=7))
+    kw = dict(KW, max_logits=64)
+    plain, replayed = ModelRunner(path, enforce_eager=True, **kw), ModelRunner(path, **kw)
+    rng = np.random.default_rng(3)
+    tables = {s: np.arange(20 * s, 20 * s + 20, dtype=np.int32) for s in range(8)}
+    tables[3] = rng.permutation(np.arange(100, 120)).astype(np.int32)       # one gathered context
+    lens_a, lens_b = {s: 0 for s in tables}, {s: 0 for s in tables}
+    for s in tables:
+        toks = rng.integers(3, VOCAB, 17 + 2 * s)              # long queries: plain, never captured
+        plain.run(batch([(s, toks)], tables, lens_a))
+        replayed.run(batch([(s, toks)], tables, lens_b))
+    g, steps = replayed.graphs, 24
+    for t in range(steps):
+        drafts = [3] * 8 if t % 3 else [3, 3, 2, 3, 1, 3, 3, 2]          # per sequence s, drafts of length k
+        order = rng.permutation(8)
+        work = [(int(s), rng.integers(3, VOCAB, 1 + drafts[s])) for s in order]
+        a = plain.run(batch(work, tables, lens_a, set(tables))).copy()
+        b = replayed.run(batch(work, tables, lens_b, set(tables)))
+        assert np.array_equal(a, b), (t, order)
+    assert g.captures == 2 and g.replays == steps - 2 and g.unplanned == steps - 2, \
+        (g.captures, g.replays, g.unplanned)
+
+
+def test_bound_norm_and_products_equal_the_plain_functions():
+    """The bound one-row RMSNorm (scalar mean / eps / sqrt) and the bound products (np.dot) against the plain
+    functions they replace, bit for bit, over rows of very different scales (the sqrt's double rounding, eps
+    dominating tiny rows) and row counts on both sides of the row loop's cut-off."""
+    from pyengine.layers.linear import BlockedLinear, dense_matmul, dense_matmul_ops
+    from pyengine.layers.norm import rms_norm, rms_norm_ops
+    rng = np.random.default_rng(11)
+    for d in (64, 576):
+        for scale in (1e-6, 1e-3, 1.0, 1e3):
+            for _ in range(50):
+                x = (rng.standard_normal((1, d)) * scale).astype(np.float32)
+                out, ms = np.empty_like(x), np.empty((1, 1), np.float32)
+                for op in rms_norm_ops(x, None, 1e-5, out, ms):
+                    op()
+                assert np.array_equal(out, rms_norm(x, None, 1e-5)), (d, scale)
+    for rows in (1, 3, 8, 12):
+        x = rng.standard_normal((rows, 576)).astype(np.float32)
+        w = rng.standard_normal((576, 1536)).astype(np.float32)
+        out = np.empty((rows, 1536), np.float32)
+        for op in dense_matmul_ops(x, w, out):
+            op()
+        assert np.array_equal(out, dense_matmul(x, w, np.empty_like(out))), rows
+        head = BlockedLinear(rng.standard_normal((3000, 576)).astype(np.float32), width=1024)
+        out = np.empty((rows, 3000), np.float32)
+        for op in head.matmul_ops(x, out):
+            op()
+        assert np.array_equal(out, head.matmul(x)), rows

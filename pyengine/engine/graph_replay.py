@@ -24,11 +24,13 @@ arguments) around NumPy kernels that each take a microsecond. The course's answe
             layer (``CapturedStep.regroup``, ``BoundAttention.build``), not the whole step.
 
 A bucket (``step_key``) is what fixes the step's other shapes: its tokens T, its logits rows, and per kind of
-layer each query group's rows and query length. Shapes are exact, not padded up: a padded row would change
-BLAS's kernel choice (matvec vs sgemm, the row-loop cut-offs of layers/linear.py), and padded keys the softmax
-sum's pairwise order, so a padded step could not be bit-identical to the plain one; and NumPy has no launch
-cost that a padded bucket would amortise (a capture costs about one plain step). Steps with a long query (a
-prompt or chunk) stay plain: their attention runs tile by tile anyway, and their arithmetic dwarfs the calls.
+layer each query group's rows and query length; ``batch_key`` names it from the batch's sorted query lengths,
+and ``bind_batch`` puts a batch whose sequences come in another order into the captured order. Shapes are
+exact, not padded up: a padded row would change BLAS's kernel choice (matvec vs sgemm, the row-loop cut-offs
+of layers/linear.py), and padded keys the softmax sum's pairwise order, so a padded step could not be
+bit-identical to the plain one; and NumPy has no launch cost that a padded bucket would amortise (a capture
+costs about one plain step). Steps with a long query (a prompt or chunk) stay plain: their attention runs tile
+by tile anyway, and their arithmetic dwarfs the calls.
 The replayed step computes exactly what the plain step computes (the same ufuncs in the same order on the
 same arrays; tests/test_graph_replay.py checks np.array_equal on the logits), and needs no threads or C code:
 it runs in Pyodide as well (tests/test_pyodide_graph_replay.py).
@@ -43,7 +45,7 @@ from functools import partial
 import numpy as np
 
 from pyengine import tuning
-from pyengine.engine.kv_cache import PagedKVCache, contiguous_start, slot_mapping
+from pyengine.engine.kv_cache import PagedKVCache, slot_mapping
 from pyengine.engine.step_plan import KindPlan, StepPlan, group_arrays, read_span
 from pyengine.layers.activation import gated_activation_ops
 from pyengine.layers.linear import Embedding
@@ -68,11 +70,13 @@ def step_key(plan: StepPlan, max_logits: int) -> tuple | None:
 def batch_key(batch, max_logits: int) -> tuple | None:
     """The bucket of a (validated) batch from its lengths alone, without planning it: sequences with the same
     query length form one group (step_plan.query_groups) unless their padded contexts overflow a group's slots,
-    which ``CapturedStep.bind_batch`` checks. None if some query is empty or long."""
+    which ``CapturedStep.bind_batch`` checks. Order-free: the sorted query lengths and the number of logits rows
+    (``bind_batch`` puts the batch's sequences in the captured step's order). None if some query is empty or
+    long."""
     ql = batch.query_lens
     if not ql or min(ql) < 1 or max(ql) > tuning.SHORT_QUERY_MAX or len(batch.logits_indices) > max_logits:
         return None
-    return (tuple(ql), len(batch.logits_indices)) + _tuning()
+    return (tuple(sorted(ql)), len(batch.logits_indices)) + _tuning()
 
 
 def _tuning() -> tuple:
@@ -106,18 +110,18 @@ class BoundAttention:
 
     def build(self) -> None:
         layer, q, kv, out, scratch, scale = self.args
-        group, own = self.step.groups[self.kind][self.index], []
+        group, seen = self.step.groups[self.kind][self.index], {}
 
-        def alloc(shape):
-            own.append(np.empty(shape, np.float32))
-            return own[-1]
+        def alloc(shape):          # the step's pooled temporaries: no allocation when rebuilt
+            seen[shape] = seen.get(shape, -1) + 1
+            return self.step.temp(shape, seen[shape])
         try:
-            self.ops = group_attention_ops(layer, q, kv, group, out, scratch, scale, alloc, self.prescaled)
+            self.ops = group_attention_ops(layer, q, kv, group, out, scratch, scale, alloc, self.prescaled,
+                                           self.step.shared.setdefault((self.kind, self.index), {}))
         except ValueError:            # a view that would need a copy: keep the group as one call
             # (queries already scaled: times 1.0, exact)
             self.ops = [partial(group_attention, layer, q, kv, group, out, scratch,
                                 1.0 if self.prescaled else scale)]
-        self.scratch = own
 
     def __call__(self) -> None:
         for op in self.ops:
@@ -136,6 +140,9 @@ class CapturedStep:
         self.ops: list = []             # the recorded calls; a group's attention is one BoundAttention entry
         self.flat: list | None = None   # the same with each BoundAttention's calls spliced in (what replays)
         self.scratch: list[np.ndarray] = []          # reduction and regrouping buffers the plain calls allocate
+        self.pool: dict[tuple, np.ndarray] = {}     # ``temp``: those of them used within one call, shared
+        self.shared: dict[tuple, dict] = {}           # (kind, group) -> its layers' common attention calls
+        self.slot_elems: np.ndarray | None = None    # ``write_ops``: flat cache indices of a one-token step
         self.token_ids, self.slots = plan.token_ids.copy(), plan.slots.copy()
         self.logits_indices = plan.logits_indices.copy()
         self.positions = np.array(batch.positions, np.int64)
@@ -150,7 +157,8 @@ class CapturedStep:
         self.attention: dict[tuple[int, int], list[BoundAttention]] = {}   # (kind, group) -> one per layer
         # which sequences of the batch each group holds (its rows' first rows), for bind_batch; a kind whose
         # sequences of one query length were split over several groups is planned every step instead
-        first = np.cumsum([0] + list(batch.query_lens))[:-1].tolist()
+        self.query_lens = list(batch.query_lens)          # the captured order of the sequences
+        first = np.cumsum([0] + self.query_lens)[:-1].tolist()
         seq_at = {r: s for s, r in enumerate(first)}
         self.members = [[[seq_at[int(r)] for r in np.arange(len(plan.token_ids))[g.rows][::g.q_len]]
                          for g in gs] for gs in self.groups]
@@ -183,6 +191,34 @@ class CapturedStep:
         self.scratch.append(a)
         return a
 
+    def temp(self, shape: tuple, n: int = 0) -> np.ndarray:
+        """The ``n``-th float32 temporary of this shape: written and read within one call of the model (a
+        norm's mean squares, RoPE's products, a group's attention), so every layer and group shares it (fewer
+        cache lines, and nothing allocated when ``regroup`` rebuilds the attention calls)."""
+        a = self.pool.get((shape, n))
+        if a is None:
+            a = self.pool[(shape, n)] = self.own(shape)
+        return a
+
+    def write_ops(self, kv: PagedKVCache, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> list:
+        """A KV write, bound (``PagedKVCache.write_ops``). One token's K and V rows (contiguous, as in a lone
+        decode) into a float32 cache: as two ``np.put`` into the layer's flat cache (~1 us less than an
+        assignment through an index array) at the flat indices of the step's slot, prepared once per step for
+        all layers by the prologue."""
+        if not (kv.zero_copy and slots is self.slots and len(slots) == 1 and k.flags.c_contiguous
+                and v.flags.c_contiguous):
+            return kv.write_ops(layer, slots, k, v)
+        row = k.size                                  # one slot: Hkv x hd values
+        if self.slot_elems is None or self.slot_elems.size != row:
+            self.slot_elems, first = np.empty(row, np.intp), np.empty(1, np.intp)     # np.put takes intp
+            ops = [partial(np.multiply, self.slots, row, first), partial(np.add, first, np.arange(row),
+                                                                          self.slot_elems)]
+            for op in ops:
+                op()
+            self.prologue += ops
+        return [partial(np.put, kv.k_slots[layer].reshape(-1, copy=False), self.slot_elems, k),
+                partial(np.put, kv.v_slots[layer].reshape(-1, copy=False), self.slot_elems, v)]
+
     def regroup(self, kind: int, index: int, blocks: np.ndarray, start, window) -> QueryGroup:
         """Give group ``index`` of ``kind`` new block ids of another padded length (or another zero-copy
         start): new blocks / mask arrays, and its attention calls rebuilt in every layer."""
@@ -192,6 +228,7 @@ class CapturedStep:
                        start=start)
         self.groups[kind][index] = g
         self.lj[kind][index] = self._lj(g)
+        self.shared.pop((kind, index), None)
         self.regroups += 1
         for bound in self.attention.get((kind, index), ()):
             bound.build()
@@ -220,6 +257,9 @@ class CapturedStep:
         if not self.unsplit:
             return False
         bs, ql, cl, tables = self.block_size, batch.query_lens, batch.context_lens, batch.block_tables
+        order = self._order(ql)
+        if order is not None:      # the same lengths in another order: the batch's sequences in the captured one
+            ql, cl, tables = self.query_lens, [cl[s] for s in order], [tables[s] for s in order]
         for k, (window, groups, members) in enumerate(zip(self.windows, self.groups, self.members)):
             for i, (g, mem) in enumerate(zip(groups, members)):
                 if len(mem) == 1:        # a lone sequence (most decodes): group_arrays' work, in scalars
@@ -227,8 +267,8 @@ class CapturedStep:
                     b0, nb = read_span(ql[mem[0]], c, bs, window)
                     if nb * bs > self.max_slots:
                         return False
-                    run = table[b0:b0 + nb]
-                    start = contiguous_start(run, c - b0 * bs, bs)
+                    run = table[b0:b0 + nb].tolist()      # a few ids: Python compares them fastest
+                    start = run[0] * bs if run == list(range(run[0], run[0] + nb)) else None
                     if nb != g.blocks.shape[1] or start != g.start:
                         g = self.regroup(k, i, np.array(run, np.int64)[None], start, window)
                     else:
@@ -250,9 +290,20 @@ class CapturedStep:
                 np.greater(lj, edge, out=mask)
                 if window is not None:
                     mask |= lj <= edge - window
-        np.copyto(self.token_ids, batch.token_ids)
-        np.copyto(self.positions, batch.positions)
-        np.copyto(self.logits_indices, batch.logits_indices)
+        if order is None:
+            np.copyto(self.token_ids, batch.token_ids)
+            np.copyto(self.positions, batch.positions)
+            np.copyto(self.logits_indices, batch.logits_indices)
+        else:
+            # captured row r holds the batch's row src[r]; logits rows stay in the batch's order (every op
+            # computes its rows alike wherever they sit: elementwise, per-row products, one group per query length)
+            first = np.cumsum([0] + list(batch.query_lens))
+            src = np.concatenate([np.arange(first[s], first[s + 1]) for s in order])
+            np.take(batch.token_ids, src, 0, self.token_ids)
+            np.take(batch.positions, src, 0, self.positions)
+            where = np.empty_like(src)
+            where[src] = np.arange(len(src))
+            np.take(where, batch.logits_indices, 0, self.logits_indices)
         i = 0
         for q, c, table in zip(ql, cl, tables):          # positions run from c - q to c - 1 (validated)
             if q == 1:
@@ -263,6 +314,18 @@ class CapturedStep:
         for op in self.prologue:
             op()
         return True
+
+    def _order(self, ql) -> list | None:
+        """None if ``ql`` lists the captured query lengths in the captured order; else, for each captured
+        sequence, the batch's sequence that takes its place (the next one of the same query length)."""
+        if list(ql) == self.query_lens:
+            return None
+        same: dict[int, list] = {}
+        for s, q in enumerate(ql):
+            same.setdefault(q, []).append(s)
+        for v in same.values():
+            v.reverse()
+        return [same[q].pop() for q in self.query_lens]
 
     def replay(self) -> np.ndarray:
         if self.flat is None:
@@ -290,11 +353,11 @@ class StepCapture(EagerOps):
         if isinstance(f, Embedding):
             bound = f.ops(*args)
         elif getattr(f, "__func__", None) is PagedKVCache.write:
-            bound = f.__self__.write_ops(*args)
+            bound = self.step.write_ops(f.__self__, *args)
         self._run(bound or [partial(f, *args)])
 
     def rms_norm(self, x, weight, eps, out) -> None:
-        self._run(rms_norm_ops(x, weight, eps, out, self.step.own(x.shape[:-1] + (1,))))
+        self._run(rms_norm_ops(x, weight, eps, out, self.step.temp(x.shape[:-1] + (1,))))
 
     def matmul(self, lin, x, out) -> None:
         self._run(lin.matmul_ops(x, out))
@@ -307,7 +370,7 @@ class StepCapture(EagerOps):
         kind = next((k for k, kp in enumerate(step.plan.kinds) if kp.cos is cos), None)
         if kind is None or x.shape[1] != step.rope_rows[kind][0].shape[1]:
             raise ValueError("a captured step rotates the heads of its plan's RoPE rows only")
-        self._run(apply_rope_ops(x, *step.rope_rows[kind], out, step.own(x.shape)))
+        self._run(apply_rope_ops(x, *step.rope_rows[kind], out, step.temp(x.shape)))
 
     def attention(self, i, q, kv, plan, out, scratch, scale) -> None:
         if plan.runs:
@@ -323,14 +386,16 @@ class StepCapture(EagerOps):
 
 
 def group_attention_ops(layer: int, q: np.ndarray, kv, group: QueryGroup, out: np.ndarray, scratch,
-                        scale: float, own, prescaled: bool = False) -> list:
+                        scale: float, own, prescaled: bool = False, shared: dict | None = None) -> list:
     """The calls of layers/paged_attention.py ``group_attention`` and layers/attention.py ``decode_attention``
     for one query group over a float32 cache, bound (a cache stored as fp16 / q8_0 / q4_0 goes through
     ``stored_decode_attention``, bound as the one ``group_attention`` call): the context read (a zero-copy
     view of the cache, or the gather into k_batch / v_batch), the regrouped scaled queries (``prescaled``:
     scaled already, with their RoPE rows; for one query per sequence, a view), the score products by key
     chunk, the mask, softmax and the weighted values, written into ``out``'s rows. ``own(shape)``: the step's
-    scratch allocator. Raises ValueError if a view would need a copy (reshape(copy=False))."""
+    scratch allocator. ``shared``: a dict kept for the group's layers (until its shapes change), where the
+    calls that do not read this layer's keys and values are made once and reused. Raises ValueError if a
+    view would need a copy (reshape(copy=False))."""
     if kv.converts:       # stored K/V formats: layers/attention.py stored_decode_attention, as one bound call
         return [partial(group_attention, layer, q, kv, group, out, scratch, 1.0 if prescaled else scale)]
     G, nb = group.blocks.shape
@@ -344,42 +409,72 @@ def group_attention_ops(layer: int, q: np.ndarray, kv, group: QueryGroup, out: n
     else:
         ops.append(partial(kv.gather_blocks, layer, group.blocks, scratch.k_batch[:n], scratch.v_batch[:n]))
         k, v = scratch.k_batch[:n], scratch.v_batch[:n]
-    L, (Hkv, hd), (H, Q) = nb * bs, k.shape[-2:], (q.shape[1], group.q_len)
-    g, chunk = H // Hkv, tuning.DECODE_KEY_CHUNK
+    L, (Hkv, hd) = nb * bs, k.shape[-2:]
     k, v = k.reshape((G, L, Hkv, hd), copy=False), v.reshape((G, L, Hkv, hd), copy=False)
+    key = (q.__array_interface__["data"], q.shape, q.strides, out.__array_interface__["data"], scale, prescaled,
+           scratch.scores.__array_interface__["data"], L, Hkv, hd)
+    c = shared.get(key) if shared is not None else None
+    if c is None:
+        c = _softmax_ops(q, group, out, scratch, scale, own, prescaled, L, Hkv, hd)
+        if shared is not None:
+            shared[key] = c
+    qg, s, acc, tmp, chunk = c["qg"], c["s"], c["acc"], c["tmp"], tuning.DECODE_KEY_CHUNK
+    kt, vt = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)
+    ops += c["queries"]
+    ops += [partial(np.matmul, qg, kt[..., l0:l0 + chunk], s[..., l0:l0 + chunk]) for l0 in range(0, L, chunk)]
+    ops += c["softmax"]
+    ops.append(partial(np.matmul, s[..., :chunk], vt[:, :, :chunk], acc))
+    for l0 in range(chunk, L, chunk):
+        ops += [partial(np.matmul, s[..., l0:l0 + chunk], vt[:, :, l0:l0 + chunk], tmp),
+                partial(np.add, acc, tmp, acc)]
+    return ops + c["output"]
+
+
+def _softmax_ops(q, group: QueryGroup, out, scratch, scale, own, prescaled, L, Hkv, hd) -> dict:
+    """``group_attention_ops``' arrays and calls that are the same in every layer: the queries regrouped
+    (and scaled), the scores' views, the masked softmax and the division into the output rows."""
+    G, (H, Q), queries = group.blocks.shape[0], (q.shape[1], group.q_len), []
+    g = H // Hkv
     if isinstance(group.rows, slice):
         qs = q[group.rows]
     else:
         qs = own((G * Q, H, hd))
-        ops.append(partial(np.take, q, group.rows, 0, qs))
+        queries.append(partial(np.take, q, group.rows, 0, qs))
     s = scratch.scores[:G * H * Q * L].reshape((G, Hkv, g * Q, L), copy=False)
     q5 = qs.reshape((G, Q, Hkv, g, hd), copy=False).transpose(0, 2, 3, 1, 4)
     if prescaled and Q == 1:        # the queries (scaled with their RoPE rows) already are (G, Hkv, g, hd)
         qg = qs.reshape((G, Hkv, g, hd), copy=False)
     else:
         qg = own((G, Hkv, g * Q, hd))
-        ops.append(partial(np.copyto, qg.reshape(G, Hkv, g, Q, hd), q5) if prescaled else
-                   partial(np.multiply, q5, np.array(scale, np.float32), qg.reshape(G, Hkv, g, Q, hd)))
-    kt, vt = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)
-    ops += [partial(np.matmul, qg, kt[..., l0:l0 + chunk], s[..., l0:l0 + chunk]) for l0 in range(0, L, chunk)]
+        queries.append(partial(np.copyto, qg.reshape(G, Hkv, g, Q, hd), q5) if prescaled else
+                       partial(np.multiply, q5, np.array(scale, np.float32), qg.reshape(G, Hkv, g, Q, hd)))
     mx, den, acc = own((G, Hkv, g * Q, 1)), own((G, Hkv, g * Q, 1)), own((G, Hkv, g * Q, hd))
-    ops += [partial(np.copyto, s.reshape(G, Hkv, g, Q, L), np.float32(-np.inf),
-                    where=group.mask.reshape((G, 1, 1, Q, L), copy=False)),
-            partial(np.maximum.reduce, s, -1, None, mx, True), partial(np.subtract, s, mx, s),
-            partial(np.exp, s, s), partial(np.add.reduce, s, -1, None, den, True),
-            partial(np.matmul, s[..., :chunk], vt[:, :, :chunk], acc)]
-    if L > chunk:
-        tmp = own(acc.shape)
-        for l0 in range(chunk, L, chunk):
-            ops += [partial(np.matmul, s[..., l0:l0 + chunk], vt[:, :, l0:l0 + chunk], tmp),
-                    partial(np.add, acc, tmp, acc)]
+    # the softmax's ufuncs over the fewest dimensions the same elements allow (NumPy's per-call set-up grows
+    # with them): one query per sequence masks (G, H, L) by (G, 1, L); the reductions see (rows, L)
+    s2, rows = s.reshape(-1, L), G * Hkv * g * Q
+    masked = ((s.reshape(G, Hkv * g, L), group.mask.reshape((G, 1, L), copy=False)) if Q == 1 else
+              (s.reshape(G, Hkv, g, Q, L), group.mask.reshape((G, 1, 1, Q, L), copy=False)))
+    if G == 1 and Q == 1 and group.mask.ndim == 4:
+        # a lone decode without a window (group_mask's 4-D form) hides only keys past its context, all in its
+        # last block: mask that block alone (the rest of the mask is False), not all L keys
+        tail = L - L // group.blocks.shape[1]
+        masked = (masked[0][..., tail:], masked[1][..., tail:])
+    softmax = [partial(np.copyto, masked[0], np.float32(-np.inf), where=masked[1]),
+               partial(np.maximum.reduce, s2, -1, None, mx.reshape(rows, 1), True),
+               partial(np.subtract, s2, mx.reshape(rows, 1), s2), partial(np.exp, s2, s2),
+               partial(np.add.reduce, s2, -1, None, den.reshape(rows, 1), True)]
+    tmp = own(acc.shape) if L > tuning.DECODE_KEY_CHUNK else None
     # acc / den straight into the output rows (the plain step divides in place, then copies: the same values)
     res = out[group.rows] if isinstance(group.rows, slice) else own((G * Q, H, hd))
-    ops.append(partial(np.divide, acc.reshape(G, Hkv, g, Q, hd), den.reshape(G, Hkv, g, Q, 1),
-                       res.reshape((G, Q, Hkv, g, hd), copy=False).transpose(0, 2, 3, 1, 4)))
+    if Q == 1:            # (G, Hkv, g, hd) is (G, H, hd): rows of hd
+        output = [partial(np.divide, acc.reshape(rows, hd), den.reshape(rows, 1),
+                          res.reshape((rows, hd), copy=False))]
+    else:
+        output = [partial(np.divide, acc.reshape(G, Hkv, g, Q, hd), den.reshape(G, Hkv, g, Q, 1),
+                          res.reshape((G, Q, Hkv, g, hd), copy=False).transpose(0, 2, 3, 1, 4))]
     if not isinstance(group.rows, slice):
-        ops.append(partial(operator.setitem, out, group.rows, res))
-    return ops
+        output.append(partial(operator.setitem, out, group.rows, res))
+    return {"queries": queries, "qg": qg, "s": s, "acc": acc, "tmp": tmp, "softmax": softmax, "output": output}
 
 
 class StepGraphs:

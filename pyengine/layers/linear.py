@@ -70,11 +70,19 @@ def dense_matmul(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> np.ndarray:
 
 
 def dense_matmul_ops(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> list:
-    """S13: ``dense_matmul``'s calls (the same row-loop rule), bound for a captured step."""
+    """S13: ``dense_matmul``'s calls (the same row-loop rule), bound for a captured step. As ``np.dot``: for
+    these 1-D / 2-D float32 operands it makes the same BLAS call (sgemv, sgemm) as ``np.matmul``, the same bits
+    (tests/test_graph_replay.py), without the generalized ufunc's per-call set-up (~1 us of a d=64 product)."""
     n = x.shape[0]
     if 1 < n <= tuning.LINEAR_ROW_LOOP_MAX:
-        return [partial(np.matmul, x[r], w, out[r]) for r in range(n)]
-    return [partial(np.matmul, x, w, out)]
+        return [partial(_product(x[r], w, out[r]), x[r], w, out[r]) for r in range(n)]
+    return [partial(_product(x, w, out), x, w, out)]
+
+
+def _product(x: np.ndarray, w: np.ndarray, out: np.ndarray):
+    """np.dot for C-contiguous operands (which both hand to BLAS as they are; np.dot also writes only such an
+    ``out``), else np.matmul."""
+    return np.dot if x.flags.c_contiguous and w.flags.c_contiguous and out.flags.c_contiguous else np.matmul
 
 
 class Linear:
@@ -157,10 +165,10 @@ class BlockedLinear(Linear):
         ops, n = [], x.shape[0]
         for i, b in enumerate(self.blocks):
             o = out[:, i * self.width:i * self.width + b.shape[1]]
-            if 1 < n <= tuning.HEAD_ROW_LOOP_MAX:
-                ops += [partial(np.matmul, x[r], b, o[r]) for r in range(n)]
+            if 1 < n <= tuning.HEAD_ROW_LOOP_MAX:          # np.dot: as in dense_matmul_ops
+                ops += [partial(_product(x[r], b, o[r]), x[r], b, o[r]) for r in range(n)]
             else:
-                ops.append(partial(np.matmul, x, b, o))
+                ops.append(partial(_product(x, b, o), x, b, o))
         return ops
 
     def columns(self, idx: np.ndarray, out: np.ndarray) -> np.ndarray:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 from pyengine.disagg.kv_transfer import TransferError, parse_message
+from pyengine.disagg.step_trace import StepTrace
 from pyengine.parallel.mpi import IDLE_SLEEP_S
 
 ROUTER = 0
@@ -30,6 +31,7 @@ class Instance:
         self.counters = {"transfers": 0, "blocks": 0, "bytes": 0, "transfer_s": 0.0, "transfer_failures": 0}
         self._last_report = 0.0
         self.changed = True
+        self.trace = None                         # StepTrace when PYENGINE_STEP_TRACE names a directory
 
     # --- messages --------------------------------------------------------------------------------
     def hello(self) -> dict:
@@ -105,9 +107,15 @@ class Instance:
         busy = self.receive()
         busy = self.work() or busy
         if self.engine.scheduler.has_unfinished() and self.may_step():
+            running = list(self.engine.scheduler.running) if self.trace is not None else None
+            t0, cpu0 = time.monotonic(), time.process_time()
             self.step_started = time.perf_counter()
-            self.send_outputs(self.engine.step())
+            outputs = self.engine.step()
+            t1, cpu = time.monotonic(), time.process_time() - cpu0
+            self.send_outputs(outputs)
             self.after_step()
+            if self.trace is not None:
+                self.trace.step(t0, t1, cpu, running, outputs)
             busy = True
         self.changed = self.changed or busy
         self.report()
@@ -115,6 +123,7 @@ class Instance:
 
     def start(self) -> None:
         self.to_router(self.hello())
+        self.trace = StepTrace.from_env(self.t.rank, self.role)
 
     def run(self) -> None:
         self.start()
@@ -122,6 +131,8 @@ class Instance:
             if not self.run_once():
                 time.sleep(IDLE_SLEEP_S)
         self.report(force=True)
+        if self.trace is not None:
+            self.trace.close()
 
     def receive(self) -> bool:
         """Handle the messages that have arrived; KV blocks only while this turn has spent less than
@@ -137,7 +148,10 @@ class Instance:
             kind, payload = parse_message(buf)
             if kind == "B":
                 blocks += 1
+                tb = time.perf_counter()
                 self.on_block(src, payload)
+                if self.trace is not None:
+                    self.trace.adopted(1, time.perf_counter() - tb)
             elif not self.handle_common(payload):
                 self.handle(src, payload)
             busy = True

@@ -44,6 +44,10 @@ def add_arguments(p) -> None:
     g.add_argument("--slo-itl", type=float, default=0.15, help="goodput SLO: every inter-token gap (s)")
     g.add_argument("--colocated-threads", type=int, default=2,
                    help="BLAS threads of the colocated server (default 2: both cores, as the two ranks have)")
+    g.add_argument("--trace-dir", default=None, help="keep the disaggregated server's step traces here "
+                   "(pyengine/disagg/step_trace.py; default: a temporary directory)")
+    g.add_argument("--only", choices=["colocated", "disagg"], default=None,
+                   help="run one of the two servers (no ratios): for iterating on one side")
     g.add_argument("--colocated-args", default="", help="more `pyengine serve` options for the colocated server "
                    "(one string, e.g. the chunk budget options)")
 
@@ -236,6 +240,7 @@ def measure(args, label: str, server: ServeProcess, work, kinds, trace_dir: str 
     row.update(itl_nolong_p50=pct(without, 50), itl_nolong_p99=pct(without, 99), itl_nolong_n=len(without),
                itl_long_p50=pct(with_long, 50), itl_long_p99=pct(with_long, 99), itl_long_n=len(with_long))
     row["itl_nolong_ratio"] = row["itl_nolong_p99"] / row["itl_nolong_p50"] if without else float("nan")
+    row["requests"] = [{"id": r.id, "kind": k, "ok": r.ok, "arrivals": r.arrivals} for r, k in zip(results, kinds)]
     if trace_dir is not None:
         from pyengine.disagg.step_trace import read
         steps = [st for f in sorted(os.listdir(trace_dir)) if f.endswith("-decode.jsonl")
@@ -294,26 +299,29 @@ def run(args) -> int:
                 common + args.colocated_args.split(), args.colocated_threads),
                ("disaggregated (1 prefill + 1 decode rank)",
                 common + ["--prefill-instances", "1", "--decode-instances", "1"], 1)]
+    if args.only:
+        configs = [c for c in configs if ("--prefill-instances" in c[1]) == (args.only == "disagg")]
     import tempfile
     with tempfile.TemporaryDirectory(prefix="pyengine-trace-") as tmp:
         for i, (label, extra, threads) in enumerate(configs):
-            trace_dir = os.path.join(tmp, str(i)) if "--prefill-instances" in extra else None
+            trace_dir = os.path.join(args.trace_dir or tmp, str(i)) if "--prefill-instances" in extra else None
             env = {"PYENGINE_STEP_TRACE": trace_dir} if trace_dir else None
             with ServeProcess(extra, threads, env) as server:
                 rows.append(measure(args, label, server, work, kinds, trace_dir))
     print_rows(rows)
-    a, b = rows
-    ratio = lambda k: a[k] / b[k] if b.get(k) else float("nan")  # noqa: E731
-    print(f"[colocated] / [disaggregated]: short ITL p99 {ratio('short_itl_p99'):.2f}x, short ITL p50 "
-          f"{ratio('short_itl_p50'):.2f}x, short TTFT p99 {ratio('short_ttft_p99'):.2f}x, long TTFT p50 "
-          f"{ratio('long_ttft_p50'):.2f}x, output tok/s {ratio('out_tok_per_s'):.2f}x; goodput "
-          f"{a['goodput']:.2f} vs {b['goodput']:.2f}")
+    if len(rows) == 2:
+        a, b = rows
+        ratio = lambda k: a[k] / b[k] if b.get(k) else float("nan")  # noqa: E731
+        print(f"[colocated] / [disaggregated]: short ITL p99 {ratio('short_itl_p99'):.2f}x, short ITL p50 "
+              f"{ratio('short_itl_p50'):.2f}x, short TTFT p99 {ratio('short_ttft_p99'):.2f}x, long TTFT p50 "
+              f"{ratio('long_ttft_p50'):.2f}x, output tok/s {ratio('out_tok_per_s'):.2f}x; goodput "
+              f"{a['goodput']:.2f} vs {b['goodput']:.2f}")
     print(f"(SLO: TTFT <= {args.slo_ttft:g} s and every ITL <= {args.slo_itl:g} s; p99/p50 = the short decodes' "
           "ITL p99 over their median)")
     print("short decodes' ITL by what the batch held (a long sequence decoding makes every step's attention longer; "
           "issue 19's target is the ratio without one, <= 1.5 disaggregated):")
     for r in rows:
-        print(f"  {r['config']}: no long sequence {r['itl_nolong_p50']:.3f} / {r['itl_nolong_p99']:.3f} s "
+        print(f"  [{r['config']}] no long sequence {r['itl_nolong_p50']:.3f} / {r['itl_nolong_p99']:.3f} s "
               f"(p99/p50 {r['itl_nolong_ratio']:.2f}x, {r['itl_nolong_n']} gaps); with one {r['itl_long_p50']:.3f} "
               f"/ {r['itl_long_p99']:.3f} s ({r['itl_long_n']} gaps)")
     for r in rows:

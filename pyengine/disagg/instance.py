@@ -75,13 +75,18 @@ class Instance:
             self.engine.abort_request(rid)
 
     def send_outputs(self, outputs) -> None:
+        """A step's outputs in one message: the router hands them to their streams together (one message per
+        request made the router return part of a step's tokens and deliver the rest a loop later)."""
+        batch = []
         for out in outputs:
             xid = self.xid_of.get(out.request_id)
             if xid is None:
                 continue
-            self.to_router({"op": "out", "xid": xid, "out": out})
+            batch.append((xid, out))
             if out.finished:
                 self.forget(xid)
+        if batch:
+            self.to_router({"op": "outs", "outs": batch})
 
     def count_transfer(self, blocks: int, nbytes: int, seconds: float) -> None:
         c = self.counters

@@ -253,21 +253,16 @@ class Router:
             inst.stats = msg["stats"]
         elif op == "shipped":
             pass                                      # the prefill side's view; the decode side's "adopted" counts
+        elif op == "outs":
+            for xid, out in msg["outs"]:
+                r = self.by_xid.get(xid)
+                if r is not None:                     # else aborted or failed meanwhile
+                    self._on_output(r, out, outputs)
         else:
             r = self.by_xid.get(msg.get("xid"))
             if r is None:
                 return True                           # aborted or failed meanwhile
-            if op == "out":
-                out = msg["out"]
-                if r.stage == "prefill":
-                    self.instances[r.prefill].prompt_tokens -= r.prompt_len
-                    r.stage = "transfer"
-                if out.finished:
-                    if r.stage == "transfer":         # finished by its first token: nothing to ship
-                        r.stage = "done"
-                    self._drop(r)
-                outputs.append(out)
-            elif op == "adopted":
+            if op == "adopted":
                 r.stage = "decode"
                 self.transfers.append(msg)
                 t = self.totals
@@ -280,6 +275,16 @@ class Router:
                 exc = ValueError(msg["error"]) if msg["kind"] == "ValueError" else RuntimeError(msg["error"])
                 self._fail(r, exc, outputs)
         return True
+
+    def _on_output(self, r: Routed, out, outputs: list) -> None:
+        if r.stage == "prefill":                      # its first token: the prompt is done, its blocks move next
+            self.instances[r.prefill].prompt_tokens -= r.prompt_len
+            r.stage = "transfer"
+        if out.finished:
+            if r.stage == "transfer":                 # finished by its first token: nothing to ship
+                r.stage = "done"
+            self._drop(r)
+        outputs.append(out)
 
     def _fail(self, r: Routed, exc: BaseException, outputs: list) -> None:
         for rank in {r.prefill, r.decode} - {None}:

@@ -30,7 +30,7 @@ class StepTrace:
     """One instance's per-step records, written as JSON lines to ``path``."""
 
     def __init__(self, path: str):
-        self.f = open(path, "a", buffering=1)
+        self.f = open(path, "w", buffering=1)
         self.gc_s = self.adopt_s = 0.0
         self.adopt_blocks = 0
         self.last_end = time.monotonic()

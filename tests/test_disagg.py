@@ -306,8 +306,9 @@ def test_bench_joins_client_arrivals_with_the_decode_steps():
     counted 'with', and a request whose chunks do not match its steps is skipped."""
     from pyengine.bench.disagg import join_trace, slow_gap_causes, split_itls
     from pyengine.bench.serve import Result
-    step = lambda t0, t1, rids, ctx, adopt=0.0: {"t0": t0, "t1": t1, "cpu": t1 - t0, "rids": rids, "ctx": ctx,  # noqa: E731
-                                                 "adopt_s": adopt, "gc_s": 0.0, "loop_s": 0.0}
+    def step(t0, t1, rids, ctx, adopt=0.0):
+        return {"t0": t0, "t1": t1, "cpu": t1 - t0, "rids": rids, "ctx": ctx, "adopt_s": adopt, "gc_s": 0.0,
+                "loop_s": 0.0}
     steps = [step(1.00, 1.05, ["a-0"], 70), step(1.05, 1.10, ["a-0"], 71),
              step(1.12, 1.20, ["a-0", "L-0"], 3000, adopt=0.02), step(1.20, 1.25, ["a-0", "L-0"], 3001)]
     short = Result(ok=True, id="a", arrivals=[0.9, 1.051, 1.102, 1.203, 1.254])

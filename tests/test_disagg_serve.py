@@ -132,10 +132,13 @@ def test_bench_serve_compare_disagg_quick():
     ratios = [float(x) for x in re.findall(r"(\d+(?:\.\d+)?|nan|inf)x\b", line)]
     assert len(ratios) == 5 and all(math.isfinite(r) and r > 0 for r in ratios), out
     # issue 19's ratio (the gaps without a long sequence in the batch) for both servers, and the decode rank's
-    # trace joined with the client: every short request's chunks matched one decode step each
+    # trace joined with the client: a short request's chunks matched one decode step each (a token that ends
+    # inside a UTF-8 character streams no chunk of its own: that request is skipped, never mis-joined)
     split = re.findall(r"^  \[(colocated|disaggregated)[^]]*\] no long sequence .* \(p99/p50 (\S+)x, (\d+) gaps\)",
                        out, re.M)
     assert [s[0] for s in split] == ["colocated", "disaggregated"], out
     assert all(float(s[1]) >= 1 and int(s[2]) > 0 for s in split), out
-    assert re.search(r"short decodes' gaps joined with its step trace \(\d+ gaps; 0 requests not joinable\)", out)
+    joined = re.search(r"short decodes' gaps joined with its step trace \((\d+) gaps; (\d+) requests not joinable\)",
+                       out)
+    assert joined and int(joined.group(1)) > 0 and int(joined.group(2)) < 3, out
     assert re.search(r"^ +no long sequence +\d+ ", out, re.M), out

@@ -2,9 +2,10 @@
 
 An instance is one MPI rank (or, in tests, one end of a `LoopbackNet`) with its own engine, model runner and paged
 KV cache. Its loop (``run``): take every message that has arrived (``handle``, the role's own), do the role's
-transfer work, run one engine step if the engine has work, send the step's outputs to the router (rank 0), and
-tell the router its state (``stats``: running / waiting, KV usage, transfer counters) after any change and at
-least every ``HEARTBEAT_S`` while idle. Requests are named by the router's transfer id ``xid`` on the wire.
+transfer work, run one engine step if the engine has work, send the step's outputs to the router (rank 0) in one
+message, and tell the router its state (``stats``: running / waiting, KV usage, transfer counters) after any
+change and at least every ``HEARTBEAT_S`` while idle. Requests are named by the router's transfer id ``xid`` on the
+wire.
 """
 from __future__ import annotations
 

@@ -217,6 +217,11 @@ def print_trace_report(gaps: list[dict], skipped: int) -> None:
             print(f"{x[0].rjust(widths[0])}  {x[1].rjust(widths[1])}  cause: {x[2]}")
         else:
             print("  ".join(v.rjust(w) for v, w in zip(x, widths)))
+    own = [g["cpu"] + g["adopt"] + g["gc"] for g in gaps if not g["long"]]
+    if own:
+        print(f"the decode rank's own CPU time per gap without a long sequence (step + adoption + GC): p50 "
+              f"{pct(own, 50):.3f} s, p99 {pct(own, 99):.3f} s, p99/p50 {pct(own, 99) / pct(own, 50):.2f}x (its "
+              "ITL ratio with a core to itself; the rest of the client's ratio is the core taken and the delivery)")
 
 
 def measure(args, label: str, server: ServeProcess, work, kinds, trace_dir: str | None = None) -> dict:

@@ -76,8 +76,8 @@ class Instance:
             self.engine.abort_request(rid)
 
     def send_outputs(self, outputs) -> None:
-        """A step's outputs in one message: the router hands them to their streams together (one message per
-        request made the router return part of a step's tokens and deliver the rest a loop later)."""
+        """A step's outputs in one message: the router hands them to their streams together (with one message per
+        request its step could end between two of them and deliver the rest a loop later)."""
         batch = []
         for out in outputs:
             xid = self.xid_of.get(out.request_id)

@@ -20,7 +20,7 @@ import sys
 # One host usually has fewer cores than ranks + their client: when they compete, the scheduler should give the
 # core to the decode rank and the router (the latency targets: ITL, token delivery) and take it from the prefill
 # rank (throughput work). 5 steps of niceness is 1/3 of the CPU weight (Linux CFS); docs/disaggregation.md.
-# $PYENGINE_PREFILL_NICE overrides it (0: the prefill rank competes as an equal, the before of that page's A/B).
+# $PYENGINE_PREFILL_NICE overrides it (0: the prefill rank competes as an equal; that page's A/B runs both).
 PREFILL_NICE = int(os.environ.get("PYENGINE_PREFILL_NICE", "5"))
 
 

@@ -352,3 +352,23 @@ def test_a_decode_step_reaches_the_router_as_one_message(runners, monkeypatch):
     assert sum(len(m["outs"]) for _, m in sent) == 2 * (8 - 1)                          # every decoded token once
     ref = colocated(runners[0], prompts, params)
     assert [c.final[f"b{i}"].outputs[0].token_ids for i in range(2)] == [r.token_ids for r in ref]
+
+
+def test_a_prefill_rank_waiting_on_a_full_window_does_not_spin(runners, monkeypatch):
+    """While every block of its transfer's window is still in flight (MPI has not completed the sends: the decode
+    side takes blocks between its steps), a prefill turn does nothing and says so, so that its loop sleeps; once
+    the sends complete it moves blocks again and the request finishes exactly."""
+    from pyengine.disagg.prefill_worker import WINDOW
+    c = Cluster(runners)
+    in_flight = {"n": WINDOW}                                    # the window is full (loopback sends never are)
+    monkeypatch.setattr(c.prefill.t, "pending", lambda dest=None: in_flight["n"])
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    c.router.add_request("w", long_prompt(200, seed=31), params)
+    c.run(until=lambda: any(tr.next is not None for tr in c.prefill.transfers.values()))   # "have" arrived
+    tr = next(iter(c.prefill.transfers.values()))
+    assert c.prefill.work() is False and tr.sent == 0
+    assert c.prefill.run_once() is False and tr.sent == 0       # nothing to do: Instance.run sleeps
+    in_flight["n"] = 0                                           # the sends completed
+    c.settle()
+    assert c.final["w"].outputs[0].token_ids == colocated(runners[0], [long_prompt(200, seed=31)], params)[0].token_ids
+    c.assert_no_blocks()

@@ -115,7 +115,9 @@ class PrefillWorker(Instance):
                                   "params": req.params, "hashes": hashes})
 
     def work(self) -> bool:
-        """Push block messages of the transfers under way; finish the ones whose sends completed."""
+        """Push block messages of the transfers under way; finish the ones whose sends completed. True only if a
+        message went out or a transfer ended: a turn that only waits (a full window, the decode side taking its
+        blocks between its steps) lets the loop sleep instead of spinning on the core the ranks share."""
         busy = False
         kv = self.engine.runner.kv_cache
         now = time.monotonic()
@@ -126,6 +128,7 @@ class PrefillWorker(Instance):
                                                    f"within {self.timeout:g} s"))
                 continue
             while not tr.packed and self.t.pending(tr.dest) < WINDOW:
+                busy = True
                 if tr.next >= tr.end:
                     self.t.send(tr.dest, {"op": "commit", "xid": xid, "blocks": tr.sent, **tr.first})
                     self.engine.release_prefilled(tr.rid)      # everything is packed: the blocks are free
@@ -135,8 +138,8 @@ class PrefillWorker(Instance):
                 buf = pack_block(kv, tr.seq.block_table[i], xid, i, tr.hashes[i] if i < len(tr.hashes) else None)
                 self.t.send_buffer(tr.dest, buf)
                 tr.next, tr.sent, tr.bytes, tr.t_last = i + 1, tr.sent + 1, tr.bytes + buf.size, now
-            busy = True
             if tr.packed and not self.t.pending(tr.dest):
+                busy = True
                 del self.transfers[xid]
                 self.forget(xid)
                 secs = time.monotonic() - tr.t0

@@ -285,10 +285,10 @@ def test_step_trace_accounts_for_every_decode_token_and_adopted_block(runners, m
     c.run(until=lambda: c.decode.engine.counters["generation_tokens"] >= 2)
     c.router.add_request("l", prompts["l"], params)
     c.settle()
-    for w in (c.prefill, c.decode):
+    for w in (c.prefill, c.decode, c.router):
         w.trace.close()
     steps = read(str(tmp_path / "rank2-decode.jsonl"))
-    assert sorted(os.listdir(tmp_path)) == ["rank1-prefill.jsonl", "rank2-decode.jsonl"]
+    assert sorted(os.listdir(tmp_path)) == ["rank0-router.jsonl", "rank1-prefill.jsonl", "rank2-decode.jsonl"]
     for rid in prompts:
         mine = [s for s in steps if rid in s["rids"]]
         assert len(mine) == len(c.final[rid].outputs[0].token_ids) - 1
@@ -298,6 +298,12 @@ def test_step_trace_accounts_for_every_decode_token_and_adopted_block(runners, m
     assert all(a["t1"] <= b["t0"] for a, b in zip(steps, steps[1:]))     # one line per step, in order
     pre = read(str(tmp_path / "rank1-prefill.jsonl"))
     assert sum(s["rids"].count(rid) for s in pre for rid in prompts) == 2   # each first token: one prefill step
+    # the router saw every output message of both instances once, after the step that made it, in order
+    routed = read(str(tmp_path / "rank0-router.jsonl"))
+    made = {(rid, s["t1"]) for s in steps + pre for rid in s["rids"] if rid in prompts}
+    assert {(rid, m["t_step"]) for m in routed for rid in m["rids"]} == made
+    assert sum(len(m["rids"]) for m in routed) == len(made)
+    assert all(m["t_step"] <= m["t_recv"] <= m["t_out"] for m in routed)
 
 
 def test_bench_joins_client_arrivals_with_the_decode_steps():
@@ -320,6 +326,9 @@ def test_bench_joins_client_arrivals_with_the_decode_steps():
     assert [round(g["engine"], 3) for g in gaps] == [0.05, 0.10, 0.05]
     assert [round(g["delivery"], 3) for g in gaps] == [0.002, 0.003, 0.004]
     assert [g["long"] for g in gaps] == [False, True, True]
+    routed = [{"t_step": 1.10, "t_recv": 1.1005, "t_out": 1.1012, "rids": ["a-0"]}]     # the router's trace
+    split = join_trace([short], ["short"], steps, long_len=2048, router=routed)[0]
+    assert "router" not in split[1] and round(split[0]["router"], 4) == 0.0012 and round(split[0]["http"], 4) == 0.0008
     without, with_long = split_itls([short, long_], ["short", "long"])
     assert [round(x, 3) for x in without] == [0.151, 0.051] and [round(x, 3) for x in with_long] == [0.101, 0.051]
     slow = [{"client": 0.05, "wall": 0.05, "cpu": 0.05, "adopt": 0.0, "gc": 0.0, "loop": 0.0, "delivery": 0.002}] * 8

@@ -146,10 +146,14 @@ def split_itls(results, kinds) -> tuple[list[float], list[float]]:
     return without, with_long
 
 
-def join_trace(results, kinds, steps: list[dict], long_len: int) -> tuple[list[dict], int]:
+def join_trace(results, kinds, steps: list[dict], long_len: int,
+               router: list[dict] = ()) -> tuple[list[dict], int]:
     """Each short decode's gap between two tokens of the decode rank, joined with the steps that produced them
     (its trace, step_trace.py): the client's gap, the rank's step-to-step time, the delivery (step end ->
-    client) and the step's parts. Requests whose chunk count does not match their steps are skipped (counted)."""
+    client) and the step's parts; with the router's trace, the delivery split into ``router`` (step end -> the
+    router handed it to the server) and ``http`` (-> the client read it). Requests whose chunk count does not
+    match their steps are skipped (counted)."""
+    handed = {(rid, rec["t_step"]): rec["t_out"] for rec in router for rid in rec["rids"]}
     by_rid: dict[str, list[dict]] = {}
     for st in steps:
         for rid in st["rids"]:
@@ -164,26 +168,35 @@ def join_trace(results, kinds, steps: list[dict], long_len: int) -> tuple[list[d
             continue
         for j in range(2, len(r.arrivals)):
             st, prev = mine[j - 1], mine[j - 2]
-            gaps.append({"client": r.arrivals[j] - r.arrivals[j - 1], "engine": st["t1"] - prev["t1"],
-                         "delivery": r.arrivals[j] - st["t1"], "wall": st["t1"] - st["t0"], "cpu": st["cpu"],
-                         "adopt": st["adopt_s"], "gc": st["gc_s"], "loop": st["loop_s"],
-                         "long": st["ctx"] >= long_len})
+            g = {"client": r.arrivals[j] - r.arrivals[j - 1], "engine": st["t1"] - prev["t1"],
+                 "delivery": r.arrivals[j] - st["t1"], "wall": st["t1"] - st["t0"], "cpu": st["cpu"],
+                 "adopt": st["adopt_s"], "gc": st["gc_s"], "loop": st["loop_s"], "long": st["ctx"] >= long_len}
+            t_out = handed.get((r.id + "-0", st["t1"]))
+            if t_out is not None:
+                g["router"], g["http"] = t_out - st["t1"], r.arrivals[j] - t_out
+            gaps.append(g)
     return gaps, skipped
 
 
 def slow_gap_causes(gaps: list[dict], factor: float = 1.5) -> dict:
     """The gaps over ``factor`` x the median client gap, each named by the part that grew most over its median:
     the step itself (``wall``; ``wall, core taken`` when its CPU time did not grow with it), the KV adoption
-    before it, the garbage collector, the rest of the loop, or the delivery to the client."""
+    before it, the garbage collector, the rest of the loop, or the delivery to the client (with the router's
+    trace: its MPI + router part or its HTTP + client part)."""
     if not gaps:
         return {}
-    med = {k: pct([g[k] for g in gaps], 50) for k in ("client", "wall", "cpu", "loop", "delivery")}
+    keys = ("client", "wall", "cpu", "loop", "delivery", "router", "http")
+    med = {k: pct([g[k] for g in gaps if k in g], 50) for k in keys}
     causes: dict[str, int] = {}
     for g in gaps:
         if g["client"] <= factor * med["client"]:
             continue
         excess = {"step wall": g["wall"] - med["wall"], "adoption": g["adopt"], "gc": g["gc"],
                   "loop": g["loop"] - med["loop"], "delivery": g["delivery"] - med["delivery"]}
+        if "router" in g:
+            del excess["delivery"]
+            excess["delivery: MPI + router"] = g["router"] - med["router"]
+            excess["delivery: HTTP + client"] = g["http"] - med["http"]
         why = max(excess, key=excess.get)
         if why == "step wall" and g["cpu"] - med["cpu"] < 0.5 * excess["step wall"]:
             why = "step wall, core taken"
@@ -194,8 +207,8 @@ def slow_gap_causes(gaps: list[dict], factor: float = 1.5) -> dict:
 def print_trace_report(gaps: list[dict], skipped: int) -> None:
     print(f"decode rank, short decodes' gaps joined with its step trace ({len(gaps)} gaps; {skipped} requests not "
           "joinable); seconds, p50 / p99:")
-    head = ("batch", "gaps", "client ITL", "step to step", "delivery", "step wall", "cpu/wall", "adopt p99",
-            "gc p99", "loop p99")
+    head = ("batch", "gaps", "client ITL", "step to step", "delivery", "router / http p99", "step wall", "cpu/wall",
+            "adopt p99", "gc p99", "loop p99")
     lines = []
     for name, sel in (("no long sequence", [g for g in gaps if not g["long"]]),
                       ("a long sequence", [g for g in gaps if g["long"]])):
@@ -203,13 +216,16 @@ def print_trace_report(gaps: list[dict], skipped: int) -> None:
             continue
         col = lambda k: [g[k] for g in sel]  # noqa: E731
         two = lambda k: f"{pct(col(k), 50):.3f} / {pct(col(k), 99):.3f}"  # noqa: E731
-        lines.append((name, str(len(sel)), two("client"), two("engine"), two("delivery"), two("wall"),
+        split = [g for g in sel if "router" in g]
+        lines.append((name, str(len(sel)), two("client"), two("engine"), two("delivery"),
+                      f"{pct([g['router'] for g in split], 99):.3f} / {pct([g['http'] for g in split], 99):.3f}"
+                      if split else "-", two("wall"),
                       f"{np.median([g['cpu'] / g['wall'] for g in sel if g['wall'] > 0]):.2f}",
                       f"{pct(col('adopt'), 99):.4f}", f"{pct(col('gc'), 99):.4f}", f"{pct(col('loop'), 99):.4f}"))
         causes = slow_gap_causes(sel)
         lines.append(("  gaps > 1.5x median", str(sum(causes.values())),
                       ", ".join(f"{k}: {v}" for k, v in sorted(causes.items(), key=lambda kv: -kv[1])) or "-",
-                      "", "", "", "", "", "", ""))
+                      "", "", "", "", "", "", "", ""))
     widths = [max(len(h), *(len(x[i]) for x in lines if i < 2 or x[3])) for i, h in enumerate(head)]
     print("  ".join(h.rjust(w) for h, w in zip(head, widths)))
     for x in lines:
@@ -248,9 +264,10 @@ def measure(args, label: str, server: ServeProcess, work, kinds, trace_dir: str 
     row["requests"] = [{"id": r.id, "kind": k, "ok": r.ok, "arrivals": r.arrivals} for r, k in zip(results, kinds)]
     if trace_dir is not None:
         from pyengine.disagg.step_trace import read
-        steps = [st for f in sorted(os.listdir(trace_dir)) if f.endswith("-decode.jsonl")
-                 for st in read(os.path.join(trace_dir, f))]
-        row["trace_gaps"], row["trace_skipped"] = join_trace(results, kinds, steps, args.long_prompt_len)
+        files = sorted(os.listdir(trace_dir))
+        steps = [st for f in files if f.endswith("-decode.jsonl") for st in read(os.path.join(trace_dir, f))]
+        router = read(os.path.join(trace_dir, "rank0-router.jsonl")) if "rank0-router.jsonl" in files else []
+        row["trace_gaps"], row["trace_skipped"] = join_trace(results, kinds, steps, args.long_prompt_len, router)
     n = (scrape(server.url, "pyengine_kv_transfer_seconds_count") or 0.0) - n0
     row["kv_bytes_per_request"] = ((scrape(server.url, "pyengine_kv_transfer_bytes_total") or 0.0) - b0) / n if n else None
     row["transfer_s_mean"] = ((scrape(server.url, "pyengine_kv_transfer_seconds_sum") or 0.0) - s0) / n if n else None

@@ -75,7 +75,7 @@ class Instance:
         if rid is not None:
             self.engine.abort_request(rid)
 
-    def send_outputs(self, outputs) -> None:
+    def send_outputs(self, outputs, t_step: float | None = None) -> None:
         """A step's outputs in one message: the router hands them to their streams together (with one message per
         request its step could end between two of them and deliver the rest a loop later)."""
         batch = []
@@ -86,8 +86,8 @@ class Instance:
             batch.append((xid, out))
             if out.finished:
                 self.forget(xid)
-        if batch:
-            self.to_router({"op": "outs", "outs": batch})
+        if batch:                                 # "t": the step's end (time.monotonic), for the router's trace
+            self.to_router({"op": "outs", "outs": batch, "t": round(t_step or time.monotonic(), 6)})
 
     def count_transfer(self, blocks: int, nbytes: int, seconds: float) -> None:
         c = self.counters
@@ -118,7 +118,7 @@ class Instance:
             self.step_started = time.perf_counter()
             outputs = self.engine.step()
             t1, cpu = time.monotonic(), time.process_time() - cpu0
-            self.send_outputs(outputs)
+            self.send_outputs(outputs, t1)
             self.after_step()
             if self.trace is not None:
                 self.trace.step(t0, t1, cpu, running, outputs)

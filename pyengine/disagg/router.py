@@ -94,6 +94,9 @@ class Router:
         self.transfers: list[dict] = []              # adopted transfers not yet seen by the metrics
         self.totals = {"transfers": 0, "blocks_sent": 0, "blocks_cached": 0, "bytes": 0, "transfer_s": 0.0,
                        "prefill_failures": 0}
+        from pyengine.disagg.step_trace import StepTrace
+        self.trace = StepTrace.from_env(0, "router")  # PYENGINE_STEP_TRACE: when each step's tokens passed here
+        self._delivered: list = []
 
     # --- start-up ---------------------------------------------------------------------------------
     def wait_ready(self, timeout: float = 600.0) -> None:
@@ -208,6 +211,9 @@ class Router:
         if now - self._checked > LIVENESS_EVERY_S:
             self._checked = now
             self._check_liveness(outputs)
+        if self._delivered:
+            self.trace.delivered(self._delivered, time.monotonic())
+            self._delivered = []
         return outputs
 
     def close(self) -> None:
@@ -216,6 +222,8 @@ class Router:
         if getattr(self, "_closed", False):
             return
         self._closed = True
+        if self.trace is not None:
+            self.trace.close()
         for r in self.instances:
             self.t.send(r, {"op": "stop"})
         comm = getattr(self.t, "comm", None)
@@ -254,6 +262,8 @@ class Router:
         elif op == "shipped":
             pass                                      # the prefill side's view; the decode side's "adopted" counts
         elif op == "outs":
+            if self.trace is not None:
+                self._delivered.append((msg.get("t"), time.monotonic(), [out.request_id for _, out in msg["outs"]]))
             for xid, out in msg["outs"]:
                 r = self.by_xid.get(xid)
                 if r is not None:                     # else aborted or failed meanwhile

@@ -12,6 +12,10 @@ With ``PYENGINE_STEP_TRACE=DIR`` in its environment every instance appends one J
     gc_s        Python's garbage collector since the previous step ended (this step included)
     loop_s      the rest of the time since the previous step ended (messages, reports, sends, sleeping)
 
+The router writes ``DIR/rank0-router.jsonl``: for each message of outputs, the step end it carries (``t_step``,
+the t1 above), when the router received it (``t_recv``) and when its step handed it to the server (``t_out``),
+so a late token is placed on the MPI + router side or on the HTTP + client side.
+
 `pyengine bench serve --compare disagg` sets it for the disaggregated server and joins the decode rank's trace
 with its client's token arrivals: a late token is then either a slow step (wall, cpu, adoption, GC) or a late
 delivery (step end -> client), docs/disaggregation.md.
@@ -66,6 +70,13 @@ class StepTrace:
         self.gc_s = self.adopt_s = 0.0
         self.adopt_blocks = 0
         self.last_end = t1
+
+    def delivered(self, records: list[tuple[float, float, list[str]]], t_out: float) -> None:
+        """The router's side (rank 0): each instance message of outputs handed to the server in one step, as
+        (the instance's step end, when the router received it, its request ids), and when the step returned."""
+        for t_step, t_recv, rids in records:
+            self.f.write(json.dumps({"t_step": t_step, "t_recv": round(t_recv, 6), "t_out": round(t_out, 6),
+                                     "rids": rids}) + "\n")
 
     def close(self) -> None:
         if self._on_gc in gc.callbacks:

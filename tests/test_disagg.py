@@ -329,8 +329,9 @@ def test_bench_joins_client_arrivals_with_the_decode_steps():
     routed = [{"t_step": 1.10, "t_recv": 1.1005, "t_out": 1.1012, "rids": ["a-0"]}]     # the router's trace
     split = join_trace([short], ["short"], steps, long_len=2048, router=routed)[0]
     assert "router" not in split[1] and round(split[0]["router"], 4) == 0.0012 and round(split[0]["http"], 4) == 0.0008
-    without, with_long = split_itls([short, long_], ["short", "long"])
-    assert [round(x, 3) for x in without] == [0.151, 0.051] and [round(x, 3) for x in with_long] == [0.101, 0.051]
+    without, with_long, first = split_itls([short, long_], ["short", "long"])
+    assert [round(x, 3) for x in first] == [0.151]                    # its hand-off: prefill token -> decode token
+    assert [round(x, 3) for x in without] == [0.051] and [round(x, 3) for x in with_long] == [0.101, 0.051]
     slow = [{"client": 0.05, "wall": 0.05, "cpu": 0.05, "adopt": 0.0, "gc": 0.0, "loop": 0.0, "delivery": 0.002}] * 8
     slow += [{"client": 0.09, "wall": 0.05, "cpu": 0.05, "adopt": 0.04, "gc": 0.0, "loop": 0.0, "delivery": 0.002},
              {"client": 0.09, "wall": 0.09, "cpu": 0.05, "adopt": 0.0, "gc": 0.0, "loop": 0.0, "delivery": 0.002},

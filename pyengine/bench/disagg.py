@@ -132,18 +132,23 @@ def long_windows(results, kinds) -> list[tuple[float, float]]:
             if k == "long" and r.ok and len(r.arrivals) >= 2]
 
 
-def split_itls(results, kinds) -> tuple[list[float], list[float]]:
-    """The short decodes' inter-token gaps, (without, with) a long sequence in the batch that produced the
-    token. 'Without' keeps every gap a long prompt's arrival caused (its prefill chunks beside the decodes
-    colocated; its KV adoption disaggregated): issue 19's target is their p99 / p50."""
+def split_itls(results, kinds) -> tuple[list[float], list[float], list[float]]:
+    """The short decodes' inter-token gaps as (without, with) a long sequence in the batch that produced the token,
+    and each one's first gap (first -> second token) apart: disaggregated, that gap is the request's own hand-off
+    (its KV shipped and adopted, then a decode step), not a running decode's. 'Without' keeps every gap a long
+    prompt's arrival caused (its prefill chunks beside the decodes colocated; its KV adoption disaggregated):
+    issue 19's target is their p99 / p50."""
     windows = long_windows(results, kinds)
-    without, with_long = [], []
+    without, with_long, first = [], [], []
     for r, k in zip(results, kinds):
         if k != "short" or not r.ok:
             continue
-        for a0, a1 in zip(r.arrivals, r.arrivals[1:]):
-            (with_long if any(s <= a1 <= e for s, e in windows) else without).append(a1 - a0)
-    return without, with_long
+        for j, (a0, a1) in enumerate(zip(r.arrivals, r.arrivals[1:])):
+            if j == 0:
+                first.append(a1 - a0)
+            else:
+                (with_long if any(s <= a1 <= e for s, e in windows) else without).append(a1 - a0)
+    return without, with_long, first
 
 
 def join_trace(results, kinds, steps: list[dict], long_len: int,
@@ -257,9 +262,10 @@ def measure(args, label: str, server: ServeProcess, work, kinds, trace_dir: str 
         row[f"{kind}_goodput"] = goodput(sel, args.slo_ttft, args.slo_itl)
     row["goodput"] = goodput(results, args.slo_ttft, args.slo_itl)
     row["short_itl_p99_over_p50"] = row["short_itl_p99"] / row["short_itl_p50"] if row["short_itl_p50"] else float("nan")
-    without, with_long = split_itls(results, kinds)
+    without, with_long, first = split_itls(results, kinds)
     row.update(itl_nolong_p50=pct(without, 50), itl_nolong_p99=pct(without, 99), itl_nolong_n=len(without),
-               itl_long_p50=pct(with_long, 50), itl_long_p99=pct(with_long, 99), itl_long_n=len(with_long))
+               itl_long_p50=pct(with_long, 50), itl_long_p99=pct(with_long, 99), itl_long_n=len(with_long),
+               first_gap_p50=pct(first, 50), first_gap_max=max(first, default=float("nan")))
     row["itl_nolong_ratio"] = row["itl_nolong_p99"] / row["itl_nolong_p50"] if without else float("nan")
     row["requests"] = [{"id": r.id, "kind": k, "ok": r.ok, "arrivals": r.arrivals} for r, k in zip(results, kinds)]
     if trace_dir is not None:
@@ -340,12 +346,13 @@ def run(args) -> int:
               f"{a['goodput']:.2f} vs {b['goodput']:.2f}")
     print(f"(SLO: TTFT <= {args.slo_ttft:g} s and every ITL <= {args.slo_itl:g} s; p99/p50 = the short decodes' "
           "ITL p99 over their median)")
-    print("short decodes' ITL by what the batch held (a long sequence decoding makes every step's attention longer; "
-          "issue 19's target is the ratio without one, <= 1.5 disaggregated):")
+    print("running short decodes' ITL by what the batch held (a long sequence decoding makes every step's attention "
+          "longer; issue 19's target is the ratio without one, <= 1.5 disaggregated), and their first gap apart:")
     for r in rows:
         print(f"  [{r['config']}] no long sequence {r['itl_nolong_p50']:.3f} / {r['itl_nolong_p99']:.3f} s "
               f"(p99/p50 {r['itl_nolong_ratio']:.2f}x, {r['itl_nolong_n']} gaps); with one {r['itl_long_p50']:.3f} "
-              f"/ {r['itl_long_p99']:.3f} s ({r['itl_long_n']} gaps)")
+              f"/ {r['itl_long_p99']:.3f} s ({r['itl_long_n']} gaps); first gap p50 {r['first_gap_p50']:.3f} s, "
+              f"max {r['first_gap_max']:.3f} s")
     for r in rows:
         if "trace_gaps" in r:
             print_trace_report(r["trace_gaps"], r["trace_skipped"])

@@ -22,9 +22,9 @@ from pyengine.disagg.instance import Instance
 from pyengine.disagg.kv_transfer import pack_block
 from pyengine.engine.block_manager import hash_block
 
-WINDOW = 32                    # block messages in flight per transfer: at least what the decode side takes between two
+WINDOW = 32                    # block messages in flight to one decode instance: at least what it takes between two
                                # steps (a quarter-step budget: ~20 float32 SmolLM2 blocks of 0.74 MB on a loaded host),
-                               # as the prefill rank refills it only when it wakes (it sleeps while the window is full)
+                               # as this rank refills it only when it wakes (it sleeps while the window is full)
 OFFER_WAIT_S = 1.0             # no new step while an offer waits for its answer this long (about one decode step on a
                                # loaded host; a prefill step started meanwhile would hold the answer for seconds)
 

@@ -270,3 +270,115 @@ def test_router_refuses_what_an_engine_would(runners):
     with pytest.raises(ValueError, match="n > 1"):
         c.router.add_request("n", [5, 6], SamplingParams(max_tokens=2, n=2))
     assert not c.router.requests and not any(c.net.inbox)
+
+
+def test_step_trace_accounts_for_every_decode_token_and_adopted_block(runners, monkeypatch, tmp_path):
+    """PYENGINE_STEP_TRACE: the decode rank's records name, for each request, one step per token it decoded
+    (the reference: the request's own output length, minus the first token, which the prefill side sampled),
+    and their adopted blocks add up to the blocks the transfer counters say were shipped."""
+    from pyengine.disagg.step_trace import read
+    monkeypatch.setenv("PYENGINE_STEP_TRACE", str(tmp_path))
+    c = Cluster(runners)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = {"s": long_prompt(40, seed=11), "l": long_prompt(150, seed=12)}
+    c.router.add_request("s", prompts["s"], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    c.run(until=lambda: c.decode.engine.counters["generation_tokens"] >= 2)
+    c.router.add_request("l", prompts["l"], params)
+    c.settle()
+    for w in (c.prefill, c.decode, c.router):
+        w.trace.close()
+    steps = read(str(tmp_path / "rank2-decode.jsonl"))
+    assert sorted(os.listdir(tmp_path)) == ["rank0-router.jsonl", "rank1-prefill.jsonl", "rank2-decode.jsonl"]
+    for rid in prompts:
+        mine = [s for s in steps if rid in s["rids"]]
+        assert len(mine) == len(c.final[rid].outputs[0].token_ids) - 1
+        assert all(s["ctx"] >= len(prompts[rid]) + 1 for s in mine)     # the batch held this context
+    assert sum(s["adopt_blocks"] for s in steps) == c.decode.counters["blocks"] == c.prefill.counters["blocks"]
+    assert all(s["t0"] <= s["t1"] and s["cpu"] >= 0 and s["adopt_s"] >= 0 and s["gc_s"] >= 0 for s in steps)
+    assert all(a["t1"] <= b["t0"] for a, b in zip(steps, steps[1:]))     # one line per step, in order
+    pre = read(str(tmp_path / "rank1-prefill.jsonl"))
+    assert sum(s["rids"].count(rid) for s in pre for rid in prompts) == 2   # each first token: one prefill step
+    # the router saw every output message of both instances once, after the step that made it, in order
+    routed = read(str(tmp_path / "rank0-router.jsonl"))
+    made = {(rid, s["t1"]) for s in steps + pre for rid in s["rids"] if rid in prompts}
+    assert {(rid, m["t_step"]) for m in routed for rid in m["rids"]} == made
+    assert sum(len(m["rids"]) for m in routed) == len(made)
+    assert all(m["t_step"] <= m["t_recv"] <= m["t_out"] for m in routed)
+
+
+def test_bench_joins_client_arrivals_with_the_decode_steps():
+    """bench/disagg.py's join, on arrivals and steps whose gaps are known: the client's gap, the rank's
+    step-to-step time and the delivery come out as constructed, a gap ending while a long sequence decodes is
+    counted 'with', and a request whose chunks do not match its steps is skipped."""
+    from pyengine.bench.disagg import join_trace, slow_gap_causes, split_itls
+    from pyengine.bench.serve import Result
+    def step(t0, t1, rids, ctx, adopt=0.0):
+        return {"t0": t0, "t1": t1, "cpu": t1 - t0, "rids": rids, "ctx": ctx, "adopt_s": adopt, "gc_s": 0.0,
+                "loop_s": 0.0}
+    steps = [step(1.00, 1.05, ["a-0"], 70), step(1.05, 1.10, ["a-0"], 71),
+             step(1.12, 1.20, ["a-0", "L-0"], 3000, adopt=0.02), step(1.20, 1.25, ["a-0", "L-0"], 3001)]
+    short = Result(ok=True, id="a", arrivals=[0.9, 1.051, 1.102, 1.203, 1.254])
+    long_ = Result(ok=True, id="L", arrivals=[1.0, 1.201, 1.252])
+    stray = Result(ok=True, id="b", arrivals=[1.0, 1.1, 1.2])               # no steps of its own: skipped
+    gaps, skipped = join_trace([short, long_, stray], ["short", "long", "short"], steps, long_len=2048)
+    assert skipped == 1 and len(gaps) == 3
+    assert [round(g["client"], 3) for g in gaps] == [0.051, 0.101, 0.051]
+    assert [round(g["engine"], 3) for g in gaps] == [0.05, 0.10, 0.05]
+    assert [round(g["delivery"], 3) for g in gaps] == [0.002, 0.003, 0.004]
+    assert [g["long"] for g in gaps] == [False, True, True]
+    routed = [{"t_step": 1.10, "t_recv": 1.1005, "t_out": 1.1012, "rids": ["a-0"]}]     # the router's trace
+    split = join_trace([short], ["short"], steps, long_len=2048, router=routed)[0]
+    assert "router" not in split[1] and round(split[0]["router"], 4) == 0.0012 and round(split[0]["http"], 4) == 0.0008
+    without, with_long, first = split_itls([short, long_], ["short", "long"])
+    assert [round(x, 3) for x in first] == [0.151]                    # its hand-off: prefill token -> decode token
+    assert [round(x, 3) for x in without] == [0.051] and [round(x, 3) for x in with_long] == [0.101, 0.051]
+    slow = [{"client": 0.05, "wall": 0.05, "cpu": 0.05, "adopt": 0.0, "gc": 0.0, "loop": 0.0, "delivery": 0.002}] * 8
+    slow += [{"client": 0.09, "wall": 0.05, "cpu": 0.05, "adopt": 0.04, "gc": 0.0, "loop": 0.0, "delivery": 0.002},
+             {"client": 0.09, "wall": 0.09, "cpu": 0.05, "adopt": 0.0, "gc": 0.0, "loop": 0.0, "delivery": 0.002},
+             {"client": 0.09, "wall": 0.05, "cpu": 0.05, "adopt": 0.0, "gc": 0.0, "loop": 0.0, "delivery": 0.042}]
+    assert slow_gap_causes(slow) == {"adoption": 1, "step wall, core taken": 1, "delivery": 1}
+
+
+def test_a_decode_step_reaches_the_router_as_one_message(runners, monkeypatch):
+    """Router delivery batching: every decode step sends its outputs in one message (so the router hands a step's
+    tokens to their streams together), one entry per request that got a token; the streams stay exact."""
+    c = Cluster(runners)
+    sent = []
+    real = c.decode.t.send
+
+    def spy(dest, msg):
+        if dest == 0 and msg["op"] in ("out", "outs"):
+            sent.append((c.decode.engine.counters["steps"], msg))
+        real(dest, msg)
+    monkeypatch.setattr(c.decode.t, "send", spy)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [long_prompt(30, seed=21), long_prompt(45, seed=22)]
+    for i, p in enumerate(prompts):
+        c.router.add_request(f"b{i}", p, params)
+    c.settle()
+    steps = [s for s, _ in sent]
+    assert all(m["op"] == "outs" for _, m in sent) and len(steps) == len(set(steps))    # one message a step
+    assert any(len({x for x, _ in m["outs"]}) == 2 for _, m in sent)                  # both in one step's message
+    assert sum(len(m["outs"]) for _, m in sent) == 2 * (8 - 1)                          # every decoded token once
+    ref = colocated(runners[0], prompts, params)
+    assert [c.final[f"b{i}"].outputs[0].token_ids for i in range(2)] == [r.token_ids for r in ref]
+
+
+def test_a_prefill_rank_waiting_on_a_full_window_does_not_spin(runners, monkeypatch):
+    """While every block of its transfer's window is still in flight (MPI has not completed the sends: the decode
+    side takes blocks between its steps), a prefill turn does nothing and says so, so that its loop sleeps; once
+    the sends complete it moves blocks again and the request finishes exactly."""
+    from pyengine.disagg.prefill_worker import WINDOW
+    c = Cluster(runners)
+    in_flight = {"n": WINDOW}                                    # the window is full (loopback sends never are)
+    monkeypatch.setattr(c.prefill.t, "pending", lambda dest=None: in_flight["n"])
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    c.router.add_request("w", long_prompt(200, seed=31), params)
+    c.run(until=lambda: any(tr.next is not None for tr in c.prefill.transfers.values()))   # "have" arrived
+    tr = next(iter(c.prefill.transfers.values()))
+    assert c.prefill.work() is False and tr.sent == 0
+    assert c.prefill.run_once() is False and tr.sent == 0       # nothing to do: Instance.run sleeps
+    in_flight["n"] = 0                                           # the sends completed
+    c.settle()
+    assert c.final["w"].outputs[0].token_ids == colocated(runners[0], [long_prompt(200, seed=31)], params)[0].token_ids
+    c.assert_no_blocks()

@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from model_paths import model_path
+from pyengine.disagg.launch import PREFILL_NICE
 from test_mpi_serve import Server, gone, ranks_of
 
 pytestmark = pytest.mark.slow
@@ -42,6 +43,9 @@ def test_openai_client_streams_from_prefill_and_decode_instances(reference):
         s.wait_ready()
         ranks = ranks_of(s.proc.pid)
         assert sorted(ranks) == [0, 1, 2]
+        # the prefill rank yields the core to the decode rank and the router (the kernel's view: /proc stat)
+        nice = {r: int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[16]) for r, p in ranks.items()}
+        assert nice[1] == nice[2] + PREFILL_NICE and nice[0] == nice[2]
         c = s.client()
         got = [c.completions.create(model="SmolLM2-135M-Instruct", prompt=p, max_tokens=8, temperature=0,
                                     extra_body={"ignore_eos": True}).choices[0].text for p in PROMPTS]
@@ -124,5 +128,17 @@ def test_bench_serve_compare_disagg_quick():
     assert sorted(k.split()[0] for k in rows) == ["colocated", "disaggregated"], out
     dis = [v for k, v in rows.items() if k.startswith("disaggregated")][0].split()
     assert float(dis[-2]) > 0 and float(dis[-1]) > 0             # KV MB per request, transfer seconds
-    ratios = [float(x) for x in re.findall(r"(\d+(?:\.\d+)?|nan|inf)x\b", out.split("[colocated] / [disaggregated]:")[1])]
+    line = out.split("[colocated] / [disaggregated]:")[1].splitlines()[0]
+    ratios = [float(x) for x in re.findall(r"(\d+(?:\.\d+)?|nan|inf)x\b", line)]
     assert len(ratios) == 5 and all(math.isfinite(r) and r > 0 for r in ratios), out
+    # issue 19's ratio (the gaps without a long sequence in the batch) for both servers, and the decode rank's
+    # trace joined with the client: a short request's chunks matched one decode step each (a token that ends
+    # inside a UTF-8 character streams no chunk of its own: that request is skipped, never mis-joined)
+    split = re.findall(r"^  \[(colocated|disaggregated)[^]]*\] no long sequence .* \(p99/p50 (\S+)x, (\d+) gaps\)",
+                       out, re.M)
+    assert [s[0] for s in split] == ["colocated", "disaggregated"], out
+    assert all(float(s[1]) >= 1 and int(s[2]) > 0 for s in split), out
+    joined = re.search(r"short decodes' gaps joined with its step trace \((\d+) gaps; (\d+) requests not joinable\)",
+                       out)
+    assert joined and int(joined.group(1)) > 0 and int(joined.group(2)) < 3, out
+    assert re.search(r"^ +no long sequence +\d+ ", out, re.M), out

@@ -93,6 +93,8 @@ class Result:
     ttft: float = 0.0
     itls: list[float] = field(default_factory=list)
     e2e: float = 0.0
+    id: str = ""                 # the response id (the server's request id; S18's step trace names it too)
+    arrivals: list[float] = field(default_factory=list)   # time.monotonic() of each token chunk (same host clock)
 
 
 async def one_request(client, url: str, model: str, prompt: list[int], max_tokens: int, timeout: float) -> Result:
@@ -121,6 +123,8 @@ async def one_request(client, url: str, model: str, prompt: list[int], max_token
                     res.output_tokens = chunk["usage"]["completion_tokens"]
                 if chunk.get("choices"):      # a chunk per step that produced tokens
                     now = time.perf_counter()
+                    res.arrivals.append(time.monotonic())
+                    res.id = res.id or chunk.get("id", "")
                     if last is None:
                         res.ttft = now - start
                     else:

@@ -2,15 +2,17 @@
 
 An instance is one MPI rank (or, in tests, one end of a `LoopbackNet`) with its own engine, model runner and paged
 KV cache. Its loop (``run``): take every message that has arrived (``handle``, the role's own), do the role's
-transfer work, run one engine step if the engine has work, send the step's outputs to the router (rank 0), and
-tell the router its state (``stats``: running / waiting, KV usage, transfer counters) after any change and at
-least every ``HEARTBEAT_S`` while idle. Requests are named by the router's transfer id ``xid`` on the wire.
+transfer work, run one engine step if the engine has work, send the step's outputs to the router (rank 0) in one
+message, and tell the router its state (``stats``: running / waiting, KV usage, transfer counters) after any
+change and at least every ``HEARTBEAT_S`` while idle. Requests are named by the router's transfer id ``xid`` on the
+wire.
 """
 from __future__ import annotations
 
 import time
 
 from pyengine.disagg.kv_transfer import TransferError, parse_message
+from pyengine.disagg.step_trace import StepTrace
 from pyengine.parallel.mpi import IDLE_SLEEP_S
 
 ROUTER = 0
@@ -30,6 +32,7 @@ class Instance:
         self.counters = {"transfers": 0, "blocks": 0, "bytes": 0, "transfer_s": 0.0, "transfer_failures": 0}
         self._last_report = 0.0
         self.changed = True
+        self.trace = None                         # StepTrace when PYENGINE_STEP_TRACE names a directory
 
     # --- messages --------------------------------------------------------------------------------
     def hello(self) -> dict:
@@ -72,14 +75,19 @@ class Instance:
         if rid is not None:
             self.engine.abort_request(rid)
 
-    def send_outputs(self, outputs) -> None:
+    def send_outputs(self, outputs, t_step: float | None = None) -> None:
+        """A step's outputs in one message: the router hands them to their streams together (with one message per
+        request its step could end between two of them and deliver the rest a loop later)."""
+        batch = []
         for out in outputs:
             xid = self.xid_of.get(out.request_id)
             if xid is None:
                 continue
-            self.to_router({"op": "out", "xid": xid, "out": out})
+            batch.append((xid, out))
             if out.finished:
                 self.forget(xid)
+        if batch:                                 # "t": the step's end (time.monotonic), for the router's trace
+            self.to_router({"op": "outs", "outs": batch, "t": round(t_step or time.monotonic(), 6)})
 
     def count_transfer(self, blocks: int, nbytes: int, seconds: float) -> None:
         c = self.counters
@@ -105,9 +113,15 @@ class Instance:
         busy = self.receive()
         busy = self.work() or busy
         if self.engine.scheduler.has_unfinished() and self.may_step():
+            running = list(self.engine.scheduler.running) if self.trace is not None else None
+            t0, cpu0 = time.monotonic(), time.process_time()
             self.step_started = time.perf_counter()
-            self.send_outputs(self.engine.step())
+            outputs = self.engine.step()
+            t1, cpu = time.monotonic(), time.process_time() - cpu0
+            self.send_outputs(outputs, t1)
             self.after_step()
+            if self.trace is not None:
+                self.trace.step(t0, t1, cpu, running, outputs)
             busy = True
         self.changed = self.changed or busy
         self.report()
@@ -115,6 +129,7 @@ class Instance:
 
     def start(self) -> None:
         self.to_router(self.hello())
+        self.trace = StepTrace.from_env(self.t.rank, self.role)
 
     def run(self) -> None:
         self.start()
@@ -122,6 +137,8 @@ class Instance:
             if not self.run_once():
                 time.sleep(IDLE_SLEEP_S)
         self.report(force=True)
+        if self.trace is not None:
+            self.trace.close()
 
     def receive(self) -> bool:
         """Handle the messages that have arrived; KV blocks only while this turn has spent less than
@@ -137,7 +154,10 @@ class Instance:
             kind, payload = parse_message(buf)
             if kind == "B":
                 blocks += 1
+                tb = time.perf_counter()
                 self.on_block(src, payload)
+                if self.trace is not None:
+                    self.trace.adopted(1, time.perf_counter() - tb)
             elif not self.handle_common(payload):
                 self.handle(src, payload)
             busy = True

@@ -22,7 +22,9 @@ from pyengine.disagg.instance import Instance
 from pyengine.disagg.kv_transfer import pack_block
 from pyengine.engine.block_manager import hash_block
 
-WINDOW = 8                     # block messages in flight per transfer: enough to keep the link busy, little memory
+WINDOW = 32                    # block messages in flight to one decode instance: at least what it takes between two
+                               # steps (a quarter-step budget: ~20 float32 SmolLM2 blocks of 0.74 MB on a loaded host),
+                               # as this rank refills it only when it wakes (it sleeps while the window is full)
 OFFER_WAIT_S = 1.0             # no new step while an offer waits for its answer this long (about one decode step on a
                                # loaded host; a prefill step started meanwhile would hold the answer for seconds)
 
@@ -115,7 +117,9 @@ class PrefillWorker(Instance):
                                   "params": req.params, "hashes": hashes})
 
     def work(self) -> bool:
-        """Push block messages of the transfers under way; finish the ones whose sends completed."""
+        """Push block messages of the transfers under way; finish the ones whose sends completed. True only if a
+        message went out or a transfer ended: a turn that only waits (a full window, the decode side taking its
+        blocks between its steps) lets the loop sleep instead of spinning on the core the ranks share."""
         busy = False
         kv = self.engine.runner.kv_cache
         now = time.monotonic()
@@ -126,6 +130,7 @@ class PrefillWorker(Instance):
                                                    f"within {self.timeout:g} s"))
                 continue
             while not tr.packed and self.t.pending(tr.dest) < WINDOW:
+                busy = True
                 if tr.next >= tr.end:
                     self.t.send(tr.dest, {"op": "commit", "xid": xid, "blocks": tr.sent, **tr.first})
                     self.engine.release_prefilled(tr.rid)      # everything is packed: the blocks are free
@@ -135,8 +140,8 @@ class PrefillWorker(Instance):
                 buf = pack_block(kv, tr.seq.block_table[i], xid, i, tr.hashes[i] if i < len(tr.hashes) else None)
                 self.t.send_buffer(tr.dest, buf)
                 tr.next, tr.sent, tr.bytes, tr.t_last = i + 1, tr.sent + 1, tr.bytes + buf.size, now
-            busy = True
             if tr.packed and not self.t.pending(tr.dest):
+                busy = True
                 del self.transfers[xid]
                 self.forget(xid)
                 secs = time.monotonic() - tr.t0

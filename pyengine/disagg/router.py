@@ -94,6 +94,9 @@ class Router:
         self.transfers: list[dict] = []              # adopted transfers not yet seen by the metrics
         self.totals = {"transfers": 0, "blocks_sent": 0, "blocks_cached": 0, "bytes": 0, "transfer_s": 0.0,
                        "prefill_failures": 0}
+        from pyengine.disagg.step_trace import StepTrace
+        self.trace = StepTrace.from_env(0, "router")  # PYENGINE_STEP_TRACE: when each step's tokens passed here
+        self._delivered: list = []
 
     # --- start-up ---------------------------------------------------------------------------------
     def wait_ready(self, timeout: float = 600.0) -> None:
@@ -208,6 +211,9 @@ class Router:
         if now - self._checked > LIVENESS_EVERY_S:
             self._checked = now
             self._check_liveness(outputs)
+        if self._delivered:
+            self.trace.delivered(self._delivered, time.monotonic())
+            self._delivered = []
         return outputs
 
     def close(self) -> None:
@@ -216,6 +222,8 @@ class Router:
         if getattr(self, "_closed", False):
             return
         self._closed = True
+        if self.trace is not None:
+            self.trace.close()
         for r in self.instances:
             self.t.send(r, {"op": "stop"})
         comm = getattr(self.t, "comm", None)
@@ -253,21 +261,18 @@ class Router:
             inst.stats = msg["stats"]
         elif op == "shipped":
             pass                                      # the prefill side's view; the decode side's "adopted" counts
+        elif op == "outs":
+            if self.trace is not None:
+                self._delivered.append((msg.get("t"), time.monotonic(), [out.request_id for _, out in msg["outs"]]))
+            for xid, out in msg["outs"]:
+                r = self.by_xid.get(xid)
+                if r is not None:                     # else aborted or failed meanwhile
+                    self._on_output(r, out, outputs)
         else:
             r = self.by_xid.get(msg.get("xid"))
             if r is None:
                 return True                           # aborted or failed meanwhile
-            if op == "out":
-                out = msg["out"]
-                if r.stage == "prefill":
-                    self.instances[r.prefill].prompt_tokens -= r.prompt_len
-                    r.stage = "transfer"
-                if out.finished:
-                    if r.stage == "transfer":         # finished by its first token: nothing to ship
-                        r.stage = "done"
-                    self._drop(r)
-                outputs.append(out)
-            elif op == "adopted":
+            if op == "adopted":
                 r.stage = "decode"
                 self.transfers.append(msg)
                 t = self.totals
@@ -280,6 +285,16 @@ class Router:
                 exc = ValueError(msg["error"]) if msg["kind"] == "ValueError" else RuntimeError(msg["error"])
                 self._fail(r, exc, outputs)
         return True
+
+    def _on_output(self, r: Routed, out, outputs: list) -> None:
+        if r.stage == "prefill":                      # its first token: the prompt is done, its blocks move next
+            self.instances[r.prefill].prompt_tokens -= r.prompt_len
+            r.stage = "transfer"
+        if out.finished:
+            if r.stage == "transfer":                 # finished by its first token: nothing to ship
+                r.stage = "done"
+            self._drop(r)
+        outputs.append(out)
 
     def _fail(self, r: Routed, exc: BaseException, outputs: list) -> None:
         for rank in {r.prefill, r.decode} - {None}:

@@ -26,8 +26,8 @@ KV_TILE_SLOTS = 1024        # stored (fp16 / q8_0 / q4_0) K/V slots cast per til
 
 # --- S11 chunk budget from a target ITL (engine/chunk_budget.py) -----------------------------------------
 TARGET_ITL_DECODE_MULT = 2.5  # derived target before ITL_SPREAD_MIN_STEPS chunk steps are measured: 2.9 / (1 + 16%)
-ITL_GOAL_MULT = 2.9           # derived target x (1 + measured spread): issue 19's 3x p99/median, less 3% for the median's own error
-ITL_SPREAD_QUANTILE = 0.95    # the spread: this quantile of chunk steps' time / predicted - 1 (~2nd largest of 32)
+ITL_GOAL_MULT = 2.9           # derived target x (1 + spread): issue 19's 3x p99/median, less 3% for the median's error
+ITL_SPREAD_QUANTILE = 1.0     # spread: the largest time / predicted - 1 of the kept chunk steps (0.95 let bursts by)
 ITL_SPREAD_MIN_STEPS = 8      # chunk steps measured before the spread replaces the prior multiplier
 TARGET_ITL_MIN_MULT = 2.0     # a very noisy host lowers the derived target to no less than 2x the decodes' step
 CHUNK_MIN_TOKENS = 16         # a prompt's least chunk a step (one block; at 2.6k context it adds 1.2 decode steps)

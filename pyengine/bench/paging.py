@@ -326,10 +326,11 @@ def _itl_run(args, budget: int, chunked: bool, long_prompt: list[int] | None, de
         steps += 1
         if state == "after" and steps >= stop_at:
             break
+    budget = eng.scheduler.chunk_budget.stats() if eng.scheduler.chunk_budget is not None else {}
     for rid in list(eng.requests):
         eng.abort_request(rid)
     return {"calm": np.array(calm), "busy": np.array(busy).reshape(-1, 2), "prefill_steps": prefill_steps,
-            "ttft": ttft, "targets": targets}
+            "ttft": ttft, "targets": targets, "budget": budget}
 
 
 def bench_chunked(args) -> None:
@@ -367,8 +368,11 @@ def bench_chunked(args) -> None:
     base_ttft = runs[0]["ttft"]
     if runs[1]["targets"]:
         t = np.array(runs[1]["targets"])
+        b = runs[1]["budget"]
+        mult = (f"; at the end {b['target_itl_multiplier']:.2f}x the decodes' predicted step (measured spread "
+                f"{100 * b['step_cost_spread']:+.1f}%)" if "step_cost_spread" in b else "")
         print(f"  ITL target chosen per prefill step: median {np.median(t):.0f} ms (range {t.min():.0f}-"
-              f"{t.max():.0f}); chunks of {n_long / max(runs[1]['prefill_steps'], 1):.0f} tokens on average")
+              f"{t.max():.0f}){mult}; chunks of {n_long / max(runs[1]['prefill_steps'], 1):.0f} tokens on average")
     for (name, _, chunked, t), r in zip(setups[1:], runs[1:]):
         ratio = r["ttft"] / base_ttft
         targeted = t != 0

@@ -25,9 +25,9 @@ The budget rule for one step, given the decodes already planned (they always run
 
 * target = the configured target ITL, or (``target_itl_ms=None``) m x the predicted cost of this step's decodes
   alone, with m = ``tuning.ITL_GOAL_MULT`` / (1 + spread): the spread is how far above its prediction a step
-  with prompt work ran, measured when it ran (the ``tuning.ITL_SPREAD_QUANTILE`` quantile of the window's
-  time / predicted - 1), so a steady host gets chunks close to the ITL goal and a noisy one keeps a margin for
-  the p99 (m within ``tuning.TARGET_ITL_MIN_MULT`` .. ``ITL_GOAL_MULT``; ``tuning.TARGET_ITL_DECODE_MULT``
+  with prompt work ran, measured when it ran (the ``tuning.ITL_SPREAD_QUANTILE`` quantile, 1: the largest, of
+  the window's time / predicted - 1), so a steady host gets chunks close to the ITL goal and a noisy one keeps
+  a margin for the p99 (m within ``tuning.TARGET_ITL_MIN_MULT`` .. ``ITL_GOAL_MULT``; ``tuning.TARGET_ITL_DECODE_MULT``
   until ``tuning.ITL_SPREAD_MIN_STEPS`` such steps are measured);
 * each prompt chunk gets the largest n with predicted(step + chunk) <= target, capped by the token budget and by
   a trust region: at most ``tuning.CHUNK_GROWTH`` x the largest chunk the model has measured (the model is

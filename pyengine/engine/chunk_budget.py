@@ -99,17 +99,21 @@ class StepCostModel:
         if not (math.isfinite(seconds) and seconds >= 0):
             return
         self.num_observed += 1
-        # the model as it was when the step was planned (a step with chunks always asked it): its error then
+        # the model as it was when the step was planned (a step with chunks always asked it): its error then, if
+        # the step's chunk was no larger than one measured before (the trust region's ramp is the model
+        # extrapolating, not the host's noise)
         before = float(shape.x @ self.theta)
-        error = seconds / before - 1 if before > 0 else math.nan
+        seen = before > 0 and shape.max_chunk <= self.largest_chunk_seen()
+        error = seconds / before - 1 if seen else math.nan
         (self.with_chunks if shape.num_chunks else self.decode_only).append(
             (self.num_observed, shape.x.copy(), float(seconds), shape.max_chunk, error))
         self._stale = True
 
     def spread(self) -> float | None:
         """How far above its prediction a step with prompt work ran: the ``tuning.ITL_SPREAD_QUANTILE``
-        quantile of the window's time / predicted - 1 (each against the model that planned it), or None while
-        fewer than ``tuning.ITL_SPREAD_MIN_STEPS`` such steps are measured."""
+        quantile of the window's time / predicted - 1 (each against the model that planned it; steps whose chunk
+        was larger than any measured before are left out), or None while fewer than
+        ``tuning.ITL_SPREAD_MIN_STEPS`` such steps are measured."""
         errors = [row[4] for row in self.with_chunks if math.isfinite(row[4])]
         if len(errors) < tuning.ITL_SPREAD_MIN_STEPS:
             return None

@@ -25,7 +25,11 @@ FLASH_Q_TILE = 128          # queries per flash tile
 KV_TILE_SLOTS = 1024        # stored (fp16 / q8_0 / q4_0) K/V slots cast per tile: <= 1 MiB float32, in L2
 
 # --- S11 chunk budget from a target ITL (engine/chunk_budget.py) -----------------------------------------
-TARGET_ITL_DECODE_MULT = 2.5  # derived target = 2.5 x the decodes' own step: p99 stays under 3x their median
+TARGET_ITL_DECODE_MULT = 2.5  # derived target before ITL_SPREAD_MIN_STEPS chunk steps are measured: 2.9 / (1 + 16%)
+ITL_GOAL_MULT = 2.9           # derived target x (1 + spread): issue 19's 3x p99/median, less 3% for the median's error
+ITL_SPREAD_QUANTILE = 1.0     # spread: the largest time / predicted - 1 of the kept chunk steps (0.95 let bursts by)
+ITL_SPREAD_MIN_STEPS = 8      # chunk steps measured before the spread replaces the prior multiplier
+TARGET_ITL_MIN_MULT = 2.0     # a very noisy host lowers the derived target to no less than 2x the decodes' step
 CHUNK_MIN_TOKENS = 16         # a prompt's least chunk a step (one block; at 2.6k context it adds 1.2 decode steps)
 CHUNK_GROWTH = 2.0            # trust region: a chunk <= 2 x the largest one measured (the model is linear)
 STEP_COST_WINDOW = 32         # measured steps kept per kind (decode-only, with chunks)

@@ -106,12 +106,42 @@ def test_a_target_below_the_decodes_cost_still_moves_the_prompt():
 def test_derived_target_is_a_multiple_of_the_decodes_own_cost():
     r = Run(target_itl_ms=None).run()
     decode_alone = r.steps[r.arrive - 1]["seconds"]
-    settled = r.prefill_steps()[4:]
-    for s in settled:
-        assert s["target"] == pytest.approx(tuning.TARGET_ITL_DECODE_MULT * decode_alone, rel=0.05)
+    pre = r.prefill_steps()
+    # until the spread is measured (ITL_SPREAD_MIN_STEPS steps past the ramp): the prior multiplier; then, on
+    # this noiseless clock (spread 0), the goal's, for good
+    def which(m):
+        for name, value in (("prior", tuning.TARGET_ITL_DECODE_MULT), ("goal", tuning.ITL_GOAL_MULT)):
+            if m == pytest.approx(value, rel=0.02):
+                return name
+        return m
+    mults = [which(s["target"] / decode_alone) for s in pre[4:]]
+    prior, goal = "prior", "goal"
+    switch = mults.index(goal)
+    assert set(mults[:switch]) <= {prior} and set(mults[switch:]) == {goal}, mults
+    assert tuning.ITL_SPREAD_MIN_STEPS - 4 <= switch <= tuning.ITL_SPREAD_MIN_STEPS + 4 < len(mults) // 2
+    for s in pre[4:]:
         assert s["seconds"] <= s["target"] * 1.01
+    assert r.budget.stats()["target_itl_multiplier"] == pytest.approx(tuning.ITL_GOAL_MULT, rel=1e-3)
     # far fewer steps than a fixed budget of "decodes + 9" tokens would take
-    assert len(r.prefill_steps()) < 2000 / 9 / 3
+    assert len(pre) < 2000 / 9 / 3
+
+
+@pytest.mark.parametrize("noise", [0.04, 0.12])
+def test_derived_target_keeps_the_measured_spread_as_margin(noise):
+    """Every step runs (1 + u) x its cost, u uniform in [-noise, noise] (a host whose step times scatter): the
+    multiplier settles at ITL_GOAL_MULT / (1 + the spread the budget measured), the spread near the noise's 95th
+    percentile, and the ITL p99 over the prompt stays within 3x the decodes' median step; a noisier host gets a
+    smaller multiplier, so more steps."""
+    u = np.random.default_rng(1).uniform(-noise, noise, 4000)
+    r = Run(target_itl_ms=None, n_long=4000).run(speed=lambda k: 1 + u[k])
+    stats = r.budget.stats()
+    assert stats["step_cost_spread"] == pytest.approx(0.9 * noise, abs=0.35 * noise)
+    assert stats["target_itl_multiplier"] == pytest.approx(tuning.ITL_GOAL_MULT / (1 + stats["step_cost_spread"]))
+    calm = np.median([s["seconds"] for s in r.steps[1:r.arrive]])
+    busy = [s["seconds"] for s in r.prefill_steps()]
+    assert np.percentile(busy, 99) <= 3.0 * calm
+    quiet = Run(target_itl_ms=None, n_long=4000).run()
+    assert len(busy) > len(quiet.prefill_steps())
 
 
 def test_without_decodes_the_prompt_takes_the_whole_token_budget():
@@ -172,7 +202,7 @@ def test_two_prompts_in_one_step_share_one_target():
         sched = {s.seq_id: n for s, n in out.scheduled}
         if k > r.arrive + 6:
             assert seconds <= r.budget.last_target * 1.01
-            assert r.budget.last_target == pytest.approx(tuning.TARGET_ITL_DECODE_MULT * 0.0312, rel=0.05)
+            assert r.budget.last_target == pytest.approx(r.budget.multiplier() * 0.0312, rel=0.05)
             assert sched.get(99, 0) > 0                     # the first prompt always progresses
             got_second += sched.get(100, 0)
         r.sch.observe_step(out, seconds)

@@ -53,7 +53,8 @@ def add_speculative_argument(p: argparse.ArgumentParser) -> None:
 def add_target_itl_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-itl-ms", type=float, default=None, metavar="MS",
                    help="S11: size each step's prompt chunks so a step with running decodes is predicted to take at "
-                        "most MS ms (cost model fitted to measured steps); default: 2.5 x the decodes' own step; "
+                        "most MS ms (cost model fitted to measured steps); default: 2.9 / (1 + the measured spread of "
+                        "such steps) x the decodes' own step, 2-2.9x; "
                         "0 = off (chunks fill --max-num-batched-tokens)")
 
 

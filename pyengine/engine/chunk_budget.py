@@ -23,8 +23,12 @@ what a step of decodes alone costs.
 
 The budget rule for one step, given the decodes already planned (they always run first):
 
-* target = the configured target ITL, or (``target_itl_ms=None``) ``tuning.TARGET_ITL_DECODE_MULT`` x the
-  predicted cost of this step's decodes alone;
+* target = the configured target ITL, or (``target_itl_ms=None``) m x the predicted cost of this step's decodes
+  alone, with m = ``tuning.ITL_GOAL_MULT`` / (1 + spread): the spread is how far above its prediction a step
+  with prompt work ran, measured when it ran (the ``tuning.ITL_SPREAD_QUANTILE`` quantile, 1: the largest, of
+  the window's time / predicted - 1), so a steady host gets chunks close to the ITL goal and a noisy one keeps
+  a margin for the p99 (m within ``tuning.TARGET_ITL_MIN_MULT`` .. ``ITL_GOAL_MULT``; ``tuning.TARGET_ITL_DECODE_MULT``
+  until ``tuning.ITL_SPREAD_MIN_STEPS`` such steps are measured);
 * each prompt chunk gets the largest n with predicted(step + chunk) <= target, capped by the token budget and by
   a trust region: at most ``tuning.CHUNK_GROWTH`` x the largest chunk the model has measured (the model is
   linear; it is never asked to extrapolate far beyond the shapes it has seen);
@@ -85,8 +89,8 @@ class StepCostModel:
     def __init__(self, window: int | None = None, half_life: float | None = None):
         self.window = window or tuning.STEP_COST_WINDOW
         self.half_life = half_life or tuning.STEP_COST_HALF_LIFE
-        self.decode_only: deque = deque(maxlen=self.window)  # (observation number, features, seconds, max chunk)
-        self.with_chunks: deque = deque(maxlen=self.window)
+        self.decode_only: deque = deque(maxlen=self.window)  # (observation number, features, seconds, max chunk,
+        self.with_chunks: deque = deque(maxlen=self.window)  #  seconds / what the model predicted before - 1)
         self.num_observed = 0
         self.theta = np.zeros(NUM_FEATURES)
         self._stale = False
@@ -95,9 +99,25 @@ class StepCostModel:
         if not (math.isfinite(seconds) and seconds >= 0):
             return
         self.num_observed += 1
+        # the model as it was when the step was planned (a step with chunks always asked it): its error then, if
+        # the step's chunk was no larger than one measured before (the trust region's ramp is the model
+        # extrapolating, not the host's noise)
+        before = float(shape.x @ self.theta)
+        seen = before > 0 and shape.max_chunk <= self.largest_chunk_seen()
+        error = seconds / before - 1 if seen else math.nan
         (self.with_chunks if shape.num_chunks else self.decode_only).append(
-            (self.num_observed, shape.x.copy(), float(seconds), shape.max_chunk))
+            (self.num_observed, shape.x.copy(), float(seconds), shape.max_chunk, error))
         self._stale = True
+
+    def spread(self) -> float | None:
+        """How far above its prediction a step with prompt work ran: the ``tuning.ITL_SPREAD_QUANTILE``
+        quantile of the window's time / predicted - 1 (each against the model that planned it; steps whose chunk
+        was larger than any measured before are left out), or None while fewer than
+        ``tuning.ITL_SPREAD_MIN_STEPS`` such steps are measured."""
+        errors = [row[4] for row in self.with_chunks if math.isfinite(row[4])]
+        if len(errors) < tuning.ITL_SPREAD_MIN_STEPS:
+            return None
+        return float(np.quantile(errors, tuning.ITL_SPREAD_QUANTILE))
 
     def largest_chunk_seen(self) -> int:
         """The largest prompt chunk in the windows, in tokens (0 before any)."""
@@ -162,7 +182,7 @@ class ChunkBudget:
     """The scheduler's per-step choice of prompt-chunk sizes (see the module docstring).
 
     ``target_itl_ms``: the step time to stay within while decodes run, in milliseconds; None derives it from
-    the decodes' own predicted cost (``tuning.TARGET_ITL_DECODE_MULT`` x), so it follows the model and host."""
+    the decodes' own predicted cost (``multiplier()`` x), so it follows the model, the host and its noise."""
 
     def __init__(self, target_itl_ms: float | None = None, min_chunk: int | None = None,
                  model: StepCostModel | None = None):
@@ -176,7 +196,15 @@ class ChunkBudget:
     def target(self, shape: StepShape) -> float:
         if self.target_itl is not None:
             return self.target_itl
-        return tuning.TARGET_ITL_DECODE_MULT * self.model.predict(shape.decodes_x)
+        return self.multiplier() * self.model.predict(shape.decodes_x)
+
+    def multiplier(self) -> float:
+        """The derived target / the decodes' predicted step: ITL_GOAL_MULT / (1 + the measured spread), clipped
+        to TARGET_ITL_MIN_MULT .. ITL_GOAL_MULT; TARGET_ITL_DECODE_MULT before the spread is measured."""
+        spread = self.model.spread()
+        if spread is None:
+            return tuning.TARGET_ITL_DECODE_MULT
+        return min(tuning.ITL_GOAL_MULT, max(tuning.TARGET_ITL_MIN_MULT, tuning.ITL_GOAL_MULT / (1 + max(spread, 0.0))))
 
     def max_chunk(self, shape: StepShape, start: int, limit: int) -> int:
         """Prompt tokens (<= ``limit``) a chunk starting at position ``start`` may compute in the step planned
@@ -209,8 +237,14 @@ class ChunkBudget:
     def stats(self) -> dict:
         theta = self.model.theta
         target = self.target_itl if self.target_itl is not None else self.last_target
-        return {"target_itl_ms": None if target is None else 1000 * target,
-                **{f"step_cost_{name}": float(v) for name, v in zip(FEATURE_NAMES, theta)}}
+        out = {"target_itl_ms": None if target is None else 1000 * target,
+               **{f"step_cost_{name}": float(v) for name, v in zip(FEATURE_NAMES, theta)}}
+        spread = self.model.spread()
+        if spread is not None:                      # measured: the derived target's multiplier follows it
+            out["step_cost_spread"] = spread
+        if self.target_itl is None:
+            out["target_itl_multiplier"] = self.multiplier()
+        return out
 
 
 def check_target_itl_ms(value) -> float:

@@ -8,9 +8,13 @@ from __future__ import annotations
 
 # --- linear layers (layers/linear.py) -------------------------------------------------------------------
 LINEAR_ROW_LOOP_MAX = 8     # 2..8 rows: matvecs (rows after the first read the weight from cache) beat one sgemm
+#                             (plain (in, out) arrays: MoE experts; resident DenseLinear uses column blocks)
+SMALL_GEMM_ROWS = 17        # DenseLinear's column blocks keep up to 17 rows (k = 16 drafts + 1) in the small kernel
+SMALL_GEMM_MNK = 1_000_000  # OpenBLAS's small-matrix kernel takes M*N*K <= 100^3 (beyond: packed sgemm, 3x slower
+#                             for 9 rows of a 576 x 3072 block product; bit-identity across row counts ends there)
 LEAN_ROW_LOOP_MAX = 12      # lean: matvecs over the just-dequantized rows beat one product up to ~12 rows
-HEAD_ROW_LOOP_MAX = 8       # the head's 4096-column blocks stay in cache across up to 8 matvecs (9 ties)
-HEAD_COL_CHUNK = 4096       # columns per block of the resident head (long rows are 1.3-1.5x slower for 8-32 rows)
+HEAD_ROW_LOOP_MAX = 8       # no longer read by the head (column blocks, as DenseLinear); still part of
+#                             engine/graph_replay.py's bucket key (wt-s13's file), to drop there
 LEAN_HEAD_ROWS = 4096       # lean mode: rows of the head dequantized at a time (bounded scratch)
 
 # --- attention (layers/attention.py, layers/paged_attention.py) ----------------------------------------

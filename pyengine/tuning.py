@@ -42,8 +42,9 @@ GRAPH_CACHE_STEPS = 32      # buckets kept per runner: a batch's buckets change 
 
 # --- S14 speculative decoding's back-off (engine/spec_decode.py) ------------------------------------------
 # Cost of a step whose decodes carry k drafts each, relative to a plain decode step, until it is measured:
-# below the real cost on purpose (a single-stream verification of k drafts costs ~1 + 0.25 k forwards with the
-# row loop; bench linear --forward), so that every k is tried once and then priced by its measured step time
+# at or below the real cost on purpose (a single-stream verification of k drafts costs ~1 + 0.12 k forwards with
+# the column-block matrices; bench linear --forward), so that every k is tried once and then priced by its
+# measured step time
 PRIOR_COST = 0.1
 ALPHA_PRIOR = 0.6          # acceptance assumed before a sequence has any evidence (prior drafts are tried)
 ALPHA_WEIGHT = 0.15        # weight of one accept/reject trial in the per-sequence average (~7 trials of memory)
@@ -56,5 +57,5 @@ MIN_GAIN = 1.1             # draft only for an expected 10% more tokens per unit
 PROBE_MIN_GAIN = 1.2       # ... probe only when always-accepted drafts would make decoding at least 1.2x faster
 BASELINE_EVERY = 64        # one forced plain decode step in 64 keeps cost(0) measured (~1.5% of the steps)
 
-SWEEPABLE = ("LINEAR_ROW_LOOP_MAX", "HEAD_ROW_LOOP_MAX", "LEAN_ROW_LOOP_MAX", "DECODE_SLOTS", "DECODE_KEY_CHUNK",
+SWEEPABLE = ("LINEAR_ROW_LOOP_MAX", "LEAN_ROW_LOOP_MAX", "DECODE_SLOTS", "DECODE_KEY_CHUNK",
              "KEY_TREE_MIN", "SHORT_QUERY_MAX")

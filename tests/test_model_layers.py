@@ -117,7 +117,7 @@ def test_blocked_linear_equals_the_dense_matrix():
 
 def test_dense_linear_rows_do_not_depend_on_the_row_count():
     """A row's product is the same bits alone (the padded one-row path) as among up to SMALL_GEMM_ROWS rows
-    (S14's verification rows equal the decode rows), and every row count, chunked beyond that, matches float64;
+    (S14's verification rows equal the decode rows), and every row count, packed sgemm beyond that, matches float64;
     scaling folds (fold_norms) equal scaling the dense matrix."""
     from pyengine import tuning
     from pyengine.layers.linear import PAD_SINGLE_ROW, DenseLinear

@@ -11,6 +11,8 @@ LINEAR_ROW_LOOP_MAX = 8     # 2..8 rows: matvecs (rows after the first read the 
 #                             (plain (in, out) arrays: MoE experts; resident DenseLinear uses column blocks)
 SMALL_GEMM_ROWS = 17        # DenseLinear's column blocks keep up to 17 rows (k = 16 drafts + 1) in the small kernel
 #                             (more rows: one packed sgemm per block)
+REGROUP_MIN_ROWS = 256      # from 256 rows (prefill) blocks are copied back in 1024-column groups for one sgemm each:
+REGROUP_COLS = 1024         # 512 rows, one layer: 38.1 ms vs 40.6 per block vs 36.5 whole matrix; 128 rows: no gain
 SMALL_GEMM_MNK = 1_000_000  # OpenBLAS's small-matrix kernel takes M*N*K <= 100^3 (beyond: packed sgemm, 3x slower
 #                             for 9 rows of a 576 x 3072 block product; bit-identity across row counts ends there)
 LEAN_ROW_LOOP_MAX = 12      # lean: matvecs over the just-dequantized rows beat one product up to ~12 rows

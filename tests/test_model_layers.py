@@ -117,7 +117,8 @@ def test_blocked_linear_equals_the_dense_matrix():
 
 def test_dense_linear_rows_do_not_depend_on_the_row_count():
     """A row's product is the same bits alone (the padded one-row path) as among up to SMALL_GEMM_ROWS rows
-    (S14's verification rows equal the decode rows), and every row count, packed sgemm beyond that, matches float64;
+    (S14's verification rows equal the decode rows), and every row count, packed sgemm beyond that (regrouped
+    columns for prefill), matches float64;
     scaling folds (fold_norms) equal scaling the dense matrix."""
     from pyengine import tuning
     from pyengine.layers.linear import PAD_SINGLE_ROW, DenseLinear
@@ -131,6 +132,8 @@ def test_dense_linear_rows_do_not_depend_on_the_row_count():
         assert np.abs(out - x[:n].astype(np.float64) @ w).max() <= 1e-4
         if PAD_SINGLE_ROW and n <= tuning.SMALL_GEMM_ROWS:
             assert np.array_equal(out, alone[:n]), n
+    big = rng.standard_normal((tuning.REGROUP_MIN_ROWS + 5, 96)).astype(np.float32)    # prefill: regrouped
+    assert np.abs(lin.matmul(big) - big.astype(np.float64) @ w).max() <= 1e-4
     g = rng.standard_normal(96).astype(np.float32)
     lin.scale_inputs(g)
     lin.scale_columns(150, 0.5)

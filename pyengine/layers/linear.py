@@ -159,13 +159,28 @@ class DenseLinear(Linear):
         nb, _, c = self.blocks.shape
         if out.strides[1] != out.itemsize:
             raise ValueError("DenseLinear.matmul needs an output with contiguous columns")
-        # more rows than SMALL_GEMM_ROWS (prefill, wide batches) leave the small kernel: one packed sgemm per
-        # block, about as fast as one over the whole matrix; run through the small kernel in chunks of <= 17
-        # rows instead, Gemma's 1.5k-token golden prompt was 1.5x further from HF's logits (max 1.28e-3)
-        ops = [partial(np.matmul, x, self.blocks, _column_blocks_view(out, nb, c))]
+        # more rows than SMALL_GEMM_ROWS (wide batches) leave the small kernel: one packed sgemm per block; run
+        # through the small kernel in chunks of <= 17 rows instead, Gemma's 1.5k-token golden prompt was 1.5x
+        # further from HF's logits (max 1.28e-3). Prefill-sized row counts: sgemm over regrouped columns.
+        if x.shape[0] >= tuning.REGROUP_MIN_ROWS:
+            ops = [partial(self._regrouped, x, out)]
+        else:
+            ops = [partial(np.matmul, x, self.blocks, _column_blocks_view(out, nb, c))]
         if self.tail is not None:
             ops.append(partial(np.matmul, x, self.tail, out[:, nb * c:]))
         return ops
+
+    def _regrouped(self, x: np.ndarray, out: np.ndarray) -> None:
+        """out = x @ W for many rows: REGROUP_COLS columns at a time copied back to one (in, cols) array (in
+        cache) and multiplied by one sgemm, which packs x once per group instead of once per narrow block."""
+        nb, n_in, c = self.blocks.shape
+        g = max(1, tuning.REGROUP_COLS // c)
+        scratch = np.empty((n_in, min(g, nb) * c), np.float32)
+        for b0 in range(0, nb, g):
+            b1 = min(nb, b0 + g)
+            s = scratch[:, :(b1 - b0) * c]
+            np.copyto(s.reshape(n_in, b1 - b0, c), self.blocks[b0:b1].transpose(1, 0, 2))
+            np.matmul(x, s, out=out[:, b0 * c:b1 * c])
 
     def matmul_ops(self, x, out):
         if x.shape[0] == 1 and PAD_SINGLE_ROW:

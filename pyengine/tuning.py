@@ -44,12 +44,10 @@ GRAPH_CACHE_STEPS = 32      # buckets kept per runner: a batch's buckets change 
 #                             16 tokens per sequence; 32 small op lists (SmolLM2: ~1400 calls each) cost a few MB
 
 # --- S14 speculative decoding's back-off (engine/spec_decode.py) ------------------------------------------
-# Cost of one more scored row (B sequences with k drafts each score B * k more rows), relative to a plain
-# decode step, until it is measured: at or below the real cost on purpose (one sequence: a verification of k
-# drafts costs ~1 + 0.1 k steps with the column-block matrices; 8 sequences: 8 x 9 rows ~6.1-7.2x 8 x 1, i.e.
-# ~0.1 a row too; bench linear --forward --cpu-time), so that every k is tried once and then priced by its
-# measured step time (with the per-sequence prior 1 + 0.1 k at 8 sequences each level was tried at up to 7x the
-# cost of a plain step, and re-tried every REMEASURE_AFTER steps: code edit at 8 sequences 0.94x in CPU time)
+# Cost of a step whose decodes carry k drafts each, relative to a plain decode step, until it is measured:
+# at or below the real cost on purpose (a single-stream verification of k drafts costs ~1 + 0.12 k forwards with
+# the column-block matrices; bench linear --forward), so that every k is tried once and then priced by its
+# measured step time
 PRIOR_COST = 0.1
 ALPHA_PRIOR = 0.6          # acceptance assumed before a sequence has any evidence (prior drafts are tried)
 ALPHA_WEIGHT = 0.15        # weight of one accept/reject trial in the per-sequence average (~7 trials of memory)

@@ -348,21 +348,6 @@ def test_backoff_chooses_for_the_batch_not_for_its_luckiest_sequence():
     assert _decoder(costs, 8).draft_lens(prior, available=[4] + [0] * 7) == [0] * 8
 
 
-def test_backoff_prior_prices_a_draft_by_the_rows_it_adds():
-    """Before a draft length is measured it is priced at 1 + PRIOR_COST * B per draft per sequence (each adds B
-    rows to the step): one sequence with good drafts tries every length, eight with the same acceptance do not
-    try long drafts on the prior alone (a wide verification is compute-bound: ~0.1 of a plain step per row)."""
-    from pyengine import tuning
-    good = 0.85
-    alone, = _decoder([1.0], 1, k=8).draft_lens([_Seq(good, room=8)])
-    ks = _decoder([1.0], 8, k=8).draft_lens([_Seq(good, room=8) for _ in range(8)])
-    B, m = 8, max(ks)
-    gain = sum(good ** j for j in range(m + 1)) / (1 + tuning.PRIOR_COST * B * m) if m else 1.0
-    assert alone >= 6 and m < 4 and (m == 0 or gain > tuning.MIN_GAIN), (alone, ks)
-    # what the per-sequence prior 1 + PRIOR_COST * m (independent of B) would have chosen: every level
-    assert sum(good ** j for j in range(9)) / (1 + tuning.PRIOR_COST * 8) > tuning.MIN_GAIN
-
-
 class _Graphs:
     captures = 0
 

@@ -19,7 +19,7 @@ per sequence (rounded up), over that of plain steps with as many sequences (a pl
 to keep that baseline fresh). Each time is a slowly rising minimum of its samples (a shared host only ever adds
 delays), and one not re-measured for REMEASURE_AFTER steps is taken halfway back to its prior, so one unlucky
 sample cannot rule a level out for good. A level not measured is priced by the cheapest measured cost per
-draft of the same batch size, or, before any, optimistically at ``1 + (PRIOR_COST * B + r) * m``, r being the
+draft of the same batch size, or, before any, optimistically at ``1 + (PRIOR_COST + r) * m``, r being the
 proposer's cost per draft token in target decode steps (0 for n-gram lookup, the weight ratio for a draft
 model), so that each level is tried while acceptance is good. An expensive proposer backed off to no drafts
 probes with one draft now and then, but only when perfect drafts could pay at all. The constants are measured
@@ -163,8 +163,7 @@ class SpeculativeDecoder:
         # an unmeasured level is priced by the cheapest measured cost per draft of this batch size, or by the
         # optimistic prior before any measurement
         slopes = [(t / base - 1.0) / j for (bb, j), t in self._time.items() if bb == b and j > 0]
-        # (the prior: each draft per sequence adds B rows, and PRIOR_COST is what one more row costs)
-        slope = max(min(slopes), 0.0) if slopes else tuning.PRIOR_COST * B + self.relative_cost
+        slope = max(min(slopes), 0.0) if slopes else tuning.PRIOR_COST + self.relative_cost
         # every candidate draft token, best first: (gain, position in its sequence, sequence)
         cands = sorted(((s.spec_alpha ** j, -j, i) for i, s in enumerate(seqs) for j in range(1, rooms[i] + 1)),
                        reverse=True)

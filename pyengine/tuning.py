@@ -8,9 +8,14 @@ from __future__ import annotations
 
 # --- linear layers (layers/linear.py) -------------------------------------------------------------------
 LINEAR_ROW_LOOP_MAX = 8     # 2..8 rows: matvecs (rows after the first read the weight from cache) beat one sgemm
+#                             (plain (in, out) arrays: MoE experts; resident DenseLinear uses column blocks)
+SMALL_GEMM_ROWS = 17        # DenseLinear's column blocks keep up to 17 rows (k = 16 drafts + 1) in the small kernel
+#                             (more rows: one packed sgemm per block)
+REGROUP_MIN_ROWS = 256      # from 256 rows (prefill) blocks are copied back in 1024-column groups for one sgemm each:
+REGROUP_COLS = 1024         # 512 rows, one layer: 38.1 ms vs 40.6 per block vs 36.5 whole matrix; 128 rows: no gain
+SMALL_GEMM_MNK = 1_000_000  # OpenBLAS's small-matrix kernel takes M*N*K <= 100^3 (beyond: packed sgemm, 3x slower
+#                             for 9 rows of a 576 x 3072 block product; bit-identity across row counts ends there)
 LEAN_ROW_LOOP_MAX = 12      # lean: matvecs over the just-dequantized rows beat one product up to ~12 rows
-HEAD_ROW_LOOP_MAX = 8       # the head's 4096-column blocks stay in cache across up to 8 matvecs (9 ties)
-HEAD_COL_CHUNK = 4096       # columns per block of the resident head (long rows are 1.3-1.5x slower for 8-32 rows)
 LEAN_HEAD_ROWS = 4096       # lean mode: rows of the head dequantized at a time (bounded scratch)
 
 # --- attention (layers/attention.py, layers/paged_attention.py) ----------------------------------------
@@ -42,8 +47,9 @@ GRAPH_CACHE_STEPS = 32      # buckets kept per runner: a batch's buckets change 
 
 # --- S14 speculative decoding's back-off (engine/spec_decode.py) ------------------------------------------
 # Cost of a step whose decodes carry k drafts each, relative to a plain decode step, until it is measured:
-# below the real cost on purpose (a single-stream verification of k drafts costs ~1 + 0.25 k forwards with the
-# row loop; bench linear --forward), so that every k is tried once and then priced by its measured step time
+# at or below the real cost on purpose (a single-stream verification of k drafts costs ~1 + 0.12 k forwards with
+# the column-block matrices; bench linear --forward), so that every k is tried once and then priced by its
+# measured step time
 PRIOR_COST = 0.1
 ALPHA_PRIOR = 0.6          # acceptance assumed before a sequence has any evidence (prior drafts are tried)
 ALPHA_WEIGHT = 0.15        # weight of one accept/reject trial in the per-sequence average (~7 trials of memory)
@@ -56,5 +62,5 @@ MIN_GAIN = 1.1             # draft only for an expected 10% more tokens per unit
 PROBE_MIN_GAIN = 1.2       # ... probe only when always-accepted drafts would make decoding at least 1.2x faster
 BASELINE_EVERY = 64        # one forced plain decode step in 64 keeps cost(0) measured (~1.5% of the steps)
 
-SWEEPABLE = ("LINEAR_ROW_LOOP_MAX", "HEAD_ROW_LOOP_MAX", "LEAN_ROW_LOOP_MAX", "DECODE_SLOTS", "DECODE_KEY_CHUNK",
+SWEEPABLE = ("LINEAR_ROW_LOOP_MAX", "LEAN_ROW_LOOP_MAX", "DECODE_SLOTS", "DECODE_KEY_CHUNK",
              "KEY_TREE_MIN", "SHORT_QUERY_MAX")

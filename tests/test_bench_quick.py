@@ -118,13 +118,14 @@ def test_bench_tuning_quick():
 
 def test_bench_linear_quick():
     out = bench("linear", "--quick", "--kinds", "dense,head", "--forward")
+    cell = rf"({NUMBER}) \(({NUMBER})\)"
     for kind in ("dense", "head"):
-        table = out.split(f"\n{kind}:")[1].split("row loop up to")[0]
-        rows = re.findall(rf"^\s+(\d+)\s+({NUMBER}) \(({NUMBER})\)\s+({NUMBER}) \(({NUMBER})\)", table, re.M)
+        table = out.split(f"\n{kind}:")[1].split("\n\n")[0]
+        assert re.search(r"column blocks\s+row loop\s+one product", table), out
+        rows = re.findall(rf"^\s+(\d+)\s+{cell}\s+{cell}\s+{cell}$", table, re.M)
         assert [r[0] for r in rows] == ["1", "2", "5"], out
-        finite_positive([v for r in rows for v in r[1:]], f"{kind} row times and ratios", 12)
-        assert float(rows[0][4]) == 1.0                              # one row through one product: the unit
-    assert re.search(r"row loop up to \d+ rows \(LINEAR_ROW_LOOP_MAX now \d+\)", out), out
+        finite_positive([v for r in rows for v in r[1:]], f"{kind} row times and ratios", 18)
+        assert float(rows[0][2]) == 1.0                              # one row through the column blocks: the unit
     fwd = re.findall(rf"^\s+(\d)\s+({NUMBER}) \(({NUMBER})\)\s+({NUMBER}) \(({NUMBER})\)$",
                      out.split("whole forward")[1], re.M)
     assert [r[0] for r in fwd] == [str(q) for q in range(1, 10)], out

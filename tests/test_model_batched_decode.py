@@ -12,7 +12,7 @@ from pyengine.layers.attention import grouped_attention
 from pyengine.model_files import default_model_path
 from pyengine.engine.step_plan import query_groups
 from pyengine.layers.paged_attention import group_attention
-from pyengine.tuning import HEAD_ROW_LOOP_MAX, LINEAR_ROW_LOOP_MAX
+from pyengine.tuning import LINEAR_ROW_LOOP_MAX, SMALL_GEMM_ROWS
 
 LENS = [37, 130, 5, 64, 101]
 
@@ -155,7 +155,7 @@ def test_few_row_matvecs_equal_gemm(state):
         assert w.matmul(x, out) is out
         assert np.abs(out - x.astype(np.float64) @ w.dense()).max() <= 1e-4
     head = r.weights.head
-    for n in (1, 2, HEAD_ROW_LOOP_MAX, HEAD_ROW_LOOP_MAX + 1):
+    for n in (1, 2, SMALL_GEMM_ROWS, SMALL_GEMM_ROWS + 1):
         h = rng.standard_normal((n, head.shape[0])).astype(np.float32)
         out = np.empty((n, head.shape[1]), np.float32)
         assert head.matmul(h, out) is out

@@ -95,20 +95,48 @@ def test_rope_scaling():
 
 
 def test_blocked_linear_equals_the_dense_matrix():
-    """The resident head's column blocks (last block narrower) multiply and gather like the dense matrix."""
-    from pyengine.layers.linear import BlockedLinear
+    """The resident head's column blocks (and the narrower tail) multiply and gather like the dense matrix."""
+    from pyengine.layers.linear import BlockedLinear, col_block
     rng = np.random.default_rng(5)
-    rows_out_in = rng.standard_normal((10, 3)).astype(np.float32)       # GGUF order: (cols, rows)
-    dense = rows_out_in.T                                                # (3, 10)
-    m = BlockedLinear(rows_out_in, 4)
-    assert m.shape == (3, 10) and [b.shape for b in m.blocks] == [(3, 4), (3, 4), (3, 2)]
-    assert all(b.flags.c_contiguous for b in m.blocks) and m.nbytes == dense.nbytes
+    c = col_block(3)
+    rows_out_in = rng.standard_normal((2 * c + 22, 3)).astype(np.float32)   # GGUF order: (cols, rows)
+    dense = rows_out_in.T                                                # (3, 2c + 22)
+    m = BlockedLinear(rows_out_in)
+    assert m.shape == dense.shape and m.blocks.shape == (2, 3, c) and m.tail.shape == (3, 22)
+    assert m.blocks.flags.c_contiguous and m.nbytes == dense.nbytes
     x = rng.standard_normal((5, 3)).astype(np.float32)
     assert np.allclose(m.matmul(x), x @ dense, atol=1e-6)
     assert np.allclose(m.matmul(x[0]), x[0] @ dense, atol=1e-6)         # one row as a vector
-    out = np.empty((5, 10), np.float32)
+    out = np.empty((5, dense.shape[1]), np.float32)
     assert m.matmul(x, out) is out
-    ids = np.array([9, 0, 4, 4, 7, 3])
+    ids = np.array([2 * c + 21, 0, 4, 4, c + 7, 2 * c, 3])
     cols = m.columns(ids, np.empty((len(ids), 3), np.float32))
     assert np.array_equal(cols, dense[:, ids].T)
     assert np.array_equal(m.dense(), dense)
+
+
+def test_dense_linear_rows_do_not_depend_on_the_row_count():
+    """A row's product is the same bits alone (the padded one-row path) as among up to SMALL_GEMM_ROWS rows
+    (S14's verification rows equal the decode rows), and every row count, packed sgemm beyond that (regrouped
+    columns for prefill), matches float64;
+    scaling folds (fold_norms) equal scaling the dense matrix."""
+    from pyengine import tuning
+    from pyengine.layers.linear import PAD_SINGLE_ROW, DenseLinear
+    rng = np.random.default_rng(6)
+    w = rng.standard_normal((96, 300)).astype(np.float32)               # (in, out): blocks and a tail
+    lin = DenseLinear(w)
+    x = rng.standard_normal((2 * tuning.SMALL_GEMM_ROWS + 3, 96)).astype(np.float32)
+    alone = np.stack([lin.matmul(x[i:i + 1])[0] for i in range(len(x))])
+    for n in range(1, len(x) + 1):
+        out = lin.matmul(x[:n])
+        assert np.abs(out - x[:n].astype(np.float64) @ w).max() <= 1e-4
+        if PAD_SINGLE_ROW and n <= tuning.SMALL_GEMM_ROWS:
+            assert np.array_equal(out, alone[:n]), n
+    big = rng.standard_normal((tuning.REGROUP_MIN_ROWS + 5, 96)).astype(np.float32)    # prefill: regrouped
+    assert np.abs(lin.matmul(big) - big.astype(np.float64) @ w).max() <= 1e-4
+    g = rng.standard_normal(96).astype(np.float32)
+    lin.scale_inputs(g)
+    lin.scale_columns(150, 0.5)
+    ref = w * g[:, None]
+    ref[:, :150] *= np.float32(0.5)
+    assert np.array_equal(lin.dense(), ref)

@@ -1,15 +1,16 @@
 """`pyengine bench linear`: what a few rows cost through each `Linear` kind, and a (k+1)-token verification.
 
 S14 verifies k drafts by scoring k+1 rows in one forward: that only pays if a few rows cost about what one row
-costs. OpenBLAS's sgemm packs the whole weight on every call, so a handful of rows can cost more through one
-sgemm than as separate matvecs (each row after the first reads the weight from cache). This benchmark times,
-for 1..12 rows, every kind the forward holds — the layers' `DenseLinear` matrices (resident mode), the resident
-LM head (`BlockedLinear`), and the lean mode's `LeanLinear` matrices — once with the row loop forced on and
-once with one product per call, round-robin over ``--rounds`` (minimum of each: a shared host only adds
-delays). The cut-offs in pyengine/tuning.py (LINEAR_ROW_LOOP_MAX, HEAD_ROW_LOOP_MAX, LEAN_ROW_LOOP_MAX) are
-the largest row counts at which the loop still wins. ``--forward`` also times whole forwards of one sequence
-(and of 8) scoring q = 1..9 tokens with the current cut-offs, as ratios to q = 1: the cost of a
-verification of k = q - 1 drafts, which the back-off (engine/spec_decode.py) prices by the same ratios.
+costs. OpenBLAS's sgemm packs the whole weight on every call, and a loop of matvecs reads the weight once per
+row; the resident matrices (`DenseLinear`, the LM head `BlockedLinear`) are therefore held as narrow column
+blocks whose products stay in OpenBLAS's small-matrix kernel (layers/linear.py). This benchmark times, for
+1..12 rows, every kind the forward holds: the resident kinds through their column blocks, next to the same
+matrices as plain (in, out) arrays through a row loop and through one product (the layout they replaced); the
+lean mode's `LeanLinear` matrices with its row loop forced on and with one product per call (LEAN_ROW_LOOP_MAX
+in pyengine/tuning.py is the largest row count at which its loop still wins). Round-robin over ``--rounds``,
+minimum of each (a shared host only adds delays). ``--forward`` also times whole forwards of one sequence
+(and of 8) scoring q = 1..9 tokens, as ratios to q = 1: the cost of a verification of k = q - 1 drafts, which
+the back-off (engine/spec_decode.py) prices by the same ratios.
 """
 from __future__ import annotations
 
@@ -20,9 +21,8 @@ import numpy as np
 
 from pyengine import tuning
 
-HELP = "cost of 1..12 rows per Linear kind (row loop vs one product) and of (k+1)-token verification forwards"
-
-KINDS = {"dense": "LINEAR_ROW_LOOP_MAX", "head": "HEAD_ROW_LOOP_MAX", "lean": "LEAN_ROW_LOOP_MAX"}
+HELP = ("cost of 1..12 rows per Linear kind (column blocks, row loop, one product) and of (k+1)-token "
+        "verification forwards")
 
 
 def add_arguments(p) -> None:
@@ -32,6 +32,8 @@ def add_arguments(p) -> None:
     p.add_argument("--rounds", type=int, default=3, help="round-robin rounds (minimum of each)")
     p.add_argument("--forward", action="store_true", help="also time whole (k+1)-token verification forwards")
     p.add_argument("--context", type=int, default=256, help="context tokens of each sequence (--forward)")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="time in process CPU seconds (one BLAS thread: the work done, less moved by a shared host)")
     p.add_argument("--quick", action="store_true", help="a short run (smoke test)")
 
 
@@ -43,7 +45,7 @@ def _chains(path: str, kinds: list[str]) -> dict:
     if "dense" in kinds or "head" in kinds:
         m = ModelRunner(path, max_model_len=64, max_num_seqs=1, max_num_batched_tokens=64).weights
         lins = [lin for _, lin in m.linears()]
-        out["dense"] = [x for x in lins if isinstance(x, DenseLinear)]
+        out["dense"] = [x for x in lins if isinstance(x, DenseLinear) and not isinstance(x, BlockedLinear)]
         out["head"] = [x for x in lins if isinstance(x, BlockedLinear)]
     if "lean" in kinds:
         m = ModelRunner(path, max_model_len=64, max_num_seqs=1, max_num_batched_tokens=64,
@@ -52,13 +54,27 @@ def _chains(path: str, kinds: list[str]) -> dict:
     return {k: v for k, v in out.items() if k in kinds and v}
 
 
-def _time_chain(lins, n: int, rng) -> float:
-    xs = {lin.shape[0]: rng.standard_normal((n, lin.shape[0]), dtype=np.float32) for lin in lins}
-    outs = {lin.shape[1]: np.empty((n, lin.shape[1]), np.float32) for lin in lins}
-    t = time.perf_counter()
-    for lin in lins:
-        lin.matmul(xs[lin.shape[0]], outs[lin.shape[1]])
-    return time.perf_counter() - t
+def _time_chain(lins, n: int, rng, mode: str) -> float:
+    """One pass over the chain: "blocks" (the resident matrices' own matmul), or "loop" / "gemm" (the resident
+    matrices as (in, out) arrays, ``dense_matmul`` with its row loop on / off; lean: its own, loop forced on /
+    off)."""
+    from pyengine.layers.linear import LeanLinear, dense_matmul
+    xs = {lin.shape[0]: rng.standard_normal((n, lin.shape[0]), dtype=np.float32) for lin, _ in lins}
+    outs = {lin.shape[1]: np.empty((n, lin.shape[1]), np.float32) for lin, _ in lins}
+    name = "LEAN_ROW_LOOP_MAX" if isinstance(lins[0][0], LeanLinear) else "LINEAR_ROW_LOOP_MAX"
+    saved = getattr(tuning, name)
+    setattr(tuning, name, 64 if mode == "loop" else 1)
+    try:
+        t = time.perf_counter()
+        for lin, w in lins:
+            x, out = xs[lin.shape[0]], outs[lin.shape[1]]
+            if mode == "blocks" or w is None:
+                lin.matmul(x, out)
+            else:
+                dense_matmul(x, w, out)
+        return time.perf_counter() - t
+    finally:
+        setattr(tuning, name, saved)
 
 
 def crossover(loop: dict[int, float], gemm: dict[int, float]) -> int:
@@ -76,31 +92,29 @@ def crossover(loop: dict[int, float], gemm: dict[int, float]) -> int:
 def _rows(args, path) -> None:
     rows = [int(r) for r in args.rows.split(",") if r]
     kinds = [k for k in args.kinds.split(",") if k]
-    chains = _chains(path, kinds)
+    # each resident matrix with its (in, out) array for the layouts it replaced; lean ones run as they are
+    chains = {k: [(lin, None if k == "lean" else np.ascontiguousarray(lin.dense())) for lin in lins]
+              for k, lins in _chains(path, kinds).items()}
+    modes = {k: ("loop", "gemm") if k == "lean" else ("blocks", "loop", "gemm") for k in chains}
     rng = np.random.default_rng(0)
-    best = {(k, n, mode): float("inf") for k in chains for n in rows for mode in ("loop", "gemm")}
-    saved = {name: getattr(tuning, name) for name in KINDS.values()}
-    try:
-        for _ in range(args.rounds):
-            for k, lins in chains.items():
-                for n in rows:
-                    for mode, cut in (("loop", 64), ("gemm", 1)):
-                        setattr(tuning, KINDS[k], cut)
-                        best[(k, n, mode)] = min(best[(k, n, mode)], _time_chain(lins, n, rng))
-    finally:
-        for name, v in saved.items():
-            setattr(tuning, name, v)
+    best = {(k, n, mode): float("inf") for k in chains for n in rows for mode in modes[k]}
+    for _ in range(args.rounds):
+        for k, lins in chains.items():
+            for n in rows:
+                for mode in modes[k]:
+                    best[(k, n, mode)] = min(best[(k, n, mode)], _time_chain(lins, n, rng, mode))
+    names = {"blocks": "column blocks", "loop": "row loop", "gemm": "one product"}
     for k, lins in chains.items():
-        mb = sum(lin.nbytes for lin in lins) / 2 ** 20
-        print(f"\n{k}: {len(lins)} matrices, {mb:.0f} MiB held; ms per chain (x one row)")
-        print(f"{'rows':>4} {'row loop':>14} {'one product':>14}")
-        one = best[(k, rows[0], "gemm")]
+        mb = sum(lin.nbytes for lin, _ in lins) / 2 ** 20
+        print(f"\n{k}: {len(lins)} matrices, {mb:.0f} MiB held; ms per chain (x one row, first column)")
+        print(f"{'rows':>4} " + " ".join(f"{names[m]:>16}" for m in modes[k]))
+        one = best[(k, rows[0], modes[k][0])]
         for n in rows:
-            lo, ge = best[(k, n, "loop")], best[(k, n, "gemm")]
-            mark = " <" if lo <= ge and n > 1 else ""
-            print(f"{n:>4} {lo * 1e3:8.1f} ({lo / one:4.2f}) {ge * 1e3:8.1f} ({ge / one:4.2f}){mark}")
-        x = crossover({n: best[(k, n, 'loop')] for n in rows}, {n: best[(k, n, 'gemm')] for n in rows})
-        print(f"row loop up to {x} rows ({KINDS[k]} now {saved[KINDS[k]]})")
+            print(f"{n:>4} " + " ".join(f"{best[(k, n, m)] * 1e3:9.1f} ({best[(k, n, m)] / one:4.2f})"
+                                        for m in modes[k]))
+        if k == "lean":
+            x = crossover({n: best[(k, n, 'loop')] for n in rows}, {n: best[(k, n, 'gemm')] for n in rows})
+            print(f"row loop up to {x} rows (LEAN_ROW_LOOP_MAX now {tuning.LEAN_ROW_LOOP_MAX})")
 
 
 def _forward(args, path) -> None:
@@ -122,15 +136,17 @@ def _forward(args, path) -> None:
         # every sequence scores q tokens at positions ctx..ctx+q-1 (rewritten each time: a verification)
         b = ForwardBatch(rng.integers(0, V, nseq * q), np.tile(np.arange(ctx, ctx + q), nseq), [q] * nseq,
                          [ctx + q] * nseq, tables[:nseq], np.arange(nseq * q))
-        t = time.perf_counter()
+        clock = time.process_time if args.cpu_time else time.perf_counter
+        t = clock()
         runner.run(b)
-        return time.perf_counter() - t
+        return clock() - t
 
     best = {(n, q): float("inf") for n in (1, B) for q in qs}
     for _ in range(args.rounds):
         for key in best:
             best[key] = min(best[key], step(*key))
-    print(f"\nwhole forward, context {ctx}: ms (x q = 1) for sequences x q scored tokens (k = q - 1 drafts)")
+    unit = "CPU ms" if args.cpu_time else "ms"
+    print(f"\nwhole forward, context {ctx}: {unit} (x q = 1) for sequences x q scored tokens (k = q - 1 drafts)")
     print(f"{'q':>4} {'1 sequence':>16} {f'{B} sequences':>16}")
     for q in qs:
         a, b = best[(1, q)], best[(B, q)]

@@ -80,7 +80,8 @@ def batch_key(batch, max_logits: int) -> tuple | None:
 
 
 def _tuning() -> tuple:
-    return tuning.DECODE_SLOTS, tuning.LINEAR_ROW_LOOP_MAX, tuning.HEAD_ROW_LOOP_MAX, tuning.DECODE_KEY_CHUNK
+    return (tuning.DECODE_SLOTS, tuning.LINEAR_ROW_LOOP_MAX, tuning.SMALL_GEMM_ROWS, tuning.REGROUP_MIN_ROWS,
+            tuning.DECODE_KEY_CHUNK)
 
 
 def _rows_key(rows) -> tuple:

@@ -4,21 +4,24 @@
     y = lin.gated(x, out, scratch)    out = act(x @ Wg) * (x @ Wu)   for a fused [gate | up] matrix (SwiGLU, GeGLU)
 
 Implementations (the model never asks which one it holds):
-  DenseLinear      float32 (in, out), dequantized once at load (resident mode); 2..8 rows run as matvecs
-  BlockedLinear    float32 (in, out) kept as contiguous column blocks (the LM head, (d, V)); also gives columns
-                   (tied embeddings read their rows from the head)
+  DenseLinear      float32 (in, out), dequantized once at load (resident mode), held as contiguous column blocks
+  BlockedLinear    the resident LM head (d, V): a DenseLinear that also gives columns (tied embeddings read
+                   their rows from the head)
   LeanLinear       the GGUF's quantized rows, dequantized into shared scratch just before use (lean mode,
                    picoLM-style: one layer's worth of float32 at a time, for 32-bit browsers)
   ColumnParallelLinear, RowParallelLinear, VocabParallelHead (layers/parallel_linear.py, S17): Megatron's splits
-Why (in, out) and matvecs for few rows: OpenBLAS's sgemm packs the whole weight on every call, so 2 rows cost
-~2.4x one row, while its matvec streams rows ("N" layout) ~1.4x faster than the (out, in) form. Numbers in
-docs/performance.md; the cut-offs live in pyengine/tuning.py.
+Why column blocks: OpenBLAS's sgemm packs the whole weight on every call, so 2 rows cost ~2.4x one row, and a
+loop of matvecs reads the weight once per row; its small-matrix kernel (M*N*K <= 100^3, no packing) multiplies
+a few rows by a narrow block reading the block once, so a stack of such blocks makes 9 rows cost ~1.6x one row.
+Numbers in docs/performance.md; the limits live in pyengine/tuning.py.
 """
 from __future__ import annotations
 
+import sys
 from functools import partial
 
 import numpy as np
+from numpy.lib.stride_tricks import as_strided
 
 from pyengine import tuning
 from pyengine.gguf import quants
@@ -69,22 +72,6 @@ def dense_matmul(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> np.ndarray:
     return out
 
 
-def dense_matmul_ops(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> list:
-    """S13: ``dense_matmul``'s calls (the same row-loop rule), bound for a captured step. As ``np.dot``: for
-    these 1-D / 2-D float32 operands it makes the same BLAS call (sgemv, sgemm) as ``np.matmul``, the same bits
-    (tests/test_graph_replay.py), without the generalized ufunc's per-call set-up (~1 us of a d=64 product)."""
-    n = x.shape[0]
-    if 1 < n <= tuning.LINEAR_ROW_LOOP_MAX:
-        return [partial(_product(x[r], w, out[r]), x[r], w, out[r]) for r in range(n)]
-    return [partial(_product(x, w, out), x, w, out)]
-
-
-def _product(x: np.ndarray, w: np.ndarray, out: np.ndarray):
-    """np.dot for C-contiguous operands (which both hand to BLAS as they are; np.dot also writes only such an
-    ``out``), else np.matmul."""
-    return np.dot if x.flags.c_contiguous and w.flags.c_contiguous and out.flags.c_contiguous else np.matmul
-
-
 class Linear:
     """The shared part of every implementation: ``shape`` (in, out), ``nbytes`` held, ``act`` of a gated
     [gate | up] matrix ("silu", "gelu_tanh" or None), and ``gated`` as matmul then the activation."""
@@ -114,74 +101,135 @@ class Linear:
         return self.matmul(np.ascontiguousarray(x, dtype=np.float32))
 
 
+def col_block(n_in: int) -> int:
+    """Columns per block of a resident matrix with ``n_in`` inputs: the widest of 64, 32, 16 for which a
+    product of SMALL_GEMM_ROWS rows stays within OpenBLAS's small-matrix kernel (M * N * K <= SMALL_GEMM_MNK)."""
+    for c in (64, 32):
+        if tuning.SMALL_GEMM_ROWS * c * n_in <= tuning.SMALL_GEMM_MNK:
+            return c
+    return 16
+
+
+# A one-row product runs as two rows (the second a zero pad) so that it takes the very kernel, and rounding,
+# of a few-row one: a decode row and a verification row of the same sequence are then bit-identical, and
+# greedy speculative output is the plain output by construction. Not in Pyodide: its NumPy has no BLAS, and
+# its plain loops would pay for the pad row in full.
+PAD_SINGLE_ROW = sys.platform != "emscripten"
+
+
+def _column_blocks_view(out: np.ndarray, nb: int, c: int) -> np.ndarray:
+    """``out`` (rows, >= nb*c columns, unit column stride) as (nb, rows, c): block b is out[:, b*c:(b+1)*c]."""
+    s0, s1 = out.strides
+    return as_strided(out, (nb, out.shape[0], c), (c * s1, s0, s1))
+
+
 class DenseLinear(Linear):
-    """A float32 (in, out) matrix (resident mode)."""
+    """A float32 (in, out) matrix (resident mode), held as contiguous column blocks ``blocks`` (nb, in, c) plus
+    the ``tail`` columns (in, out - nb*c) when c does not divide out.
+
+    Why blocks: ``x @ W`` for a few rows through one sgemm packs the whole weight on every call (2 rows ~2.4x
+    one row) and a row loop re-reads it once per row, while one stacked ``np.matmul(x, blocks)`` makes nb small
+    products, each within OpenBLAS's small-matrix kernel, which reads each block once for every row: 9 rows
+    cost ~1.6x one row instead of ~3.5x (docs/performance.md, "Column blocks")."""
 
     def __init__(self, w: np.ndarray, act: str | None = None):
-        self.w = np.ascontiguousarray(w, dtype=np.float32)
-        self.shape, self.nbytes, self.act = self.w.shape, self.w.nbytes, act
+        """``w``: the (in, out) matrix; a transposed view of the GGUF's (out, in) rows is copied only once."""
+        rows = np.asarray(w, dtype=np.float32).T                     # (out, in): block b is rows b*c..b*c+c-1
+        n_out, n_in = rows.shape
+        c = col_block(n_in)
+        nb = n_out // c
+        self.blocks = np.ascontiguousarray(rows[:nb * c].reshape(nb, c, n_in).transpose(0, 2, 1))
+        self.tail = np.ascontiguousarray(rows[nb * c:].T) if nb * c < n_out else None
+        self.shape, self.act = (n_in, n_out), act
+        self.nbytes = self.blocks.nbytes + (self.tail.nbytes if self.tail is not None else 0)
 
     @classmethod
     def from_quant(cls, m: QuantMatrix, act: str | None = None) -> "DenseLinear":
         return cls(m.dequantize().T, act)             # the (out, in) copy is freed right away
 
-    def matmul(self, x, out=None):
-        out = np.empty((x.shape[0], self.shape[1]), np.float32) if out is None else out
-        return dense_matmul(x, self.w, out)
+    def _ops(self, x: np.ndarray, out: np.ndarray) -> list:
+        nb, _, c = self.blocks.shape
+        if out.strides[1] != out.itemsize:
+            raise ValueError("DenseLinear.matmul needs an output with contiguous columns")
+        # more rows than SMALL_GEMM_ROWS (wide batches) leave the small kernel: one packed sgemm per block; run
+        # through the small kernel in chunks of <= 17 rows instead, Gemma's 1.5k-token golden prompt was 1.5x
+        # further from HF's logits (max 1.28e-3). Prefill-sized row counts: sgemm over regrouped columns.
+        if x.shape[0] >= tuning.REGROUP_MIN_ROWS:
+            ops = [partial(self._regrouped, x, out)]
+        else:
+            ops = [partial(np.matmul, x, self.blocks, _column_blocks_view(out, nb, c))]
+        if self.tail is not None:
+            ops.append(partial(np.matmul, x, self.tail, out[:, nb * c:]))
+        return ops
+
+    def _regrouped(self, x: np.ndarray, out: np.ndarray) -> None:
+        """out = x @ W for many rows: REGROUP_COLS columns at a time copied back to one (in, cols) array (in
+        cache) and multiplied by one sgemm, which packs x once per group instead of once per narrow block."""
+        nb, n_in, c = self.blocks.shape
+        g = max(1, tuning.REGROUP_COLS // c)
+        scratch = np.empty((n_in, min(g, nb) * c), np.float32)
+        for b0 in range(0, nb, g):
+            b1 = min(nb, b0 + g)
+            s = scratch[:, :(b1 - b0) * c]
+            np.copyto(s.reshape(n_in, b1 - b0, c), self.blocks[b0:b1].transpose(1, 0, 2))
+            np.matmul(x, s, out=out[:, b0 * c:b1 * c])
 
     def matmul_ops(self, x, out):
-        return dense_matmul_ops(x, self.w, out)
-
-    def dense(self):
-        return self.w
-
-
-class BlockedLinear(Linear):
-    """A float32 (in, out) matrix as contiguous column blocks of ``width`` columns (the resident LM head, (d, V)):
-    with the whole matrix's long rows OpenBLAS multiplies 8-32 rows 1.3-1.5x slower than block by block, and up
-    to HEAD_ROW_LOOP_MAX rows run as matvecs over one block at a time (it stays in cache across the rows)."""
-
-    def __init__(self, out_in_rows: np.ndarray, width: int | None = None):
-        """``out_in_rows``: the (out, in) matrix as GGUF stores it (one row per output column)."""
-        cols, rows = out_in_rows.shape
-        self.width = width = width or tuning.HEAD_COL_CHUNK
-        self.blocks = [np.ascontiguousarray(out_in_rows[c:c + width].T) for c in range(0, cols, width)]
-        self.shape = (rows, cols)
-        self.nbytes = sum(b.nbytes for b in self.blocks)
+        if x.shape[0] == 1 and PAD_SINGLE_ROW:
+            x2 = np.zeros((2, self.shape[0]), np.float32)
+            o2 = np.empty((2, self.shape[1]), np.float32)
+            return ([partial(np.copyto, x2[0], x[0])] + self._ops(x2, o2) + [partial(np.copyto, out[0], o2[0])])
+        return self._ops(x, out)
 
     def matmul(self, x, out=None):
         out = np.empty(x.shape[:-1] + (self.shape[1],), np.float32) if out is None else out
-        n = x.shape[0] if x.ndim == 2 else 1
-        for i, b in enumerate(self.blocks):
-            o = out[..., i * self.width:i * self.width + b.shape[1]]
-            if x.ndim == 2 and 1 < n <= tuning.HEAD_ROW_LOOP_MAX:
-                for r in range(n):
-                    np.matmul(x[r], b, out=o[r])
-            else:
-                np.matmul(x, b, out=o)
+        if x.ndim == 1:                                        # one row as a vector
+            self.matmul(x[None], out[None])
+            return out
+        for op in self.matmul_ops(x, out):
+            op()
         return out
 
-    def matmul_ops(self, x, out):
-        ops, n = [], x.shape[0]
-        for i, b in enumerate(self.blocks):
-            o = out[:, i * self.width:i * self.width + b.shape[1]]
-            if 1 < n <= tuning.HEAD_ROW_LOOP_MAX:          # np.dot: as in dense_matmul_ops
-                ops += [partial(_product(x[r], b, o[r]), x[r], b, o[r]) for r in range(n)]
-            else:
-                ops.append(partial(_product(x, b, o), x, b, o))
-        return ops
+    def scale_inputs(self, g: np.ndarray) -> None:
+        """W <- diag(g) W (an RMSNorm weight folded in at load, models/base.py fold_norms)."""
+        self.blocks *= g[None, :, None]
+        if self.tail is not None:
+            self.tail *= g[:, None]
+
+    def scale_columns(self, stop: int, f: float) -> None:
+        """W[:, :stop] *= f (SiLU's halving folded into the gate columns)."""
+        nb, _, c = self.blocks.shape
+        full = min(stop // c, nb)
+        self.blocks[:full] *= np.float32(f)
+        rest = stop - full * c
+        if rest and full < nb:
+            self.blocks[full, :, :rest] *= np.float32(f)
+        if self.tail is not None and stop > nb * c:
+            self.tail[:, :stop - nb * c] *= np.float32(f)
+
+    def dense(self):
+        nb, n_in, c = self.blocks.shape
+        w = self.blocks.transpose(1, 0, 2).reshape(n_in, nb * c)
+        return w if self.tail is None else np.concatenate([w, self.tail], axis=1)
+
+
+class BlockedLinear(DenseLinear):
+    """The resident LM head (d, V): a `DenseLinear` built from the GGUF's (V, d) rows, that also gives columns
+    (tied embeddings read their rows from the head)."""
+
+    def __init__(self, out_in_rows: np.ndarray):
+        """``out_in_rows``: the (out, in) matrix as GGUF stores it (one row per output column)."""
+        super().__init__(out_in_rows.T)
 
     def columns(self, idx: np.ndarray, out: np.ndarray) -> np.ndarray:
         """out[t] = W[:, idx[t]] for (T,) indices: out is (T, in)."""
         idx = np.asarray(idx, dtype=np.int64)
-        which, col = np.divmod(idx, self.width)
-        for i in np.unique(which).tolist():
-            sel = which == i
-            out[sel] = self.blocks[i][:, col[sel]].T          # (in, k) gather: k*in floats, small
+        nb, _, c = self.blocks.shape
+        inside = idx < nb * c
+        out[inside] = self.blocks[idx[inside] // c, :, idx[inside] % c]     # (k, in) gather: k*in floats, small
+        if not inside.all():
+            out[~inside] = self.tail[:, idx[~inside] - nb * c].T
         return out
-
-    def dense(self):
-        return np.concatenate(self.blocks, axis=1)
 
 
 class LeanLinear(Linear):

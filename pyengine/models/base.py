@@ -203,7 +203,7 @@ def fold_norms(w: Weights) -> None:
     for i, L in enumerate(w.layers):
         gu = getattr(L, "w_gate_up", None)
         if getattr(L, "moe", None) is None and isinstance(gu, DenseLinear) and gu.act == "silu":
-            gu.w[:, :gu.shape[1] // 2] *= np.float32(0.5)
+            gu.scale_columns(gu.shape[1] // 2, 0.5)
             gu.act = "silu_half"
         done = {}
         for norm, mat in (("attn_norm", "wqkv"), ("ffn_norm", "w_gate_up")):
@@ -211,12 +211,11 @@ def fold_norms(w: Weights) -> None:
             if g is None or not isinstance(lin, DenseLinear) or (mat == "w_gate_up" and
                                                                  getattr(L, "moe", None) is not None):
                 continue
-            lin.w *= g[:, None]
+            lin.scale_inputs(g)
             done[norm] = None
         w.layers[i] = L._replace(**done)
     if not w.tied and isinstance(w.head, BlockedLinear) and w.output_norm is not None:
-        for block in w.head.blocks:
-            block *= w.output_norm[:, None]
+        w.head.scale_inputs(w.output_norm)
         w.output_norm = None
 
 

@@ -117,8 +117,9 @@ def test_blocked_linear_equals_the_dense_matrix():
 
 def test_dense_linear_rows_do_not_depend_on_the_row_count():
     """A row's product is the same bits alone (the padded one-row path) as among up to SMALL_GEMM_ROWS rows
-    (S14's verification rows equal the decode rows), and every row count, packed sgemm beyond that (regrouped
-    columns for prefill), matches float64;
+    (S14's verification rows equal the decode rows) and in a wide batch run in row chunks (from
+    SMALL_GEMM_CHUNK_MIN rows), and every row count, packed sgemm between them (regrouped columns for
+    prefill), matches float64;
     scaling folds (fold_norms) equal scaling the dense matrix."""
     from pyengine import tuning
     from pyengine.layers.linear import PAD_SINGLE_ROW, DenseLinear
@@ -130,8 +131,13 @@ def test_dense_linear_rows_do_not_depend_on_the_row_count():
     for n in range(1, len(x) + 1):
         out = lin.matmul(x[:n])
         assert np.abs(out - x[:n].astype(np.float64) @ w).max() <= 1e-4
-        if PAD_SINGLE_ROW and n <= tuning.SMALL_GEMM_ROWS:
+        if PAD_SINGLE_ROW and (n <= tuning.SMALL_GEMM_ROWS or n >= tuning.SMALL_GEMM_CHUNK_MIN):
             assert np.array_equal(out, alone[:n]), n
+    # a 576-wide matrix (SmolLM2's), where one packed sgemm would round a wide batch's rows differently
+    wide = DenseLinear(rng.standard_normal((576, 1536)).astype(np.float32))
+    xw = rng.standard_normal((40, 576)).astype(np.float32)
+    if PAD_SINGLE_ROW:
+        assert np.array_equal(wide.matmul(xw), np.stack([wide.matmul(xw[i:i + 1])[0] for i in range(len(xw))]))
     big = rng.standard_normal((tuning.REGROUP_MIN_ROWS + 5, 96)).astype(np.float32)    # prefill: regrouped
     assert np.abs(lin.matmul(big) - big.astype(np.float64) @ w).max() <= 1e-4
     g = rng.standard_normal(96).astype(np.float32)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from engine_fakes import VOCAB, FakeTokenizer, context_logits, make_engine, reference_greedy, run_all
-from pyengine.engine.proposers import NgramProposer, ngram_lookup
+from pyengine.engine.proposers import NgramIndex, NgramProposer, ngram_lookup
 from pyengine.engine.spec_decode import SpeculativeConfig, expected_tokens
 from pyengine.layers.sampler import softmax
 from pyengine.sampling_params import SamplingParams
@@ -219,6 +219,24 @@ def test_penalties_and_logit_bias_see_the_drafts_before_each_row():
     assert out.token_ids == ref
     st = eng.stats()
     assert st["spec_decode_num_accepted_tokens"] == st["spec_decode_num_draft_tokens"] > 0
+
+
+def test_ngram_index_equals_the_scan_as_the_sequence_grows():
+    """The proposer's incremental index gives what the plain scan (ngram_lookup) gives, after every append,
+    for every k and n range, on streams with many repeats (a 4-token vocabulary); a sequence that is not a
+    continuation of the indexed one (a new prompt under the same id) is re-indexed."""
+    rng = np.random.default_rng(5)
+    for n_min, n_max in ((1, 1), (1, 3), (2, 5), (3, 3)):
+        for _ in range(20):
+            ix, toks = NgramIndex(n_min, n_max), []
+            for _ in range(12):
+                toks += rng.integers(0, 4, int(rng.integers(1, 6))).tolist()
+                ix.extend(toks)
+                for k in (1, 3, 8):
+                    assert ix.lookup(k) == ngram_lookup(np.array(toks), k, n_min, n_max), (toks, k, n_min, n_max)
+            other = [9, 8, 9, 8, 9]
+            ix.extend(other)
+            assert ix.lookup(2) == ngram_lookup(np.array(other), 2, n_min, n_max) and ix.tokens == other
 
 
 def test_ngram_lookup():

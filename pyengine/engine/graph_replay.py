@@ -80,7 +80,8 @@ def batch_key(batch, max_logits: int) -> tuple | None:
 
 
 def _tuning() -> tuple:
-    return (tuning.DECODE_SLOTS, tuning.LINEAR_ROW_LOOP_MAX, tuning.SMALL_GEMM_ROWS, tuning.REGROUP_MIN_ROWS,
+    return (tuning.DECODE_SLOTS, tuning.LINEAR_ROW_LOOP_MAX, tuning.SMALL_GEMM_ROWS, tuning.SMALL_GEMM_CHUNK_MIN,
+            tuning.REGROUP_MIN_ROWS,
             tuning.DECODE_KEY_CHUNK)
 
 

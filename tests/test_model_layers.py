@@ -146,3 +146,22 @@ def test_dense_linear_rows_do_not_depend_on_the_row_count():
     ref = w * g[:, None]
     ref[:, :150] *= np.float32(0.5)
     assert np.array_equal(lin.dense(), ref)
+
+
+def test_embedding_bound_lookup_equals_the_plain_one():
+    """S13's bound gather (Embedding.ops) gives the plain lookup's rows, for untied tables and for tied column-block
+    heads whose vocabulary is one block plus a tail (token ids past the first block must not be clipped into it)."""
+    from pyengine.layers.linear import BlockedLinear, Embedding
+    rng = np.random.default_rng(8)
+    for vocab in (64, 100, 300):
+        rows = rng.standard_normal((vocab, 64)).astype(np.float32)
+        ids = np.array([0, 63, vocab - 1, vocab // 2])
+        for source in (np.ascontiguousarray(rows.T), BlockedLinear(rows)):
+            emb, out = Embedding(source, 64), np.empty((len(ids), 64), np.float32)
+            ops = emb.ops(ids, out)
+            if ops is None:
+                emb(ids, out)
+            else:
+                for op in ops:
+                    op()
+            assert np.array_equal(out, rows[ids]), (vocab, type(source).__name__)

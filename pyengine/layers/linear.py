@@ -296,13 +296,11 @@ class Embedding:
 
     def ops(self, token_ids: np.ndarray, out: np.ndarray) -> list | None:
         """S13: the lookup as one bound gather for a captured step, when the rows come from one float32 (d, V)
-        array (untied, or a tied head of one column block); else None (then the lookup is one call)."""
-        s = self.source
-        blocks = getattr(s, "blocks", None)
-        table = s if isinstance(s, np.ndarray) else blocks[0] if blocks is not None and len(blocks) == 1 else None
-        if table is None:
+        array (untied, resident); else None (then the lookup is one call: a tied head's columns are spread over
+        its column blocks and tail)."""
+        if not isinstance(self.source, np.ndarray):
             return None
-        return [partial(np.take, table, token_ids, 1, out.T, "clip")]
+        return [partial(np.take, self.source, token_ids, 1, out.T, "clip")]
 
 
 def make_linear(m: QuantMatrix, mode: str, act: str | None = None) -> Linear:

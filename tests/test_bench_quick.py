@@ -90,12 +90,15 @@ def test_bench_tokenizer_quick():
     finite_positive(re.findall(rf"re-only split = ({NUMBER})x", out), "encode / split ratio", 2)
 
 
-@pytest.mark.parametrize("what, n_ratios", [("prefix", 2), ("batching", 3), ("chunked", 7)])
+@pytest.mark.parametrize("what, n_ratios", [("prefix", 2), ("batching", 3), ("chunked", 13)])
 def test_bench_paging_quick(what, n_ratios):
     # (waste is tests/test_engine_bench_paging.py's, in-process); one sub-benchmark a run keeps each short
-    out = bench("paging", "--quick", "--only", what)
+    extra = ("--frontier", "3") if what == "chunked" else ()
+    out = bench("paging", "--quick", "--only", what, *extra)
     assert f"[{what}:" in out, out
     finite_positive(ratios_after_word(out), f"paging {what}", n_ratios)
+    if what == "chunked":       # the frontier's setup: a fixed target of 3x the measured decode step
+        assert re.search(r"ITL target \d+ ms \(3x\)", out) and "setups meeting both goals" in out, out
 
 
 def test_bench_serve_quick():

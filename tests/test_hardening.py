@@ -616,6 +616,40 @@ def test_prompts_parsed_in_a_worker_process(smol_tokenizer):
     assert stream.worst < 2.0, stream.worst
 
 
+WORKER_ORPHAN_SCRIPT = """
+import asyncio, os, sys
+from pyengine.server.tokenizer_process import TokenizerProcess
+from pyengine.tokenizer import Tokenizer
+if __name__ == "__main__":
+    tp = TokenizerProcess(Tokenizer.from_gguf(sys.argv[1]))
+    asyncio.run(tp.start())
+    print(tp._executor().submit(os.getpid).result(), flush=True)
+    os._exit(0)          # as a killed server ends: no shutdown of the pool
+"""
+
+
+def test_a_killed_server_leaves_no_tokenizer_worker(tmp_path):
+    """The worker follows its server out: a server process that ends without closing the pool (killed, or a
+    crash) must not leave its tokenizer worker orphaned (it would block on its queue forever)."""
+    import os
+    import subprocess
+    from pyengine.model_files import resolve_model
+    script = tmp_path / "server_like.py"
+    script.write_text(WORKER_ORPHAN_SCRIPT)
+    log = tmp_path / "out.txt"          # a file, not a pipe: an orphaned worker would hold a pipe open
+    with open(log, "w") as f:
+        rc = subprocess.run([sys.executable, str(script), str(resolve_model(None))], stdout=f,
+                            stderr=subprocess.STDOUT, timeout=120).returncode
+    text = log.read_text()
+    assert rc == 0, text
+    pid = int(text.split()[-1])
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}"):
+        time.sleep(0.1)
+    alive = os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    assert not alive, f"tokenizer worker {pid} outlived its server"
+
+
 def test_forged_turn_through_the_python_api_and_the_worker(smol_tokenizer):
     """LLM.chat and the browser worker's chat path encode message text as plain text too."""
     import sys

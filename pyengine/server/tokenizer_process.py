@@ -11,16 +11,35 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
 import pickle
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
 _TOKENIZER = None   # the worker's copy
+PARENT_POLL_S = 0.5  # how often a worker checks that the server process is still its parent
 
 
-def _load(blob: bytes) -> None:
+def _load(blob: bytes, parent: int) -> None:
     global _TOKENIZER
     _TOKENIZER = pickle.loads(blob)
+    _exit_with_parent(parent)
+
+
+def _exit_with_parent(parent: int) -> None:
+    """End this worker when the server process is gone. A pool worker blocks reading its call queue, whose
+    pipe it also holds open for writing, so a server killed without shutting the pool down (SIGKILL, a crash,
+    an MPI job's rank 0 ended by its launcher) would leave it waiting forever, orphaned."""
+    import os
+    import threading
+    import time
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="pyengine-parent-watch", daemon=True).start()
 
 
 def _call(fn, body, policy):
@@ -44,7 +63,7 @@ class TokenizerProcess:
         if self._pool is None:
             # spawn, not fork: a fork would copy a process whose engine and server threads hold locks
             self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
-                                             initializer=_load, initargs=(self._blob,))
+                                             initializer=_load, initargs=(self._blob, os.getpid()))
         return self._pool
 
     async def start(self) -> None:
@@ -59,6 +78,8 @@ class TokenizerProcess:
             raise
 
     def close(self) -> None:
+        """Stop the worker: queued calls are cancelled, a running one (at most a prompt's parse) ends first."""
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
+

@@ -13,6 +13,7 @@ SMALL_GEMM_ROWS = 17        # DenseLinear's column blocks keep up to 17 rows (k 
 #                             (more rows: one packed sgemm per block)
 SMALL_GEMM_CHUNK_MIN = 24   # from 24 rows (below REGROUP_MIN_ROWS) row chunks of <= 17 in the small kernel beat one
 #                             packed sgemm per block: 24 rows 1.10x, 32 1.40x, 64 1.30x, 128 1.24x; 18-20 rows 0.87-0.94x
+#                             (and below 24 wherever one product passes SMALL_GEMM_MNK: 21-23 rows x 1536 inputs 1.5x)
 REGROUP_MIN_ROWS = 256      # from 256 rows (prefill) blocks are copied back in 1024-column groups for one sgemm each:
 REGROUP_COLS = 1024         # 512 rows, one layer: 38.1 ms vs 40.6 per block vs 36.5 whole matrix; 128 rows: no gain
 SMALL_GEMM_MNK = 1_000_000  # OpenBLAS's small-matrix kernel takes M*N*K <= 100^3 (beyond: packed sgemm, 3x slower

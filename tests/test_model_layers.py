@@ -116,10 +116,10 @@ def test_blocked_linear_equals_the_dense_matrix():
 
 
 def test_dense_linear_rows_do_not_depend_on_the_row_count():
-    """A row's product is the same bits alone (the padded one-row path) as among up to SMALL_GEMM_ROWS rows
-    (S14's verification rows equal the decode rows) and in a wide batch run in row chunks (from
-    SMALL_GEMM_CHUNK_MIN rows), and every row count, packed sgemm between them (regrouped columns for
-    prefill), matches float64;
+    """A row's product is the same bits alone (the padded one-row path) as among any number of rows below
+    REGROUP_MIN_ROWS: up to SMALL_GEMM_ROWS rows (S14's verification rows equal the decode rows), one product
+    in the small kernel, and row chunks from SMALL_GEMM_CHUNK_MIN rows or wherever one product would leave
+    that kernel; every row count (regrouped columns for prefill) matches float64;
     scaling folds (fold_norms) equal scaling the dense matrix."""
     from pyengine import tuning
     from pyengine.layers.linear import PAD_SINGLE_ROW, DenseLinear
@@ -131,13 +131,16 @@ def test_dense_linear_rows_do_not_depend_on_the_row_count():
     for n in range(1, len(x) + 1):
         out = lin.matmul(x[:n])
         assert np.abs(out - x[:n].astype(np.float64) @ w).max() <= 1e-4
-        if PAD_SINGLE_ROW and (n <= tuning.SMALL_GEMM_ROWS or n >= tuning.SMALL_GEMM_CHUNK_MIN):
+        if PAD_SINGLE_ROW:
             assert np.array_equal(out, alone[:n]), n
-    # a 576-wide matrix (SmolLM2's), where one packed sgemm would round a wide batch's rows differently
-    wide = DenseLinear(rng.standard_normal((576, 1536)).astype(np.float32))
-    xw = rng.standard_normal((40, 576)).astype(np.float32)
-    if PAD_SINGLE_ROW:
-        assert np.array_equal(wide.matmul(xw), np.stack([wide.matmul(xw[i:i + 1])[0] for i in range(len(xw))]))
+    # SmolLM2's shapes, where one packed sgemm would round a wide batch's rows differently: 576 inputs, and
+    # the down projection's 1536 (32-column blocks), whose 21-23-row product would leave the small kernel
+    for n_in, n_out in ((576, 1536), (1536, 576)):
+        wide = DenseLinear(rng.standard_normal((n_in, n_out)).astype(np.float32))
+        xw = rng.standard_normal((40, n_in)).astype(np.float32)
+        alone = np.stack([wide.matmul(xw[i:i + 1])[0] for i in range(len(xw))])
+        for n in range(2, len(xw) + 1) if PAD_SINGLE_ROW else ():
+            assert np.array_equal(wide.matmul(xw[:n]), alone[:n]), (n_in, n)
     big = rng.standard_normal((tuning.REGROUP_MIN_ROWS + 5, 96)).astype(np.float32)    # prefill: regrouped
     assert np.abs(lin.matmul(big) - big.astype(np.float64) @ w).max() <= 1e-4
     g = rng.standard_normal(96).astype(np.float32)

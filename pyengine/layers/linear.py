@@ -162,7 +162,10 @@ class DenseLinear(Linear):
             chunks = [(0, rows)]
         else:
             size = max(rows, 1)
-            if rows >= tuning.SMALL_GEMM_CHUNK_MIN:
+            # from SMALL_GEMM_CHUNK_MIN rows, or as soon as one product would leave the small kernel (21-23 rows
+            # of a 1536-input block: packed, slower, and rounded differently from the same rows in chunks)
+            if rows >= tuning.SMALL_GEMM_CHUNK_MIN or (
+                    rows > tuning.SMALL_GEMM_ROWS and rows * x.shape[1] * c > tuning.SMALL_GEMM_MNK):
                 n = -(-rows // tuning.SMALL_GEMM_ROWS)
                 size = -(-rows // n)
             chunks = [(r, min(rows, r + size)) for r in range(0, rows, size)]

@@ -98,8 +98,9 @@ class Cluster:
         assert self.router.num_used_blocks() == 0 and not self.router.requests
 
 
-def colocated(runner, prompts, params):
-    """The reference: one LLMEngine, the same configuration, each prompt alone."""
+def colocated(runner, prompts, params, choices=False):
+    """The reference: one LLMEngine, the same configuration, each prompt alone (its first choice, or with
+    ``choices`` all of them)."""
     outs = []
     for i, p in enumerate(prompts):
         eng = LLMEngine(runner=runner, **KW)
@@ -107,7 +108,7 @@ def colocated(runner, prompts, params):
         while eng.has_unfinished_requests():
             for o in eng.step():
                 if o.finished:
-                    outs.append(o.outputs[0])
+                    outs.append(o.outputs if choices else o.outputs[0])
     return outs
 
 
@@ -267,8 +268,6 @@ def test_router_refuses_what_an_engine_would(runners):
         c.router.add_request("big", [5] * 500, SamplingParams(max_tokens=100))
     with pytest.raises(ValueError, match="out of range"):
         c.router.add_request("vocab", [10 ** 7], SamplingParams(max_tokens=2))
-    with pytest.raises(ValueError, match="n > 1"):
-        c.router.add_request("n", [5, 6], SamplingParams(max_tokens=2, n=2))
     assert not c.router.requests and not any(c.net.inbox)
 
 
@@ -382,3 +381,136 @@ def test_a_prefill_rank_waiting_on_a_full_window_does_not_spin(runners, monkeypa
     c.settle()
     assert c.final["w"].outputs[0].token_ids == colocated(runners[0], [long_prompt(200, seed=31)], params)[0].token_ids
     c.assert_no_blocks()
+
+
+# --- n > 1: several choices of one prompt --------------------------------------------------------------------------
+def choices_of(c, rid):
+    return sorted(c.final[rid].outputs, key=lambda o: o.index)
+
+
+def test_n_choices_identical_to_colocated_greedy_and_seeded(runners, golden_prompts):
+    """n = 3 through the router: every choice (tokens, text, finish reason, logprobs) equals the colocated
+    engine's choice of that index, greedy and seeded; the prompt's full blocks move once, each further choice
+    sends only its last block (on a fresh decode instance: nothing else is cached there), and both instances end
+    with no block in use."""
+    bs = runners[0].block_size
+    prompts = golden_prompts[:2] + [long_prompt(100, seed=41), long_prompt(64, seed=42)]   # 64: a full last block
+    cases = [SamplingParams(temperature=0.0, n=3, max_tokens=10, ignore_eos=True, logprobs=2),
+             SamplingParams(temperature=0.9, top_p=0.95, n=3, seed=7, max_tokens=10, logprobs=1, stop=["\n\n"])]
+    distinct = 0
+    for params in cases:
+        refs = colocated(runners[0], prompts, params, choices=True)
+        for p, ref in zip(prompts, refs):
+            c = Cluster(runners)
+            c.router.add_request("d", p, params)
+            c.settle()
+            got = choices_of(c, "d")
+            assert [o.index for o in got] == [0, 1, 2] and c.final["d"].prompt_token_ids == p
+            for a, b in zip(got, ref):
+                same(a, b)
+            if params.seed is not None:
+                distinct += len({tuple(o.token_ids) for o in ref}) == 3
+            blocks, shared = -(-len(p) // bs), (len(p) - 1) // bs
+            t = c.router.totals
+            assert t["transfers"] == 3 and t["blocks_cached"] == 2 * shared
+            assert t["blocks_sent"] == blocks + 2 * (blocks - shared) == c.prefill.counters["blocks"]
+            assert c.decode.counters["blocks"] == t["blocks_sent"]
+            c.assert_no_blocks()
+    assert distinct >= 2                                 # seeded: the choices are different streams
+
+
+def test_n_choices_with_some_ending_at_their_first_token(runners):
+    """A choice whose first token stops it (here: a stop token id equal to that choice's first token) sends no
+    blocks, only that token; the request still ends with every choice equal to the colocated engine's, whether
+    the choice that ended early is a later one or choice 0 (whose blocks the others read on the prefill side)."""
+    p = long_prompt(40, seed=43)
+    base = SamplingParams(temperature=1.0, n=3, seed=1, max_tokens=6)
+    firsts = [o.token_ids[0] for o in colocated(runners[0], [p], base, choices=True)[0]]
+    assert len(set(firsts)) == 3                          # the seed gives three different first tokens
+    bs = runners[0].block_size
+    for stop in ([firsts[1]], [firsts[0]], [firsts[0], firsts[2]]):
+        params = SamplingParams(temperature=1.0, n=3, seed=1, max_tokens=6, stop_token_ids=stop, logprobs=0)
+        ref = colocated(runners[0], [p], params, choices=True)[0]
+        assert sum(len(o.token_ids) == 1 for o in ref) == len(stop)
+        c = Cluster(runners)
+        c.router.add_request("d", p, params)
+        c.settle()
+        for a, b in zip(choices_of(c, "d"), ref):
+            same(a, b)
+        shipped = 3 - len(stop)                           # the choices still running after their first token
+        assert c.router.totals["transfers"] == shipped
+        assert c.router.totals["blocks_sent"] == -(-len(p) // bs) + (shipped - 1)
+        c.assert_no_blocks()
+
+
+def test_n_choices_aborts_mid_prefill_mid_transfer_mid_decode_leave_no_blocks(runners):
+    """Aborts of an n = 3 request at every stage: while its prompt is prefilled, while choice 0's blocks or a later
+    choice's block are moving, while choice 0 decodes and the others are still on the prefill side, and once all
+    three decode; each leaves zero blocks in use on both instances."""
+    params = SamplingParams(temperature=0.0, n=3, max_tokens=40, ignore_eos=True)
+    c = Cluster(runners)
+    c.decode.blocks_per_poll = 2                                # a 13-block transfer takes several turns
+    stages = {
+        "prefill": lambda: c.prefill.engine.counters["steps"] >= 2,
+        "transfer of choice 0": lambda: any(ad.received >= 2 for ad in c.decode.adopting.values()),
+        "transfer of choice 1": lambda: any(ad.index == 1 for ad in c.decode.adopting.values()),
+        "choice 0 decoding alone": lambda: c.decode.engine.counters["generation_tokens"] >= 2 and
+                                           c.prefill.engine.requests,
+        "all decoding": lambda: c.decode.engine.counters["generation_tokens"] >= 3 * 5,
+    }
+    for k, (stage, until) in enumerate(stages.items()):
+        for eng in c.engines():
+            eng.counters["generation_tokens"] = eng.counters["steps"] = 0
+        c.router.add_request(f"a{k}", long_prompt(200, seed=50 + k), params)
+        c.run(until=until)
+        assert sum(e.num_used_blocks() for e in c.engines()) > 0, stage
+        c.router.abort_request(f"a{k}")
+        c.settle()
+        c.assert_no_blocks()
+    assert not c.final and not c.failed
+
+
+def test_n_choices_dead_prefill_fails_a_request_not_wholly_adopted(runners):
+    """A prefill instance lost after choice 0 is adopted but before the others are: the request fails (its other
+    choices' first tokens and K/V are gone with it) and the decode instance frees choice 0's blocks; a request
+    whose choices are all adopted keeps decoding to its end."""
+    params = SamplingParams(temperature=0.0, n=2, max_tokens=30, ignore_eos=True)
+    c = Cluster(runners)
+    c.router.add_request("whole", long_prompt(40, seed=60), params)
+    c.run(until=lambda: c.router.requests["whole"].stage == "decode")
+    c.router.add_request("half", long_prompt(120, seed=61), params)
+    c.run(until=lambda: "half" in c.decode.engine.requests and c.decode.engine.requests["half"].seqs[0].status.value
+          == "running")
+    assert c.router.requests["half"].stage == "transfer"
+    c.net.dead.add(1)
+    c.router.instances[1].info["pid"] = dead_pid()
+    c.router._checked = 0.0
+    c.run(until=lambda: "half" in c.failed and "whole" in c.final)
+    assert type(c.failed["half"]).__name__ == "ParallelError"
+    ref = colocated(runners[0], [long_prompt(40, seed=60)], params, choices=True)[0]
+    assert [o.token_ids for o in choices_of(c, "whole")] == [o.token_ids for o in ref]
+    c.run(until=lambda: not c.router.requests and not c.decode.adopting and not c.decode.engine.requests)
+    dec = c.decode.engine
+    assert dec.num_used_blocks() == 0 and not dec.requests
+    dec.block_manager.check_invariants(live=[])
+
+
+def test_add_and_commit_prefilled_refuse_what_they_cannot_adopt(runners):
+    """The decode-side hooks for n > 1 refuse clearly and lose nothing: a sequence index the request does not
+    have, a sequence adopted twice, the same request with another prompt, and a commit without blocks whose token
+    does not end the sequence (the request is then aborted: no block stays in use)."""
+    eng = LLMEngine(runner=runners[1], **KW)
+    p, params = long_prompt(40, seed=70), SamplingParams(temperature=0.0, n=2, max_tokens=5, ignore_eos=True)
+    seq = eng.add_prefilled("r", p, params, index=0)
+    assert len(seq.block_table) == 3 and not eng.scheduler.waiting and not eng.scheduler.running
+    with pytest.raises(ValueError, match="no sequence 2"):
+        eng.add_prefilled("r", p, params, index=2)
+    with pytest.raises(ValueError, match="adopted already"):
+        eng.add_prefilled("r", p, params, index=0)
+    with pytest.raises(ValueError, match="another prompt"):
+        eng.add_prefilled("r", p[:-1], params, index=1)
+    assert eng.num_used_blocks() == 3
+    with pytest.raises(RuntimeError, match="without its KV blocks"):
+        eng.commit_prefilled("r", 1234, index=1)
+    assert eng.num_used_blocks() == 0 and not eng.requests
+    eng.block_manager.check_invariants(live=[])

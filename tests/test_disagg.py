@@ -9,6 +9,7 @@ leading ones the decode side's prefix cache held (counted here from its block ma
 prefill instance, every instance holds 0 blocks and its bookkeeping checks out."""
 import json
 import os
+from dataclasses import replace
 import subprocess
 import sys
 
@@ -44,10 +45,10 @@ def golden_prompts():
 class Cluster:
     """Router (rank 0) + prefill (rank 1) + decode (rank 2) on fresh engines over one LoopbackNet."""
 
-    def __init__(self, runners, **router_kw):
+    def __init__(self, runners, kw=KW, **router_kw):
         self.net = LoopbackNet(3)
-        pre_eng = LLMEngine(runner=runners[0], **KW)
-        dec_eng = LLMEngine(runner=runners[1], **KW)
+        pre_eng = LLMEngine(runner=runners[0], **kw)
+        dec_eng = LLMEngine(runner=runners[1], **kw)
         self.prefill = PrefillWorker(pre_eng, self.net.transport(1))
         self.decode = DecodeWorker(dec_eng, self.net.transport(2))
         self.router = Router(self.net.transport(0), runners[0].tokenizer, runners[0].gguf, [1], [2],
@@ -98,12 +99,12 @@ class Cluster:
         assert self.router.num_used_blocks() == 0 and not self.router.requests
 
 
-def colocated(runner, prompts, params, choices=False):
+def colocated(runner, prompts, params, choices=False, kw=KW):
     """The reference: one LLMEngine, the same configuration, each prompt alone (its first choice, or with
     ``choices`` all of them)."""
     outs = []
     for i, p in enumerate(prompts):
-        eng = LLMEngine(runner=runner, **KW)
+        eng = LLMEngine(runner=runner, **kw)
         eng.add_request(f"c{i}", p, params)
         while eng.has_unfinished_requests():
             for o in eng.step():
@@ -417,6 +418,30 @@ def test_n_choices_identical_to_colocated_greedy_and_seeded(runners, golden_prom
             assert c.decode.counters["blocks"] == t["blocks_sent"]
             c.assert_no_blocks()
     assert distinct >= 2                                 # seeded: the choices are different streams
+
+
+def test_n_choices_without_prefix_caching(runners, golden_prompts):
+    """With prefix caching off each choice computes and ships its whole prompt (the decode side caches nothing:
+    "have 0"); prompts whose n copies the colocated engine prefills in one step come out identical to it."""
+    kw = dict(KW, enable_prefix_caching=False)
+    bs = runners[0].block_size
+    params = SamplingParams(temperature=0.9, n=3, seed=5, max_tokens=8, logprobs=1)
+    short = [p for p in golden_prompts if 3 * len(p) <= KW["max_num_batched_tokens"]][:2]
+    assert len(short) == 2
+    for p, ref in zip(short, colocated(runners[0], short, params, choices=True, kw=kw)):
+        c = Cluster(runners, kw=kw)
+        c.router.add_request("d", p, params)
+        c.settle()
+        for a, b in zip(choices_of(c, "d"), ref):
+            same(a, b)
+        assert c.router.totals["blocks_sent"] == 3 * -(-len(p) // bs) and c.router.totals["blocks_cached"] == 0
+        c.assert_no_blocks()
+    c = Cluster(runners, kw=kw)
+    c.router.add_request("l", long_prompt(100, seed=44), replace(params, ignore_eos=True))
+    c.settle()
+    assert [len(o.token_ids) for o in choices_of(c, "l")] == [8, 8, 8]
+    assert c.router.totals["blocks_sent"] == 3 * 7 and c.router.totals["blocks_cached"] == 0
+    c.assert_no_blocks()
 
 
 def test_n_choices_with_some_ending_at_their_first_token(runners):

@@ -18,6 +18,11 @@ side handles its messages in order, so by then the shared full blocks are in its
 sequence's own last block moves ("have" says so; nothing assumes it). A sequence that ended with its first token
 here sends no blocks, only that token ("first", after the request's first offer). The request's blocks here are
 freed once every sequence is shipped or reported (the siblings still to prefill keep reading the shared ones).
+Exactness: a sibling's first token is the colocated one when the colocated engine computes its prompt chunks as
+this one does: here (no decodes beside it) each sibling's last block is one chunk; the colocated engine splits it
+only when that step's budget (max_num_batched_tokens less choice 0's decode token, or S11's chunk budget) runs out,
+or, without prefix caching, when the n prompts do not fit one step. Later tokens are computed in other batches than
+the colocated engine's (choice 0 decodes alone while the others move); docs/disaggregation.md says what was seen.
 
 While a transfer is under way, or its offer has waited less than ``OFFER_WAIT_S`` for an answer, no new engine step
 starts (a long prefill step would stall the transfer, whose messages MPI moves only while both sides take part);

@@ -539,3 +539,32 @@ def test_add_and_commit_prefilled_refuse_what_they_cannot_adopt(runners):
         eng.commit_prefilled("r", 1234, index=1)
     assert eng.num_used_blocks() == 0 and not eng.requests
     eng.block_manager.check_invariants(live=[])
+
+
+def test_n_choices_of_concurrent_requests_and_a_decode_side_short_of_slots(runners):
+    """Requests with n = 3, n = 2 and n = 1 at once (their transfers interleave; each request's sequences still go
+    in turn), then n = 3 on instances with 2 sequence slots (the third choice's offer waits until a slot frees):
+    every choice's tokens are the colocated engine's, every sequence moved once, no block is left in use."""
+    params = {"a": SamplingParams(temperature=0.0, n=3, max_tokens=8, ignore_eos=True),
+              "b": SamplingParams(temperature=0.8, n=2, seed=9, max_tokens=8, ignore_eos=True),
+              "c": SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)}
+    prompts = {"a": long_prompt(70, seed=80), "b": long_prompt(35, seed=81), "c": long_prompt(50, seed=82)}
+    c = Cluster(runners)
+    for rid in params:
+        c.router.add_request(rid, prompts[rid], params[rid])
+    c.settle()
+    for rid in params:
+        ref = colocated(runners[0], [prompts[rid]], params[rid], choices=True)[0]
+        assert [o.token_ids for o in choices_of(c, rid)] == [o.token_ids for o in ref]
+    assert c.router.totals["transfers"] == 3 + 2 + 1
+    c.assert_no_blocks()
+    kw = dict(KW, max_num_seqs=2)
+    c = Cluster(runners, kw=kw)
+    p = long_prompt(60, seed=83)
+    c.router.add_request("s", p, params["a"])
+    c.run(until=lambda: len(c.decode.offers) == 1 and len(c.decode.engine.scheduler.running) == 2)
+    c.settle()
+    ref = colocated(runners[0], [p], params["a"], choices=True, kw=kw)[0]
+    assert [o.token_ids for o in choices_of(c, "s")] == [o.token_ids for o in ref]
+    assert c.router.totals["transfers"] == 3
+    c.assert_no_blocks()

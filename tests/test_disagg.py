@@ -549,22 +549,31 @@ def test_n_choices_of_concurrent_requests_and_a_decode_side_short_of_slots(runne
               "b": SamplingParams(temperature=0.8, n=2, seed=9, max_tokens=8, ignore_eos=True),
               "c": SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)}
     prompts = {"a": long_prompt(70, seed=80), "b": long_prompt(35, seed=81), "c": long_prompt(50, seed=82)}
-    c = Cluster(runners)
+    refs = {rid: colocated(runners[0], [prompts[rid]], params[rid], choices=True)[0] for rid in params}
+    c = Cluster(runners)                                      # (after the references: they reuse its runners)
     for rid in params:
         c.router.add_request(rid, prompts[rid], params[rid])
     c.settle()
     for rid in params:
-        ref = colocated(runners[0], [prompts[rid]], params[rid], choices=True)[0]
-        assert [o.token_ids for o in choices_of(c, rid)] == [o.token_ids for o in ref]
+        assert [o.token_ids for o in choices_of(c, rid)] == [o.token_ids for o in refs[rid]]
     assert c.router.totals["transfers"] == 3 + 2 + 1
     c.assert_no_blocks()
+    # the same n = 3 prompt again: the decode side's prefix cache still holds its full blocks, for every choice
+    bs, sent = runners[0].block_size, c.router.totals["blocks_sent"]
+    dec_bm = c.decode.engine.block_manager
+    assert all(h in dec_bm.cached for h in prompt_hashes(prompts["a"], bs))
+    c.router.add_request("a2", prompts["a"], params["a"])
+    c.settle()
+    assert [o.token_ids for o in choices_of(c, "a2")] == [o.token_ids for o in refs["a"]]
+    assert c.router.totals["blocks_sent"] - sent == 3 * (-(-70 // bs) - 69 // bs)   # each choice's last block
+    c.assert_no_blocks()
     kw = dict(KW, max_num_seqs=2)
-    c = Cluster(runners, kw=kw)
     p = long_prompt(60, seed=83)
+    ref = colocated(runners[0], [p], params["a"], choices=True, kw=kw)[0]
+    c = Cluster(runners, kw=kw)
     c.router.add_request("s", p, params["a"])
     c.run(until=lambda: len(c.decode.offers) == 1 and len(c.decode.engine.scheduler.running) == 2)
     c.settle()
-    ref = colocated(runners[0], [p], params["a"], choices=True, kw=kw)[0]
     assert [o.token_ids for o in choices_of(c, "s")] == [o.token_ids for o in ref]
     assert c.router.totals["transfers"] == 3
     c.assert_no_blocks()

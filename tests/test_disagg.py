@@ -577,3 +577,23 @@ def test_n_choices_of_concurrent_requests_and_a_decode_side_short_of_slots(runne
     assert [o.token_ids for o in choices_of(c, "s")] == [o.token_ids for o in ref]
     assert c.router.totals["transfers"] == 3
     c.assert_no_blocks()
+
+
+def test_n_choices_under_a_grammar(runners):
+    """Structured outputs with n = 3: each choice's grammar matcher advances by its own first token on the decode
+    side (commit_prefilled), so every choice is the colocated engine's and a full match of the regex (Python's
+    `re`, the independent reference)."""
+    import re
+    from pyengine.sampling_params import StructuredOutputsParams
+    rx = r"(\+33|0)[1-9]( [0-9]{2}){4}"
+    p = runners[0].tokenizer.encode("Write a phone number: ", add_special_tokens=False)
+    params = SamplingParams(temperature=1.0, seed=4, n=3, max_tokens=30,
+                            structured_outputs=StructuredOutputsParams(regex=rx))
+    ref = colocated(runners[0], [p], params, choices=True)[0]
+    c = Cluster(runners)
+    c.router.add_request("s", p, params)
+    c.settle()
+    got = choices_of(c, "s")
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref] and len({o.text for o in got}) == 3
+    assert all(re.fullmatch(rx, o.text) for o in got)
+    c.assert_no_blocks()

@@ -12,7 +12,7 @@
 n > 1 (the OpenAI ``n``): the engine runs the request's n sequences as the colocated engine does (sequence i > 0
 waits for sequence 0's first token, then computes only the prompt's last partial block over the cached full ones,
 and samples its first token from its own generator), so every choice's first token and sampler state are the
-colocated ones. The sequences go to the same decode instance one after the other, each with its own offer (its
+colocated ones (within the limits under "Exactness"). The sequences go to the same decode instance one after the other, each with its own offer (its
 ``index``), "have", blocks and commit: the next offer leaves only once the previous commit has, and the decode
 side handles its messages in order, so by then the shared full blocks are in its prefix cache and only the
 sequence's own last block moves ("have" says so; nothing assumes it). A sequence that ended with its first token

@@ -9,6 +9,7 @@ leading ones the decode side's prefix cache held (counted here from its block ma
 prefill instance, every instance holds 0 blocks and its bookkeeping checks out."""
 import json
 import os
+from dataclasses import replace
 import subprocess
 import sys
 
@@ -44,10 +45,10 @@ def golden_prompts():
 class Cluster:
     """Router (rank 0) + prefill (rank 1) + decode (rank 2) on fresh engines over one LoopbackNet."""
 
-    def __init__(self, runners, **router_kw):
+    def __init__(self, runners, kw=KW, **router_kw):
         self.net = LoopbackNet(3)
-        pre_eng = LLMEngine(runner=runners[0], **KW)
-        dec_eng = LLMEngine(runner=runners[1], **KW)
+        pre_eng = LLMEngine(runner=runners[0], **kw)
+        dec_eng = LLMEngine(runner=runners[1], **kw)
         self.prefill = PrefillWorker(pre_eng, self.net.transport(1))
         self.decode = DecodeWorker(dec_eng, self.net.transport(2))
         self.router = Router(self.net.transport(0), runners[0].tokenizer, runners[0].gguf, [1], [2],
@@ -98,16 +99,17 @@ class Cluster:
         assert self.router.num_used_blocks() == 0 and not self.router.requests
 
 
-def colocated(runner, prompts, params):
-    """The reference: one LLMEngine, the same configuration, each prompt alone."""
+def colocated(runner, prompts, params, choices=False, kw=KW):
+    """The reference: one LLMEngine, the same configuration, each prompt alone (its first choice, or with
+    ``choices`` all of them)."""
     outs = []
     for i, p in enumerate(prompts):
-        eng = LLMEngine(runner=runner, **KW)
+        eng = LLMEngine(runner=runner, **kw)
         eng.add_request(f"c{i}", p, params)
         while eng.has_unfinished_requests():
             for o in eng.step():
                 if o.finished:
-                    outs.append(o.outputs[0])
+                    outs.append(o.outputs if choices else o.outputs[0])
     return outs
 
 
@@ -267,8 +269,6 @@ def test_router_refuses_what_an_engine_would(runners):
         c.router.add_request("big", [5] * 500, SamplingParams(max_tokens=100))
     with pytest.raises(ValueError, match="out of range"):
         c.router.add_request("vocab", [10 ** 7], SamplingParams(max_tokens=2))
-    with pytest.raises(ValueError, match="n > 1"):
-        c.router.add_request("n", [5, 6], SamplingParams(max_tokens=2, n=2))
     assert not c.router.requests and not any(c.net.inbox)
 
 
@@ -381,4 +381,219 @@ def test_a_prefill_rank_waiting_on_a_full_window_does_not_spin(runners, monkeypa
     in_flight["n"] = 0                                           # the sends completed
     c.settle()
     assert c.final["w"].outputs[0].token_ids == colocated(runners[0], [long_prompt(200, seed=31)], params)[0].token_ids
+    c.assert_no_blocks()
+
+
+# --- n > 1: several choices of one prompt --------------------------------------------------------------------------
+def choices_of(c, rid):
+    return sorted(c.final[rid].outputs, key=lambda o: o.index)
+
+
+def test_n_choices_identical_to_colocated_greedy_and_seeded(runners, golden_prompts):
+    """n = 3 through the router: every choice (tokens, text, finish reason, logprobs) equals the colocated
+    engine's choice of that index, greedy and seeded; the prompt's full blocks move once, each further choice
+    sends only its last block (on a fresh decode instance: nothing else is cached there), and both instances end
+    with no block in use."""
+    bs = runners[0].block_size
+    prompts = golden_prompts[:2] + [long_prompt(100, seed=41), long_prompt(64, seed=42)]   # 64: a full last block
+    cases = [SamplingParams(temperature=0.0, n=3, max_tokens=10, ignore_eos=True, logprobs=2),
+             SamplingParams(temperature=0.9, top_p=0.95, n=3, seed=7, max_tokens=10, logprobs=1, stop=["\n\n"])]
+    distinct = 0
+    for params in cases:
+        refs = colocated(runners[0], prompts, params, choices=True)
+        for p, ref in zip(prompts, refs):
+            c = Cluster(runners)
+            c.router.add_request("d", p, params)
+            c.settle()
+            got = choices_of(c, "d")
+            assert [o.index for o in got] == [0, 1, 2] and c.final["d"].prompt_token_ids == p
+            for a, b in zip(got, ref):
+                same(a, b)
+            if params.seed is not None:
+                distinct += len({tuple(o.token_ids) for o in ref}) == 3
+            blocks, shared = -(-len(p) // bs), (len(p) - 1) // bs
+            t = c.router.totals
+            assert t["transfers"] == 3 and t["blocks_cached"] == 2 * shared
+            assert t["blocks_sent"] == blocks + 2 * (blocks - shared) == c.prefill.counters["blocks"]
+            assert c.decode.counters["blocks"] == t["blocks_sent"]
+            c.assert_no_blocks()
+    assert distinct >= 2                                 # seeded: the choices are different streams
+
+
+def test_n_choices_without_prefix_caching(runners, golden_prompts):
+    """With prefix caching off each choice computes and ships its whole prompt (the decode side caches nothing:
+    "have 0"); prompts whose n copies the colocated engine prefills in one step come out identical to it."""
+    kw = dict(KW, enable_prefix_caching=False)
+    bs = runners[0].block_size
+    params = SamplingParams(temperature=0.9, n=3, seed=5, max_tokens=8, logprobs=1)
+    short = [p for p in golden_prompts if 3 * len(p) <= KW["max_num_batched_tokens"]][:2]
+    assert len(short) == 2
+    for p, ref in zip(short, colocated(runners[0], short, params, choices=True, kw=kw)):
+        c = Cluster(runners, kw=kw)
+        c.router.add_request("d", p, params)
+        c.settle()
+        for a, b in zip(choices_of(c, "d"), ref):
+            same(a, b)
+        assert c.router.totals["blocks_sent"] == 3 * -(-len(p) // bs) and c.router.totals["blocks_cached"] == 0
+        c.assert_no_blocks()
+    c = Cluster(runners, kw=kw)
+    c.router.add_request("l", long_prompt(100, seed=44), replace(params, ignore_eos=True))
+    c.settle()
+    assert [len(o.token_ids) for o in choices_of(c, "l")] == [8, 8, 8]
+    assert c.router.totals["blocks_sent"] == 3 * 7 and c.router.totals["blocks_cached"] == 0
+    c.assert_no_blocks()
+
+
+def test_n_choices_with_some_ending_at_their_first_token(runners):
+    """A choice whose first token stops it (here: a stop token id equal to that choice's first token) sends no
+    blocks, only that token; the request still ends with every choice equal to the colocated engine's, whether
+    the choice that ended early is a later one or choice 0 (whose blocks the others read on the prefill side)."""
+    p = long_prompt(40, seed=43)
+    base = SamplingParams(temperature=1.0, n=3, seed=1, max_tokens=6)
+    firsts = [o.token_ids[0] for o in colocated(runners[0], [p], base, choices=True)[0]]
+    assert len(set(firsts)) == 3                          # the seed gives three different first tokens
+    bs = runners[0].block_size
+    for stop in ([firsts[1]], [firsts[0]], [firsts[0], firsts[2]]):
+        params = SamplingParams(temperature=1.0, n=3, seed=1, max_tokens=6, stop_token_ids=stop, logprobs=0)
+        ref = colocated(runners[0], [p], params, choices=True)[0]
+        assert sum(len(o.token_ids) == 1 for o in ref) == len(stop)
+        c = Cluster(runners)
+        c.router.add_request("d", p, params)
+        c.settle()
+        for a, b in zip(choices_of(c, "d"), ref):
+            same(a, b)
+        shipped = 3 - len(stop)                           # the choices still running after their first token
+        assert c.router.totals["transfers"] == shipped
+        assert c.router.totals["blocks_sent"] == -(-len(p) // bs) + (shipped - 1)
+        c.assert_no_blocks()
+
+
+def test_n_choices_aborts_mid_prefill_mid_transfer_mid_decode_leave_no_blocks(runners):
+    """Aborts of an n = 3 request at every stage: while its prompt is prefilled, while choice 0's blocks or a later
+    choice's block are moving, while choice 0 decodes and the others are still on the prefill side, and once all
+    three decode; each leaves zero blocks in use on both instances."""
+    params = SamplingParams(temperature=0.0, n=3, max_tokens=40, ignore_eos=True)
+    c = Cluster(runners)
+    c.decode.blocks_per_poll = 2                                # a 13-block transfer takes several turns
+    stages = {
+        "prefill": lambda: c.prefill.engine.counters["steps"] >= 2,
+        "transfer of choice 0": lambda: any(ad.received >= 2 for ad in c.decode.adopting.values()),
+        "transfer of choice 1": lambda: any(ad.index == 1 for ad in c.decode.adopting.values()),
+        "choice 0 decoding alone": lambda: c.decode.engine.counters["generation_tokens"] >= 2 and
+                                           c.prefill.engine.requests,
+        "all decoding": lambda: c.decode.engine.counters["generation_tokens"] >= 3 * 5,
+    }
+    for k, (stage, until) in enumerate(stages.items()):
+        for eng in c.engines():
+            eng.counters["generation_tokens"] = eng.counters["steps"] = 0
+        c.router.add_request(f"a{k}", long_prompt(200, seed=50 + k), params)
+        c.run(until=until)
+        assert sum(e.num_used_blocks() for e in c.engines()) > 0, stage
+        c.router.abort_request(f"a{k}")
+        c.settle()
+        c.assert_no_blocks()
+    assert not c.final and not c.failed
+
+
+def test_n_choices_dead_prefill_fails_a_request_not_wholly_adopted(runners):
+    """A prefill instance lost after choice 0 is adopted but before the others are: the request fails (its other
+    choices' first tokens and K/V are gone with it) and the decode instance frees choice 0's blocks; a request
+    whose choices are all adopted keeps decoding to its end."""
+    params = SamplingParams(temperature=0.0, n=2, max_tokens=30, ignore_eos=True)
+    c = Cluster(runners)
+    c.router.add_request("whole", long_prompt(40, seed=60), params)
+    c.run(until=lambda: c.router.requests["whole"].stage == "decode")
+    c.router.add_request("half", long_prompt(120, seed=61), params)
+    c.run(until=lambda: "half" in c.decode.engine.requests and c.decode.engine.requests["half"].seqs[0].status.value
+          == "running")
+    assert c.router.requests["half"].stage == "transfer"
+    c.net.dead.add(1)
+    c.router.instances[1].info["pid"] = dead_pid()
+    c.router._checked = 0.0
+    c.run(until=lambda: "half" in c.failed and "whole" in c.final)
+    assert type(c.failed["half"]).__name__ == "ParallelError"
+    ref = colocated(runners[0], [long_prompt(40, seed=60)], params, choices=True)[0]
+    assert [o.token_ids for o in choices_of(c, "whole")] == [o.token_ids for o in ref]
+    c.run(until=lambda: not c.router.requests and not c.decode.adopting and not c.decode.engine.requests)
+    dec = c.decode.engine
+    assert dec.num_used_blocks() == 0 and not dec.requests
+    dec.block_manager.check_invariants(live=[])
+
+
+def test_add_and_commit_prefilled_refuse_what_they_cannot_adopt(runners):
+    """The decode-side hooks for n > 1 refuse clearly and lose nothing: a sequence index the request does not
+    have, a sequence adopted twice, the same request with another prompt, and a commit without blocks whose token
+    does not end the sequence (the request is then aborted: no block stays in use)."""
+    eng = LLMEngine(runner=runners[1], **KW)
+    p, params = long_prompt(40, seed=70), SamplingParams(temperature=0.0, n=2, max_tokens=5, ignore_eos=True)
+    seq = eng.add_prefilled("r", p, params, index=0)
+    assert len(seq.block_table) == 3 and not eng.scheduler.waiting and not eng.scheduler.running
+    with pytest.raises(ValueError, match="no sequence 2"):
+        eng.add_prefilled("r", p, params, index=2)
+    with pytest.raises(ValueError, match="adopted already"):
+        eng.add_prefilled("r", p, params, index=0)
+    with pytest.raises(ValueError, match="another prompt"):
+        eng.add_prefilled("r", p[:-1], params, index=1)
+    assert eng.num_used_blocks() == 3
+    with pytest.raises(RuntimeError, match="without its KV blocks"):
+        eng.commit_prefilled("r", 1234, index=1)
+    assert eng.num_used_blocks() == 0 and not eng.requests
+    eng.block_manager.check_invariants(live=[])
+
+
+def test_n_choices_of_concurrent_requests_and_a_decode_side_short_of_slots(runners):
+    """Requests with n = 3, n = 2 and n = 1 at once (their transfers interleave; each request's sequences still go
+    in turn), then n = 3 on instances with 2 sequence slots (the third choice's offer waits until a slot frees):
+    every choice's tokens are the colocated engine's, every sequence moved once, no block is left in use."""
+    params = {"a": SamplingParams(temperature=0.0, n=3, max_tokens=8, ignore_eos=True),
+              "b": SamplingParams(temperature=0.8, n=2, seed=9, max_tokens=8, ignore_eos=True),
+              "c": SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)}
+    prompts = {"a": long_prompt(70, seed=80), "b": long_prompt(35, seed=81), "c": long_prompt(50, seed=82)}
+    refs = {rid: colocated(runners[0], [prompts[rid]], params[rid], choices=True)[0] for rid in params}
+    c = Cluster(runners)                                      # (after the references: they reuse its runners)
+    for rid in params:
+        c.router.add_request(rid, prompts[rid], params[rid])
+    c.settle()
+    for rid in params:
+        assert [o.token_ids for o in choices_of(c, rid)] == [o.token_ids for o in refs[rid]]
+    assert c.router.totals["transfers"] == 3 + 2 + 1
+    c.assert_no_blocks()
+    # the same n = 3 prompt again: the decode side's prefix cache still holds its full blocks, for every choice
+    bs, sent = runners[0].block_size, c.router.totals["blocks_sent"]
+    dec_bm = c.decode.engine.block_manager
+    assert all(h in dec_bm.cached for h in prompt_hashes(prompts["a"], bs))
+    c.router.add_request("a2", prompts["a"], params["a"])
+    c.settle()
+    assert [o.token_ids for o in choices_of(c, "a2")] == [o.token_ids for o in refs["a"]]
+    assert c.router.totals["blocks_sent"] - sent == 3 * (-(-70 // bs) - 69 // bs)   # each choice's last block
+    c.assert_no_blocks()
+    kw = dict(KW, max_num_seqs=2)
+    p = long_prompt(60, seed=83)
+    ref = colocated(runners[0], [p], params["a"], choices=True, kw=kw)[0]
+    c = Cluster(runners, kw=kw)
+    c.router.add_request("s", p, params["a"])
+    c.run(until=lambda: len(c.decode.offers) == 1 and len(c.decode.engine.scheduler.running) == 2)
+    c.settle()
+    assert [o.token_ids for o in choices_of(c, "s")] == [o.token_ids for o in ref]
+    assert c.router.totals["transfers"] == 3
+    c.assert_no_blocks()
+
+
+def test_n_choices_under_a_grammar(runners):
+    """Structured outputs with n = 3: each choice's grammar matcher advances by its own first token on the decode
+    side (commit_prefilled), so every choice is the colocated engine's and a full match of the regex (Python's
+    `re`, the independent reference)."""
+    import re
+    from pyengine.sampling_params import StructuredOutputsParams
+    rx = r"(\+33|0)[1-9]( [0-9]{2}){4}"
+    p = runners[0].tokenizer.encode("Write a phone number: ", add_special_tokens=False)
+    params = SamplingParams(temperature=1.0, seed=4, n=3, max_tokens=30,
+                            structured_outputs=StructuredOutputsParams(regex=rx))
+    ref = colocated(runners[0], [p], params, choices=True)[0]
+    c = Cluster(runners)
+    c.router.add_request("s", p, params)
+    c.settle()
+    got = choices_of(c, "s")
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref] and len({o.text for o in got}) == 3
+    assert all(re.fullmatch(rx, o.text) for o in got)
     c.assert_no_blocks()

@@ -9,6 +9,8 @@ import re
 import signal
 import time
 
+from dataclasses import replace
+
 import httpx
 import openai
 import pytest
@@ -20,6 +22,7 @@ from test_mpi_serve import Server, gone, ranks_of
 pytestmark = pytest.mark.slow
 PROMPTS = ["The capital of France is", "def fib(n):", "Once upon a time"]
 FLAGS = ("--prefill-instances", "1", "--decode-instances", "1")
+N_CHOICES = dict(n=2, temperature=0.8, seed=11, max_tokens=8, ignore_eos=True)   # seeded: two different streams
 
 
 def metric(text: str, name: str, labels: str = "") -> float:
@@ -34,10 +37,12 @@ def reference():
     from pyengine.sampling_params import SamplingParams
     llm = LLM(model_path("smollm2"), max_model_len=256, max_num_seqs=8, max_num_batched_tokens=256)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
-    return [o.outputs[0].text for o in outs]
+    choices = llm.generate(PROMPTS[2], replace(llm.get_default_sampling_params(), **N_CHOICES))[0]
+    return [o.outputs[0].text for o in outs], choices
 
 
 def test_openai_client_streams_from_prefill_and_decode_instances(reference):
+    reference, choices = reference
     s = Server(*FLAGS)
     try:
         s.wait_ready()
@@ -61,6 +66,25 @@ def test_openai_client_streams_from_prefill_and_decode_instances(reference):
         assert metric(m, "pyengine_kv_transfer_seconds_count") == 4
         for rank, role in ((1, "prefill"), (2, "decode")):
             assert metric(m, "pyengine_instance_up", f'{{rank="{rank}",role="{role}"}}') == 1.0
+            assert metric(m, "pyengine_instance_kv_cache_used_blocks", f'{{rank="{rank}",role="{role}"}}') == 0.0
+        # n = 2 seeded, streamed: each choice under its index equals the colocated LLM's choice of that index,
+        # the prompt counted once in usage; both sequences moved (one transfer each), no block left in use
+        texts, reasons, usage = ["", ""], [None, None], None
+        for ch in c.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPTS[2], stream=True,
+                                       stream_options={"include_usage": True}, seed=N_CHOICES["seed"],
+                                       n=2, max_tokens=8, temperature=N_CHOICES["temperature"],
+                                       extra_body={"ignore_eos": True}):
+            usage = ch.usage or usage
+            for choice in ch.choices:
+                texts[choice.index] += choice.text
+                reasons[choice.index] = choice.finish_reason or reasons[choice.index]
+        assert texts == [o.text for o in choices.outputs] and texts[0] != texts[1]
+        assert reasons == ["length", "length"]
+        assert usage.prompt_tokens == len(choices.prompt_token_ids) and usage.completion_tokens == 16
+        time.sleep(1.0)
+        m = httpx.get(s.url + "/metrics", timeout=5).text
+        assert metric(m, "pyengine_kv_transfer_seconds_count") == 4 + 2
+        for rank, role in ((1, "prefill"), (2, "decode")):
             assert metric(m, "pyengine_instance_kv_cache_used_blocks", f'{{rank="{rank}",role="{role}"}}') == 0.0
     finally:
         s.stop()

@@ -8,6 +8,13 @@ was given, for at most a quarter of a decode step's time between two steps (``AD
 never stalls the running decodes for more than that. When every block is in and the *commit* (first token, sampler state) has arrived,
 ``LLMEngine.commit_prefilled`` starts the sequence decoding; its outputs go to the router like any engine's.
 
+n > 1: the request's sequences arrive one after the other (prefill_worker.py), each offer naming its ``index``;
+the first registers the request with all n sequences (``add_prefilled``), and as the previous sequence's commit
+was handled before the next offer, that offer finds the prompt's full blocks in the prefix cache ("have k") and
+only its own last block comes. A *first* message commits a sequence that ended with its first token on the prefill
+side (no blocks). Offers and *first* messages are taken in arrival order. Once every sequence of a request is
+here, the router is told (*decoding*: a prefill instance lost from then on no longer concerns the request).
+
 An offer that does not fit now (no sequence slot or not enough free blocks) waits, oldest first; the prefill side
 keeps its blocks meanwhile (back-pressure). A *run* message is an ordinary request (the router's fallback when no
 prefill instance is alive: this instance then prefills too, as a colocated engine).
@@ -37,6 +44,7 @@ class Adoption:
 
     def __init__(self, xid: int, rid: str, src: int, seq, hashes: list[bytes], have: int):
         self.xid, self.rid, self.src, self.seq, self.hashes, self.have = xid, rid, src, seq, hashes, have
+        self.index = seq.index
         self.received = self.bytes = 0
         self.commit: dict | None = None
         self.t0 = time.monotonic()
@@ -60,13 +68,14 @@ class DecodeWorker(Instance):
     def __init__(self, engine, transport):
         super().__init__(engine, transport)
         self.adopting: dict[int, Adoption] = {}
-        self.offers: deque = deque()             # (src, msg) waiting for room
+        self.offers: deque = deque()             # (src, msg) waiting for room: offers and "first" messages
+        self.arrived: dict[int, tuple[int, set[int]]] = {}   # xid -> (n, indices of its sequences committed)
         self.counters.update(cached_blocks_hit=0)
         self.step_started = self.last_step_s = 0.0
 
     def handle(self, src: int, msg: dict) -> None:
         op, xid = msg["op"], msg.get("xid")
-        if op == "offer":
+        if op in ("offer", "first"):
             self.offers.append((src, msg))
         elif op == "commit" and xid in self.adopting:
             self.adopting[xid].commit = msg
@@ -88,16 +97,28 @@ class DecodeWorker(Instance):
         self.adopting.pop(xid, None)
         super().abort(xid)
 
+    def forget(self, xid: int) -> str | None:
+        self.arrived.pop(xid, None)
+        return super().forget(xid)
+
     def work(self) -> bool:
         """Take waiting offers while they fit."""
         busy = False
         bs = self.engine.block_manager.block_size
         sch = self.engine.scheduler
-        while self.offers and len(sch.running) + len(self.adopting) < sch.max_num_seqs:
+        while self.offers:
             src, msg = self.offers[0]
             xid = msg["xid"]
+            if msg["op"] == "first":
+                self.offers.popleft()
+                if xid in self.rid_of:                # else aborted meanwhile
+                    self.committed(xid, msg)
+                busy = True
+                continue
+            if len(sch.running) + len(self.adopting) >= sch.max_num_seqs:
+                break
             try:
-                seq = self.engine.add_prefilled(msg["rid"], msg["ids"], msg["params"])
+                seq = self.engine.add_prefilled(msg["rid"], msg["ids"], msg["params"], index=msg["index"])
             except EngineOverloaded:
                 break                            # no room yet: the oldest offer waits, and so do the others
             except Exception as exc:
@@ -107,10 +128,12 @@ class DecodeWorker(Instance):
             self.offers.popleft()
             mine = prompt_hashes(msg["ids"], bs)
             if mine != list(msg["hashes"]):
+                self.abort(xid)
                 self.engine.abort_request(msg["rid"])
                 self.t.send(src, {"op": "refuse", "xid": xid, "error": "block hashes disagree with this prompt"})
                 continue
             self.track(xid, msg["rid"])
+            self.arrived.setdefault(xid, (msg["params"].n, set()))
             ad = self.adopting[xid] = Adoption(xid, msg["rid"], src, seq, mine, seq.num_cached_tokens // bs)
             self.counters["cached_blocks_hit"] += ad.have
             self.t.send(src, {"op": "have", "xid": xid, "have": ad.have})
@@ -152,6 +175,21 @@ class DecodeWorker(Instance):
         self.count_transfer(ad.received, ad.bytes, secs)
         self.to_router({"op": "adopted", "xid": xid, "blocks": ad.received, "cached": ad.have, "bytes": ad.bytes,
                         "seconds": secs})
-        out = self.engine.commit_prefilled(ad.rid, c["token"], c["rng"], c["logprob"])
+        self.committed(xid, c)
+
+    def committed(self, xid: int, c: dict) -> None:
+        """Sequence ``c["index"]`` of request ``xid`` starts here with the first token the prefill side sampled
+        (after its blocks, or alone if that token ended it); the router hears once every sequence is here."""
+        rid = self.rid_of[xid]
+        try:
+            out = self.engine.commit_prefilled(rid, c["token"], c["rng"], c["logprob"], index=c["index"])
+        except (ValueError, RuntimeError) as exc:     # the request is aborted here (its blocks are free)
+            self.abort(xid)
+            self.fail(xid, exc)
+            return
+        n, arrived = self.arrived[xid]
+        arrived.add(c["index"])
+        if len(arrived) == n:
+            self.to_router({"op": "decoding", "xid": xid})
         if out is not None:
             self.send_outputs([out])

@@ -9,6 +9,21 @@
     prefill --commit(xid, first token, sampler state)-->    decode
     prefill: frees the blocks once all are packed; "shipped" (blocks, bytes, seconds) to the router
 
+n > 1 (the OpenAI ``n``): the engine runs the request's n sequences as the colocated engine does (sequence i > 0
+waits for sequence 0's first token, then computes only the prompt's last partial block over the cached full ones,
+and samples its first token from its own generator), so every choice's first token and sampler state are the
+colocated ones (within the limits under "Exactness"). The sequences go to the same decode instance one after the other, each with its own offer (its
+``index``), "have", blocks and commit: the next offer leaves only once the previous commit has, and the decode
+side handles its messages in order, so by then the shared full blocks are in its prefix cache and only the
+sequence's own last block moves ("have" says so; nothing assumes it). A sequence that ended with its first token
+here sends no blocks, only that token ("first", after the request's first offer). The request's blocks here are
+freed once every sequence is shipped or reported (the siblings still to prefill keep reading the shared ones).
+Exactness: a sibling's first token is the colocated one when the colocated engine computes its prompt chunks as
+this one does: here (no decodes beside it) each sibling's last block is one chunk; the colocated engine splits it
+only when that step's budget (max_num_batched_tokens less choice 0's decode token, or S11's chunk budget) runs out,
+or, without prefix caching, when the n prompts do not fit one step. Later tokens are computed in other batches than
+the colocated engine's (choice 0 decodes alone while the others move); docs/disaggregation.md says what was seen.
+
 While a transfer is under way, or its offer has waited less than ``OFFER_WAIT_S`` for an answer, no new engine step
 starts (a long prefill step would stall the transfer, whose messages MPI moves only while both sides take part);
 the decode side takes blocks for a share of its step time between two of its steps (decode_worker.py). A transfer whose decode instance stops answering for ``timeout`` seconds is given up: its request
@@ -37,11 +52,20 @@ def prompt_hashes(token_ids, block_size: int) -> list[bytes]:
     return out
 
 
+def first_token(req, seq) -> dict:
+    """What the decode side needs of a prefilled sequence besides its K/V: its first token, its generator's state
+    after it and the token's logprobs (with the cumulative logprob)."""
+    rng, lps = req.rngs[seq.index], req.logprobs[seq.index]
+    return {"token": seq.output_token_ids[0], "rng": None if rng is None else rng.bit_generator.state,
+            "logprob": None if lps is None else (lps[0], req.cumulative_logprob[seq.index])}
+
+
 class Transfer:
-    """One prompt's blocks on their way to a decode instance."""
+    """One sequence's prompt blocks on their way to a decode instance."""
 
     def __init__(self, xid: int, rid: str, dest: int, seq, hashes: list[bytes], first: dict):
         self.xid, self.rid, self.dest, self.seq, self.hashes, self.first = xid, rid, dest, seq, hashes, first
+        self.index = seq.index
         self.next = None                        # next block index to send (None: waiting for "have")
         self.end = len(seq.block_table)
         self.sent = self.bytes = 0
@@ -57,7 +81,8 @@ class PrefillWorker(Instance):
         engine.prefill_only = True
         self.timeout = timeout
         self.decode_of: dict[int, int] = {}      # xid -> the decode rank the router chose
-        self.transfers: dict[int, Transfer] = {}
+        self.transfers: dict[int, Transfer] = {}  # xid -> the transfer under way (one sequence of it at a time)
+        self.shipped: dict[int, set[int]] = {}   # xid -> indices of its sequences offered or reported so far
 
     def handle(self, src: int, msg: dict) -> None:
         op, xid = msg["op"], msg.get("xid")
@@ -81,11 +106,11 @@ class PrefillWorker(Instance):
 
     def forget(self, xid: int) -> str | None:
         self.decode_of.pop(xid, None)
+        self.shipped.pop(xid, None)
         return super().forget(xid)
 
     def abort(self, xid: int) -> None:
         tr = self.transfers.pop(xid, None)
-        self.decode_of.pop(xid, None)
         if tr is not None:
             self.t.send(tr.dest, {"op": "abort", "xid": xid})
             self.engine.release_prefilled(tr.rid)
@@ -99,22 +124,38 @@ class PrefillWorker(Instance):
         self.fail(xid, exc)
 
     def after_step(self) -> None:
-        """Offer every newly prefilled sequence to its decode instance."""
+        """Offer newly prefilled sequences to their decode instance."""
+        for xid in list(self.decode_of):
+            if xid not in self.transfers:
+                self.advance(xid)
+
+    def advance(self, xid: int) -> None:
+        """No transfer of request ``xid`` is under way: offer its next prefilled sequence; else report the ones
+        that ended with their first token (once its first offer is out: the decode side then knows the
+        request); once every sequence is shipped or reported, free the request here."""
         eng = self.engine
-        for seq in list(eng.prefilled):
-            xid = self.xid_of.get(seq.request_id)
-            if xid is None or xid in self.transfers:
-                continue
-            req = eng.requests[seq.request_id]
-            rng = req.rngs[0]
-            lps = req.logprobs[0]
-            first = {"token": seq.output_token_ids[0],
-                     "rng": None if rng is None else rng.bit_generator.state,
-                     "logprob": None if lps is None else (lps[0], req.cumulative_logprob[0])}
+        req = eng.requests.get(self.rid_of.get(xid))
+        if req is None:                           # released already (its last blocks are packed)
+            self.forget(xid)
+            return
+        done, dest = self.shipped.setdefault(xid, set()), self.decode_of[xid]
+        seq = next((s for s in req.seqs if s.index not in done and s in eng.prefilled), None)
+        if seq is not None:
+            done.add(seq.index)
             hashes = prompt_hashes(seq.prompt_token_ids, eng.block_manager.block_size)
-            tr = self.transfers[xid] = Transfer(xid, seq.request_id, self.decode_of.pop(xid), seq, hashes, first)
-            self.t.send(tr.dest, {"op": "offer", "xid": xid, "rid": seq.request_id, "ids": seq.prompt_token_ids,
-                                  "params": req.params, "hashes": hashes})
+            self.transfers[xid] = Transfer(xid, req.request_id, dest, seq, hashes, first_token(req, seq))
+            self.t.send(dest, {"op": "offer", "xid": xid, "rid": req.request_id, "index": seq.index,
+                               "ids": seq.prompt_token_ids, "params": req.params, "hashes": hashes})
+            return
+        if not done:
+            return                                # its first sequence is still being prefilled
+        for s in req.seqs:
+            if s.is_finished and s.index not in done:
+                done.add(s.index)
+                self.t.send(dest, {"op": "first", "xid": xid, "index": s.index, **first_token(req, s)})
+        if len(done) == len(req.seqs):
+            eng.release_prefilled(req.request_id)
+            self.forget(xid)
 
     def work(self) -> bool:
         """Push block messages of the transfers under way; finish the ones whose sends completed. True only if a
@@ -132,8 +173,11 @@ class PrefillWorker(Instance):
             while not tr.packed and self.t.pending(tr.dest) < WINDOW:
                 busy = True
                 if tr.next >= tr.end:
-                    self.t.send(tr.dest, {"op": "commit", "xid": xid, "blocks": tr.sent, **tr.first})
-                    self.engine.release_prefilled(tr.rid)      # everything is packed: the blocks are free
+                    self.t.send(tr.dest, {"op": "commit", "xid": xid, "index": tr.index, "blocks": tr.sent,
+                                          **tr.first})
+                    req = self.engine.requests.get(tr.rid)
+                    if req is not None and len(self.shipped[xid]) == len(req.seqs):
+                        self.engine.release_prefilled(tr.rid)  # every sequence is packed: the blocks are free
                     tr.packed = True
                     break
                 i = tr.next
@@ -143,10 +187,11 @@ class PrefillWorker(Instance):
             if tr.packed and not self.t.pending(tr.dest):
                 busy = True
                 del self.transfers[xid]
-                self.forget(xid)
                 secs = time.monotonic() - tr.t0
                 self.count_transfer(tr.sent, tr.bytes, secs)
-                self.to_router({"op": "shipped", "xid": xid, "blocks": tr.sent, "bytes": tr.bytes, "seconds": secs})
+                self.to_router({"op": "shipped", "xid": xid, "index": tr.index, "blocks": tr.sent, "bytes": tr.bytes,
+                                "seconds": secs})
+                self.advance(xid)                          # its next sequence, or the end of the request here
         return busy
 
     def may_step(self) -> bool:

@@ -8,8 +8,16 @@ The OpenAI server (pyengine/server/) drives it exactly like one engine: ``add_re
                     "prefill" to the least loaded live prefill instance (fewest prompt tokens in its hands),
                     naming the decode instance it is to ship to (fewest sequences, then lowest KV usage)
     prefill out  -> the first token: the client's first chunk (TTFT does not wait for the transfer)
-    adopted      -> the decode instance holds the prompt's blocks; its outputs continue the same stream
+    adopted      -> the decode instance holds a sequence's prompt blocks (the transfer's counters)
+    decoding     -> it holds every sequence of the request; its outputs continue the same stream
     error        -> the request ends with that error (its blocks are freed on both sides)
+
+n > 1 (OpenAI ``n``, several choices of one prompt): one routed request, its n sequences prefilled together on one
+prefill instance and adopted one after the other by one decode instance (prefill_worker.py), so every choice is
+the colocated engine's choice of that index. The stream carries each choice under its index: a choice's first
+token from the prefill instance's outputs, the rest from the decode instance's (until a sequence is adopted, the
+decode side's outputs show it empty; the server streams each choice from its own token count, so nothing repeats
+or goes missing), finish reasons per choice, the prompt counted once in usage (the server's own count).
 
 Liveness: every instance reports at least every HEARTBEAT_S. An instance on this host whose process is gone, a
 zombie or stopped is dead at once; elsewhere, one that owes an answer and has been silent for ``timeout`` seconds.
@@ -42,7 +50,7 @@ class InstanceState:
     last_seen: float = 0.0
     dead: str | None = None
     prompt_tokens: int = 0                          # prefill: prompt tokens of the requests in its hands
-    seqs: int = 0                                   # decode: requests routed to it and not finished
+    seqs: int = 0                                   # decode: sequences of the requests routed to it, not finished
 
 
 @dataclass
@@ -53,6 +61,7 @@ class Routed:
     prefill: int | None
     decode: int
     stage: str                                      # "prefill" -> "transfer" -> "decode"
+    seqs: int = 1                                   # its sequences (the OpenAI n)
 
 
 class RequestFailed(EngineFailure):
@@ -130,9 +139,6 @@ class Router:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
         max_tokens = check_prompt(ids, params, self.vocab_size, self.max_model_len)
-        if params.n != 1:
-            raise ValueError("n > 1 is not served by the disaggregated server (each choice would need its own "
-                             "transfer): send n requests, or serve without --prefill-instances")
         total = len(ids) + max_tokens
         if total > self.max_model_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
@@ -168,14 +174,14 @@ class Router:
         self._next_xid += 1
         if prefills:
             pre = min(prefills, key=lambda i: (i.prompt_tokens, i.rank))
-            r = Routed(xid, request_id, len(ids), pre.rank, dec.rank, "prefill")
+            r = Routed(xid, request_id, len(ids), pre.rank, dec.rank, "prefill", params.n)
             pre.prompt_tokens += len(ids)
             self.t.send(pre.rank, {"op": "prefill", "xid": xid, "rid": request_id, "ids": ids, "params": params,
                                    "decode": dec.rank})
         else:                                        # no prefill instance left: the decode instance does it all
-            r = Routed(xid, request_id, len(ids), None, dec.rank, "decode")
+            r = Routed(xid, request_id, len(ids), None, dec.rank, "decode", params.n)
             self.t.send(dec.rank, {"op": "run", "xid": xid, "rid": request_id, "ids": ids, "params": params})
-        dec.seqs += 1
+        dec.seqs += r.seqs
         self.requests[request_id], self.by_xid[xid] = r, r
 
     def abort_request(self, request_id: str):
@@ -239,7 +245,7 @@ class Router:
         self.by_xid.pop(r.xid, None)
         if r.stage == "prefill" and r.prefill is not None:
             self.instances[r.prefill].prompt_tokens -= r.prompt_len
-        self.instances[r.decode].seqs -= 1
+        self.instances[r.decode].seqs -= r.seqs
         if not self.requests:
             self._drain_until = time.monotonic() + DRAIN_S
 
@@ -272,8 +278,9 @@ class Router:
             r = self.by_xid.get(msg.get("xid"))
             if r is None:
                 return True                           # aborted or failed meanwhile
-            if op == "adopted":
+            if op == "decoding":
                 r.stage = "decode"
+            elif op == "adopted":
                 self.transfers.append(msg)
                 t = self.totals
                 t["transfers"] += 1

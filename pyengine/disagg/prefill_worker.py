@@ -22,7 +22,8 @@ Exactness: a sibling's first token is the colocated one when the colocated engin
 this one does: here (no decodes beside it) each sibling's last block is one chunk; the colocated engine splits it
 only when that step's budget (max_num_batched_tokens less choice 0's decode token, or S11's chunk budget) runs out,
 or, without prefix caching, when the n prompts do not fit one step. Later tokens are computed in other batches than
-the colocated engine's (choice 0 decodes alone while the others move); docs/disaggregation.md says what was seen.
+the colocated engine's (choice 0 decodes alone while the others move), which changes no bits: a row's product does
+not depend on its batch (layers/linear.py DenseLinear).
 
 While a transfer is under way, or its offer has waited less than ``OFFER_WAIT_S`` for an answer, no new engine step
 starts (a long prefill step would stall the transfer, whose messages MPI moves only while both sides take part);

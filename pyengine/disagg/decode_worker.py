@@ -18,7 +18,7 @@ import time
 from collections import deque
 
 from pyengine.disagg.instance import Instance
-from pyengine.disagg.kv_transfer import TransferError, block_header, unpack_block
+from pyengine.disagg.kv_transfer import KVBlocks, TransferError, block_header, check_block
 from pyengine.disagg.prefill_worker import prompt_hashes
 from pyengine.engine.llm_engine import EngineOverloaded
 
@@ -63,6 +63,7 @@ class DecodeWorker(Instance):
         self.offers: deque = deque()             # (src, msg) waiting for room
         self.counters.update(cached_blocks_hit=0)
         self.step_started = self.last_step_s = 0.0
+        self.blocks = KVBlocks(engine.runner.kv_cache, engine.runner.parallel)
 
     def handle(self, src: int, msg: dict) -> None:
         op, xid = msg["op"], msg.get("xid")
@@ -125,14 +126,14 @@ class DecodeWorker(Instance):
         try:
             if not ad.have <= index < len(ad.seq.block_table):
                 raise TransferError(f"KV block {index} of transfer {xid} is outside the blocks it needs")
-            unpack_block(self.engine.runner.kv_cache, buf, ad.seq.block_table[index],
-                         ad.hashes[index] if index < len(ad.hashes) else None)
+            data = check_block(self.blocks, buf, ad.hashes[index] if index < len(ad.hashes) else None)
         except TransferError as exc:
             self.counters["transfer_failures"] += 1
             self.t.send(ad.src, {"op": "abort", "xid": xid})
             self.abort(xid)
             self.fail(xid, exc)
             return
+        self.blocks.write([ad.seq.block_table[index]], data[:, None])   # a TP instance: each rank its heads
         ad.received += 1
         ad.bytes += buf.size
         self.maybe_commit(xid)

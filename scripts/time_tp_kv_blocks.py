@@ -63,11 +63,10 @@ def main() -> None:
         scattered = 2 * sum(int(np.prod(one.shape[:2])) * (group._kv_heads(r)[1] - group._kv_heads(r)[0])
                             * row * kv.k.dtype.itemsize for r in range(1, a.tp))
         def pack(blocks):                         # the prefill side's window: read 32 blocks, pack each
-            d = blocks.read(ids32)
-            for j in range(32):
-                pack_data(d[:, j], 1, j, None)
+            for j, (k, v) in enumerate(blocks.views(ids32)):
+                pack_data(k, v, 1, j, None)
 
-        msg = pack_data(data1[:, 0], 1, 0, None)
+        msg = pack_data(data1[0, 0], data1[1, 0], 1, 0, None)
 
         def adopt(blocks):                        # the decode side, per arriving block: check it, write it
             blocks.write([50], check_block(blocks, msg, None)[:, None])

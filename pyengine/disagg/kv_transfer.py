@@ -59,8 +59,18 @@ class KVBlocks:
         """(2, n, layers, block_size, KV heads, row): K and V of cache blocks ``blocks``."""
         if self.group is not None:
             return self.group.kv_gather(self.kv, blocks)
-        ids = np.asarray(blocks, np.int64)
-        return np.stack([np.take(c, ids, axis=1).swapaxes(0, 1) for c in (self.kv.k, self.kv.v)])
+        out = np.empty((2, len(blocks)) + self.shape, self.dtype)
+        for j, (k, v) in enumerate(self.views(blocks)):
+            out[0, j], out[1, j] = k, v
+        return out
+
+    def views(self, blocks) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(K, V) of each of cache blocks ``blocks``, each (layers, block_size, KV heads, row), to be packed at
+        once: alone, views of the cache itself (no copy); in a TP instance, of one gather."""
+        if self.group is None:
+            return [(self.kv.k[:, b], self.kv.v[:, b]) for b in blocks]
+        data = self.read(blocks)
+        return [(data[0, j], data[1, j]) for j in range(len(blocks))]
 
     def write(self, blocks, data: np.ndarray) -> None:
         """Write ``data`` (as ``read`` returns it) into cache blocks ``blocks``."""
@@ -72,13 +82,13 @@ class KVBlocks:
         self.kv.v[:, ids] = data[1].swapaxes(0, 1)
 
 
-def pack_data(kv_block: np.ndarray, xid: int, index: int, chain_hash: bytes | None) -> np.ndarray:
-    """The message of one block's K and V ``kv_block`` (2, layers, block_size, KV heads, row), the ``index``-th
-    block of transfer ``xid``'s prompt."""
-    buf = np.empty(HEADER.size + kv_block.nbytes, np.uint8)
-    data = buf[HEADER.size:]
-    data.view(kv_block.dtype).reshape(kv_block.shape)[...] = kv_block
-    HEADER.pack_into(buf, 0, b"B", zlib.crc32(data), xid, index, chain_hash or NO_HASH)
+def pack_data(k: np.ndarray, v: np.ndarray, xid: int, index: int, chain_hash: bytes | None) -> np.ndarray:
+    """The message of one block's K and V (each (layers, block_size, KV heads, row)), the ``index``-th block of
+    transfer ``xid``'s prompt."""
+    buf = np.empty(HEADER.size + k.nbytes + v.nbytes, np.uint8)
+    data = buf[HEADER.size:].view(k.dtype).reshape((2,) + k.shape)
+    data[0], data[1] = k, v
+    HEADER.pack_into(buf, 0, b"B", zlib.crc32(buf[HEADER.size:]), xid, index, chain_hash or NO_HASH)
     return buf
 
 

@@ -133,9 +133,9 @@ class PrefillWorker(Instance):
             if not tr.packed and room > 0:
                 busy = True
                 todo = range(tr.next, min(tr.end, tr.next + room))
-                data = self.blocks.read([tr.seq.block_table[i] for i in todo]) if todo else None
-                for j, i in enumerate(todo):       # (a TP instance gathered its ranks' heads of them at once)
-                    buf = pack_data(data[:, j], xid, i, tr.hashes[i] if i < len(tr.hashes) else None)
+                kvs = self.blocks.views([tr.seq.block_table[i] for i in todo]) if todo else []
+                for i, (k, v) in zip(todo, kvs):   # (a TP instance gathered its ranks' heads of them at once)
+                    buf = pack_data(k, v, xid, i, tr.hashes[i] if i < len(tr.hashes) else None)
                     self.t.send_buffer(tr.dest, buf)
                     tr.next, tr.sent, tr.bytes, tr.t_last = i + 1, tr.sent + 1, tr.bytes + buf.size, now
                 if tr.next >= tr.end:

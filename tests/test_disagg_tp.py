@@ -12,7 +12,6 @@ import signal
 import time
 
 import httpx
-import openai
 import pytest
 
 from model_paths import model_path

@@ -132,7 +132,8 @@ def build_engine(args):
         from pyengine.parallel.launch import mpi_runner
         # rank 0 gets its runner back; the other ranks compute in mpi_runner until the server stops
         runner = mpi_runner(path, args.tensor_parallel_size, args.pipeline_parallel_size, args.parallel_timeout,
-                            comm=getattr(args, "mpi_comm", None), max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                            comm=getattr(args, "mpi_comm", None),      # S18: a disaggregated instance's ranks
+                            max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=kv_cache_dtype)
         kv_cache_dtype = "auto"                               # the runner has it
     engine = LLMEngine(path, runner=runner, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,

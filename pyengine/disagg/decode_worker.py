@@ -4,7 +4,7 @@ On an *offer* (prompt, params, the prefill side's block hashes) the engine regis
 blocks at once (``LLMEngine.add_prefilled``): the leading blocks its prefix cache already holds are hits, so it
 answers *have k* and only blocks k.. are sent. Each block message is checked (kv_transfer: size, CRC, and its
 prefix hash against this side's own hash chain of the prompt) and written straight into the block the sequence
-was given, for at most a quarter of a decode step's time between two steps (``ADOPT_STEP_SHARE``), so a long prompt
+was given (a tensor-parallel instance: each rank its KV heads, kv_transfer.KVBlocks), for at most a quarter of a decode step's time between two steps (``ADOPT_STEP_SHARE``), so a long prompt
 never stalls the running decodes for more than that. When every block is in and the *commit* (first token, sampler state) has arrived,
 ``LLMEngine.commit_prefilled`` starts the sequence decoding; its outputs go to the router like any engine's.
 

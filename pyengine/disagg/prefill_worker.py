@@ -5,7 +5,8 @@
              (the client's first token), the sequence is parked with its blocks (engine.prefill_only)
     prefill --offer(xid, prompt, params, block hashes)-->   decode
     decode  --have(xid, k)-->                               prefill   (its prefix cache holds the first k blocks)
-    prefill --block k, k+1, ... (kv_transfer messages)-->   decode    (at most WINDOW in flight)
+    prefill --block k, k+1, ... (kv_transfer messages)-->   decode    (at most WINDOW in flight; a tensor-parallel
+                                                                      instance gathers its ranks' heads of them first)
     prefill --commit(xid, first token, sampler state)-->    decode
     prefill: frees the blocks once all are packed; "shipped" (blocks, bytes, seconds) to the router
 

@@ -5,7 +5,8 @@ The reference is the colocated single-process engine (LLM in this process): gree
 on a multi-block prompt, and seeded sampling, identical through the official `openai` client; a second prompt
 sharing 4 blocks with the first ships only the blocks the decode instance does not hold; an abort mid-decode
 leaves 0 blocks in use on both instances; a killed prefill follower fails the request on that instance cleanly
-while the decode instance finishes its running stream and serves new requests. Then prefill T=2 -> decode T=1
+while the decode instance finishes its running stream and serves new requests; a killed decode follower then ends
+that instance's stream with the error and leaves the server unhealthy (no decode instance). Then prefill T=2 -> decode T=1
 (heterogeneous) gives the same text."""
 import os
 import signal
@@ -105,7 +106,7 @@ def test_abort_mid_decode_leaves_no_blocks_in_use(server):
     assert metric(m, "pyengine_num_requests_running") == 0
 
 
-def test_killed_prefill_follower_fails_its_instances_request_while_decode_serves(server, reference):
+def test_killed_followers_fail_their_instances_requests_cleanly(server, reference):
     c = server.client()
     running = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=60, temperature=0,
                                    stream=True, extra_body={"ignore_eos": True})
@@ -126,6 +127,21 @@ def test_killed_prefill_follower_fails_its_instances_request_while_decode_serves
     m = httpx.get(server.url + "/metrics", timeout=5).text
     assert metric(m, "pyengine_instance_up", '{rank="1",role="prefill"}') == 0.0
     assert metric(m, "pyengine_instance_kv_cache_used_blocks", '{rank="3",role="decode"}') == 0.0
+    # then the decode instance's follower, mid-stream: that instance goes down too, its stream ends with the error,
+    # and with no decode instance left the server is unhealthy (its leader lives on, down)
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                      json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 150, "stream": True,
+                            "ignore_eos": True}) as stream:
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line.startswith("data: {"))      # decoding on ranks 3-4
+        os.kill(server.ranks[4], signal.SIGKILL)
+        rest = "\n".join(lines)
+    assert "decode instance rank 3" in rest and '"error"' in rest
+    assert not gone(server.ranks[3])
+    deadline = time.time() + 10
+    while httpx.get(server.url + "/health", timeout=5).status_code != 503 and time.time() < deadline:
+        time.sleep(0.2)
+    assert httpx.get(server.url + "/health", timeout=5).status_code == 503
 
 
 def test_prefill_tp2_ships_to_decode_tp1(reference):

@@ -201,3 +201,17 @@ def test_tp_kv_blocks_gather_and_scatter_whole_blocks(tmp_path, model, dtype):
     assert np.abs(a - b).max() <= tol * scale
     assert np.abs(got["logits_a"] - ref_logits).max() <= 1e-2 * np.abs(ref_logits).max()
     assert int(np.argmax(got["logits_a"])) == int(np.argmax(ref_logits))
+
+
+def test_rank_layout_router_then_each_instances_ranks_together():
+    from types import SimpleNamespace
+
+    from pyengine.disagg.launch import layout, role_tp, roles
+    insts = layout(2, 1, 2, 3)
+    assert [(i.role, i.ranks) for i in insts] == [("prefill", (1, 2)), ("prefill", (3, 4)), ("decode", (5, 6, 7))]
+    assert roles(2, 1, 2, 3) == ([1, 3], [5])
+    assert roles(1, 2) == ([1], [2, 3])                                   # without TP: 1 + P + D as before
+    args = SimpleNamespace(tensor_parallel_size=2, prefill_tensor_parallel_size=None, decode_tensor_parallel_size=1)
+    assert role_tp(args) == (2, 1)
+    with pytest.raises(ValueError, match="tensor-parallel size must be >= 1"):
+        layout(1, 1, 0, 1)

@@ -68,7 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="S17: ranks splitting every layer by heads / FFN columns (MPI; one Allreduce per sub-layer)")
+                   help="S17: ranks splitting every layer by heads / FFN columns (MPI; one Allreduce per sub-layer); "
+                        "S18: with --prefill-instances, the ranks of every instance")
     p.add_argument("--pipeline-parallel-size", type=int, default=1,
                    help="S17: pipeline stages of contiguous layers (MPI; N x M ranks with --tensor-parallel-size); "
                         "M groups of sequences, a step of each in flight, keep the stages busy")

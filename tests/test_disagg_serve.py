@@ -128,7 +128,9 @@ def test_killed_prefill_rank_fails_its_request_while_decode_keeps_serving():
 
 @pytest.mark.parametrize("flags,says", [(["--prefill-instances", "1"], "--decode-instances must be >= 1"),
                                         (["--prefill-instances", "1", "--decode-instances", "1",
-                                          "--tensor-parallel-size", "2"], "drop --tensor-parallel-size")])
+                                          "--pipeline-parallel-size", "2"], "drop --pipeline-parallel-size"),
+                                        (["--prefill-instances", "1", "--decode-instances", "1",
+                                          "--decode-tensor-parallel-size", "4"], "exceeds the model's 3 KV heads")])
 def test_bad_role_flags_are_refused_before_any_rank_starts(flags, says):
     import subprocess
     import sys

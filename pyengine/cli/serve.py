@@ -68,15 +68,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="S17: ranks splitting every layer by heads / FFN columns (MPI; one Allreduce per sub-layer)")
+                   help="S17: ranks splitting every layer by heads / FFN columns (MPI; one Allreduce per sub-layer); "
+                        "S18: with --prefill-instances, the ranks of every instance")
     p.add_argument("--pipeline-parallel-size", type=int, default=1,
                    help="S17: pipeline stages of contiguous layers (MPI; N x M ranks with --tensor-parallel-size); "
                         "M groups of sequences, a step of each in flight, keep the stages busy")
     p.add_argument("--prefill-instances", type=int, default=0,
                    help="S18: prefill engines (MPI ranks) computing prompts and shipping their KV blocks; with "
-                        "--decode-instances (1 + P + D ranks, the router on rank 0)")
+                        "--decode-instances: 1 + P x Tp + D x Td ranks, the router on rank 0, then each prefill "
+                        "instance's Tp ranks, then each decode instance's Td (T: --tensor-parallel-size, or the "
+                        "role's own below)")
     p.add_argument("--decode-instances", type=int, default=0,
                    help="S18: decode engines adopting the shipped KV blocks and streaming the rest")
+    p.add_argument("--prefill-tensor-parallel-size", type=int, default=None,
+                   help="S18: ranks of each prefill instance (default --tensor-parallel-size)")
+    p.add_argument("--decode-tensor-parallel-size", type=int, default=None,
+                   help="S18: ranks of each decode instance (default --tensor-parallel-size)")
     p.add_argument("--parallel-timeout", type=float, default=None,
                    help="seconds a step may wait on another rank before the server declares it stuck (default 60)")
     add_speculative_argument(p)
@@ -126,6 +133,7 @@ def build_engine(args):
         from pyengine.parallel.launch import mpi_runner
         # rank 0 gets its runner back; the other ranks compute in mpi_runner until the server stops
         runner = mpi_runner(path, args.tensor_parallel_size, args.pipeline_parallel_size, args.parallel_timeout,
+                            comm=getattr(args, "mpi_comm", None),      # S18: a disaggregated instance's ranks
                             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=kv_cache_dtype)
         kv_cache_dtype = "auto"                               # the runner has it

@@ -4,7 +4,7 @@ On an *offer* (prompt, params, the prefill side's block hashes) the engine regis
 blocks at once (``LLMEngine.add_prefilled``): the leading blocks its prefix cache already holds are hits, so it
 answers *have k* and only blocks k.. are sent. Each block message is checked (kv_transfer: size, CRC, and its
 prefix hash against this side's own hash chain of the prompt) and written straight into the block the sequence
-was given, for at most a quarter of a decode step's time between two steps (``ADOPT_STEP_SHARE``), so a long prompt
+was given (a tensor-parallel instance: each rank its KV heads, kv_transfer.KVBlocks), for at most a quarter of a decode step's time between two steps (``ADOPT_STEP_SHARE``), so a long prompt
 never stalls the running decodes for more than that. When every block is in and the *commit* (first token, sampler state) has arrived,
 ``LLMEngine.commit_prefilled`` starts the sequence decoding; its outputs go to the router like any engine's.
 
@@ -25,7 +25,7 @@ import time
 from collections import deque
 
 from pyengine.disagg.instance import Instance
-from pyengine.disagg.kv_transfer import TransferError, block_header, unpack_block
+from pyengine.disagg.kv_transfer import KVBlocks, TransferError, block_header, check_block
 from pyengine.disagg.prefill_worker import prompt_hashes
 from pyengine.engine.llm_engine import EngineOverloaded
 
@@ -72,6 +72,7 @@ class DecodeWorker(Instance):
         self.arrived: dict[int, tuple[int, set[int]]] = {}   # xid -> (n, indices of its sequences committed)
         self.counters.update(cached_blocks_hit=0)
         self.step_started = self.last_step_s = 0.0
+        self.blocks = KVBlocks(engine.runner.kv_cache, engine.runner.parallel)
 
     def handle(self, src: int, msg: dict) -> None:
         op, xid = msg["op"], msg.get("xid")
@@ -148,14 +149,14 @@ class DecodeWorker(Instance):
         try:
             if not ad.have <= index < len(ad.seq.block_table):
                 raise TransferError(f"KV block {index} of transfer {xid} is outside the blocks it needs")
-            unpack_block(self.engine.runner.kv_cache, buf, ad.seq.block_table[index],
-                         ad.hashes[index] if index < len(ad.hashes) else None)
+            data = check_block(self.blocks, buf, ad.hashes[index] if index < len(ad.hashes) else None)
         except TransferError as exc:
             self.counters["transfer_failures"] += 1
             self.t.send(ad.src, {"op": "abort", "xid": xid})
             self.abort(xid)
             self.fail(xid, exc)
             return
+        self.blocks.write([ad.seq.block_table[index]], data[:, None])   # a TP instance: each rank its heads
         ad.received += 1
         ad.bytes += buf.size
         self.maybe_commit(xid)

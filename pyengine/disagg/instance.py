@@ -13,7 +13,7 @@ import time
 
 from pyengine.disagg.kv_transfer import TransferError, parse_message
 from pyengine.disagg.step_trace import StepTrace
-from pyengine.parallel.mpi import IDLE_SLEEP_S
+from pyengine.parallel.mpi import IDLE_SLEEP_S, ParallelError
 
 ROUTER = 0
 HEARTBEAT_S = 0.5              # an idle instance still reports this often (the router's liveness check)
@@ -33,13 +33,16 @@ class Instance:
         self._last_report = 0.0
         self.changed = True
         self.trace = None                         # StepTrace when PYENGINE_STEP_TRACE names a directory
+        self.down = False                         # lost a rank of its tensor-parallel group (lost_group)
 
     # --- messages --------------------------------------------------------------------------------
     def hello(self) -> dict:
         import os
         import socket
         r = self.engine.runner
+        group = r.parallel                        # a TP instance: its followers too (the router's liveness check)
         return {"op": "hello", "role": self.role, "pid": os.getpid(), "host": socket.gethostname(),
+                "followers": [] if group is None else [list(w) for w in group.where[1:]],
                 "num_blocks": r.num_blocks, "block_size": r.block_size, "max_model_len": self.engine.max_model_len,
                 "max_num_seqs": self.engine.scheduler.max_num_seqs}
 
@@ -108,7 +111,37 @@ class Instance:
 
     # --- the loop --------------------------------------------------------------------------------
     def run_once(self) -> bool:
-        """One turn of the loop; True if anything happened."""
+        """One turn of the loop; True if anything happened. A tensor-parallel instance that lost one of its ranks
+        (`ParallelError` from a step or a KV gather / scatter) goes down: ``lost_group``."""
+        if self.down:
+            self.t.progress()
+            return self.receive_down()
+        try:
+            return self._run_once()
+        except ParallelError as exc:
+            self.lost_group(exc)
+            return True
+
+    def lost_group(self, exc: BaseException) -> None:
+        """Drop every request here (their blocks freed, a transfer's other side told), tell the router this
+        instance is down (it fails their requests with `ParallelError`: 503), stop the surviving ranks; from now
+        on only wait for the router's stop."""
+        self.down = True
+        for xid in list(self.rid_of):
+            self.abort(xid)
+        self.to_router({"op": "down", "error": f"lost one of its tensor ranks (numbered within the instance): {exc}"})
+        self.engine.runner.close()
+
+    def receive_down(self) -> bool:
+        m = self.t.recv()
+        if m is None:
+            return False
+        kind, payload = parse_message(m[1])
+        if kind == "C" and payload["op"] == "stop":
+            self.stopped = True
+        return True
+
+    def _run_once(self) -> bool:
         self.t.progress()
         busy = self.receive()
         busy = self.work() or busy

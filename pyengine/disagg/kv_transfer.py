@@ -11,6 +11,11 @@ last, partial block). The receiver checks both: the CRC says the bytes arrived a
 holds the tokens the receiver expects at that index (its own hash chain over the same prompt). A block that fails
 either check is refused with `TransferError` and nothing is written.
 
+A tensor-parallel instance holds each block sharded by KV head over its ranks; `KVBlocks` reads and writes whole
+blocks (all KV heads in order) all the same: its rank 0 gathers the other ranks' heads before packing and
+scatters a received block's heads to the ranks holding them. So the message, its CRC and its hash do not depend
+on either side's tensor-parallel size (a prefill instance of 2 ranks may ship to a decode instance of 1).
+
 Messages travel over a `Transport`: every message is one uint8 buffer whose first byte says its kind (``C``: a
 pickled control dict, ``B``: a block), sent on one MPI tag, so messages from one rank arrive in the order sent
 (MPI's non-overtaking rule). `MPITransport` is the real one (CPython + mpi4py); `LoopbackNet` connects engines in
@@ -34,24 +39,56 @@ class TransferError(RuntimeError):
     """A KV block arrived damaged, out of place or for a prompt that does not match."""
 
 
-def block_shape(kv) -> tuple[int, ...]:
-    """(layers, block_size, KV heads, row) of one block's K (or V) as stored."""
-    return (kv.k.shape[0],) + kv.k.shape[2:]
+class KVBlocks:
+    """An instance's KV blocks whole — every layer's K and V with all KV heads in order — whoever holds them.
+
+    Alone (``group`` None) they are this process's `PagedKVCache` blocks. In a tensor-parallel instance each rank
+    holds its KV heads (parallel/layout.py); ``group`` is the instance's `MPIGroup` (this process its rank 0): a
+    read gathers the other ranks' heads of the blocks (one order and one message per rank, however many blocks),
+    a write keeps this rank's heads and sends the others theirs (not waited for). So a block message is the same
+    bytes whatever the tensor-parallel sizes of the two sides."""
+
+    def __init__(self, kv, group=None):
+        self.kv, self.group = kv, group if group is not None and group.tp > 1 else None
+        heads = kv.k.shape[3] if self.group is None else self.group.n_kv_heads
+        self.shape = (kv.k.shape[0], kv.k.shape[2], heads, kv.k.shape[4])   # one block's K: (L, bs, Hkv, row)
+        self.dtype = kv.k.dtype
+        self.nbytes = 2 * int(np.prod(self.shape)) * self.dtype.itemsize    # data bytes of a block message
+
+    def read(self, blocks) -> np.ndarray:
+        """(2, n, layers, block_size, KV heads, row): K and V of cache blocks ``blocks``."""
+        if self.group is not None:
+            return self.group.kv_gather(self.kv, blocks)
+        out = np.empty((2, len(blocks)) + self.shape, self.dtype)
+        for j, (k, v) in enumerate(self.views(blocks)):
+            out[0, j], out[1, j] = k, v
+        return out
+
+    def views(self, blocks) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(K, V) of each of cache blocks ``blocks``, each (layers, block_size, KV heads, row), to be packed at
+        once: alone, views of the cache itself (no copy); in a TP instance, of one gather."""
+        if self.group is None:
+            return [(self.kv.k[:, b], self.kv.v[:, b]) for b in blocks]
+        data = self.read(blocks)
+        return [(data[0, j], data[1, j]) for j in range(len(blocks))]
+
+    def write(self, blocks, data: np.ndarray) -> None:
+        """Write ``data`` (as ``read`` returns it) into cache blocks ``blocks``."""
+        if self.group is not None:
+            self.group.kv_scatter(self.kv, blocks, data)
+            return
+        ids = np.asarray(blocks, np.int64)
+        self.kv.k[:, ids] = data[0].swapaxes(0, 1)
+        self.kv.v[:, ids] = data[1].swapaxes(0, 1)
 
 
-def block_nbytes(kv) -> int:
-    """Data bytes of one block message (K and V of every layer)."""
-    return 2 * int(np.prod(block_shape(kv))) * kv.k.dtype.itemsize
-
-
-def pack_block(kv, block: int, xid: int, index: int, chain_hash: bytes | None) -> np.ndarray:
-    """The message of cache block ``block`` (the ``index``-th block of transfer ``xid``'s prompt)."""
-    n = block_nbytes(kv) // 2
-    buf = np.empty(HEADER.size + 2 * n, np.uint8)
-    data = buf[HEADER.size:]
-    data[:n].view(kv.k.dtype).reshape(block_shape(kv))[...] = kv.k[:, block]
-    data[n:].view(kv.v.dtype).reshape(block_shape(kv))[...] = kv.v[:, block]
-    HEADER.pack_into(buf, 0, b"B", zlib.crc32(data), xid, index, chain_hash or NO_HASH)
+def pack_data(k: np.ndarray, v: np.ndarray, xid: int, index: int, chain_hash: bytes | None) -> np.ndarray:
+    """The message of one block's K and V (each (layers, block_size, KV heads, row)), the ``index``-th block of
+    transfer ``xid``'s prompt."""
+    buf = np.empty(HEADER.size + k.nbytes + v.nbytes, np.uint8)
+    data = buf[HEADER.size:].view(k.dtype).reshape((2,) + k.shape)
+    data[0], data[1] = k, v
+    HEADER.pack_into(buf, 0, b"B", zlib.crc32(buf[HEADER.size:]), xid, index, chain_hash or NO_HASH)
     return buf
 
 
@@ -63,10 +100,15 @@ def block_header(buf: np.ndarray) -> tuple[int, int, bytes]:
     return xid, index, h
 
 
-def unpack_block(kv, buf: np.ndarray, block: int, expect_hash: bytes | None) -> None:
-    """Verify a block message (size, CRC, chain hash) and write it into cache block ``block``."""
-    if buf.size != HEADER.size + block_nbytes(kv):
-        raise TransferError(f"KV block message of {buf.size} bytes, expected {HEADER.size + block_nbytes(kv)} "
+def block_nbytes(kv) -> int:
+    """Data bytes of one block message of this process's `PagedKVCache` ``kv`` (K and V of every layer)."""
+    return KVBlocks(kv).nbytes
+
+
+def check_block(blocks: KVBlocks, buf: np.ndarray, expect_hash: bytes | None) -> np.ndarray:
+    """Verify a block message (size, CRC, chain hash); its K and V (2, layers, block_size, KV heads, row)."""
+    if buf.size != HEADER.size + blocks.nbytes:
+        raise TransferError(f"KV block message of {buf.size} bytes, expected {HEADER.size + blocks.nbytes} "
                             "(do both sides use the same model and --kv-cache-dtype?)")
     _, crc, xid, index, h = HEADER.unpack_from(buf, 0)
     data = buf[HEADER.size:]
@@ -75,9 +117,7 @@ def unpack_block(kv, buf: np.ndarray, block: int, expect_hash: bytes | None) -> 
     if h != (expect_hash or NO_HASH):
         raise TransferError(f"KV block {index} of transfer {xid}: its prefix hash is not the one of the "
                             "receiver's prompt at that block")
-    n = data.size // 2
-    kv.k[:, block] = data[:n].view(kv.k.dtype).reshape(block_shape(kv))
-    kv.v[:, block] = data[n:].view(kv.v.dtype).reshape(block_shape(kv))
+    return data.view(blocks.dtype).reshape((2,) + blocks.shape)
 
 
 def control_message(msg: dict) -> np.ndarray:

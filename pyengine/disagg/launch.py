@@ -1,14 +1,27 @@
-"""S18: `pyengine serve --prefill-instances P --decode-instances D` — the roles as 1 + P + D MPI ranks.
+"""S18: `pyengine serve --prefill-instances P --decode-instances D` — the roles as MPI ranks.
 
-    rank 0           the router and the HTTP API (no model: the tokenizer only)
-    ranks 1 .. P     prefill instances (each an LLMEngine with its own KV cache)
-    ranks P+1 .. P+D decode instances
+    rank 0                  the router and the HTTP API (no model: the tokenizer only)
+    next P x Tp ranks       prefill instances, Tp consecutive ranks each (each an LLMEngine with its own KV cache)
+    next D x Td ranks       decode instances, Td consecutive ranks each
 
-On one host the command re-runs itself under the MPI wheel's ``mpiexec --with-ft ulfm -n 1+P+D`` (parallel/launch.py:
-a rank that dies then does not end the job: the router fails its requests and the others keep serving). Across hosts,
-start it yourself: ``mpiexec --with-ft ulfm -n 1+P+D --hostfile H pyengine serve --prefill-instances P
---decode-instances D ...`` (the hostfile's order places the ranks: rank 0 first). Every instance is built from the
-same engine options (model, --max-model-len, --kv-cache-dtype, ...), so block size and KV format agree.
+Tp and Td are the instances' tensor-parallel sizes (``--tensor-parallel-size T`` for both, or
+``--prefill-tensor-parallel-size`` / ``--decode-tensor-parallel-size``; 1 by default): the job has 1 + P x Tp + D x Td
+ranks. Each instance's ranks get a communicator of their own (``Split`` of the world); its first rank is the
+instance's *leader*: it runs the instance loop (prefill_worker.py / decode_worker.py) over an LLMEngine whose runner
+is tensor-parallel over that communicator (parallel/mpi.py `MPIGroup`), and the others follow its orders in
+``MPIGroup.worker_loop``. The router and the instance protocol talk to leaders only (their world ranks); a
+leader gathers and scatters its followers' KV heads of the blocks it ships or adopts (kv_transfer.py `KVBlocks`).
+With P = D = 1, T = 2: rank 0 router, ranks 1-2 the prefill instance (leader 1), ranks 3-4 the decode one (leader 3).
+
+On one host the command re-runs itself under the MPI wheel's ``mpiexec --with-ft ulfm -n <ranks>``
+(parallel/launch.py: a rank that dies then does not end the job: the router fails its requests and the others
+keep serving). Across hosts, start it yourself: ``mpiexec --with-ft ulfm -n <ranks> --hostfile H pyengine serve
+--prefill-instances P --decode-instances D ...``: the hostfile's slots take the ranks in order (rank 0 first, then
+each instance's ranks together), so list a host's slots as many times as the instance ranks it is to run, e.g.
+``router slots=1``, ``hostA slots=2`` (the prefill instance), ``hostB slots=2`` (the decode one) with
+``--map-by slot``; keep an instance's ranks on one host (their Allreduce per sub-layer wants shared memory).
+Every instance is built from the same engine options (model, --max-model-len, --kv-cache-dtype, ...), so block size
+and KV format agree.
 """
 from __future__ import annotations
 
@@ -16,6 +29,7 @@ import gc
 import logging
 import os
 import sys
+from dataclasses import dataclass
 
 # One host usually has fewer cores than ranks + their client: when they compete, the scheduler should give the
 # core to the decode rank and the router (the latency targets: ITL, token delivery) and take it from the prefill
@@ -24,12 +38,44 @@ import sys
 PREFILL_NICE = int(os.environ.get("PYENGINE_PREFILL_NICE", "5"))
 
 
-def roles(prefill: int, decode: int) -> tuple[list[int], list[int]]:
-    """(prefill ranks, decode ranks); ValueError saying what to change."""
+@dataclass(frozen=True)
+class InstanceRanks:
+    """One instance's place in the job: its role and world ranks (the first is its leader)."""
+    role: str
+    ranks: tuple
+
+    @property
+    def leader(self) -> int:
+        return self.ranks[0]
+
+
+def layout(prefill: int, decode: int, prefill_tp: int = 1, decode_tp: int = 1) -> list[InstanceRanks]:
+    """Every instance's ranks, in world order after the router's rank 0; ValueError saying what to change."""
     for name, v in (("--prefill-instances", prefill), ("--decode-instances", decode)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be >= 1 when disaggregating (got {v!r}); give both, or neither")
-    return list(range(1, 1 + prefill)), list(range(1 + prefill, 1 + prefill + decode))
+    for name, v in (("prefill", prefill_tp), ("decode", decode_tp)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"the {name} instances' tensor-parallel size must be >= 1 (got {v!r})")
+    out, r = [], 1
+    for role, n, tp in (("prefill", prefill, prefill_tp), ("decode", decode, decode_tp)):
+        for _ in range(n):
+            out.append(InstanceRanks(role, tuple(range(r, r + tp))))
+            r += tp
+    return out
+
+
+def roles(prefill: int, decode: int, prefill_tp: int = 1, decode_tp: int = 1) -> tuple[list[int], list[int]]:
+    """(prefill leaders' ranks, decode leaders' ranks)."""
+    insts = layout(prefill, decode, prefill_tp, decode_tp)
+    return ([i.leader for i in insts if i.role == "prefill"], [i.leader for i in insts if i.role == "decode"])
+
+
+def role_tp(args) -> tuple[int, int]:
+    """(prefill, decode) tensor-parallel sizes: the role's own flag, else --tensor-parallel-size."""
+    tp = getattr(args, "tensor_parallel_size", 1)
+    pre, dec = getattr(args, "prefill_tensor_parallel_size", None), getattr(args, "decode_tensor_parallel_size", None)
+    return (tp if pre is None else pre), (tp if dec is None else dec)
 
 
 def uses_disagg(args) -> bool:
@@ -37,47 +83,58 @@ def uses_disagg(args) -> bool:
 
 
 def run(args) -> int:
-    from pyengine.cli.serve import uses_mpi
     from pyengine.parallel.mpi import launched_under_mpi
     try:
-        pre, dec = roles(args.prefill_instances, args.decode_instances)
-        if uses_mpi(args):
-            raise ValueError("--prefill-instances / --decode-instances run each instance in one process: drop "
-                             "--tensor-parallel-size / --pipeline-parallel-size")
-        n = 1 + len(pre) + len(dec)
-        if not launched_under_mpi():                  # one host: this command line as 1 + P + D ranks
+        if getattr(args, "pipeline_parallel_size", 1) != 1:
+            raise ValueError("--prefill-instances / --decode-instances split an instance by tensor parallelism only: "
+                             "drop --pipeline-parallel-size")
+        tp = role_tp(args)
+        insts = layout(args.prefill_instances, args.decode_instances, *tp)
+        n = 1 + sum(len(i.ranks) for i in insts)
+        if not launched_under_mpi():                  # one host: this command line as n ranks
             from pyengine.parallel.launch import check_split, relaunch
             from pyengine.server.runner import bind_socket
-            check_split(args.model, 1, 1)
+            for t_ in sorted(set(tp)):
+                check_split(args.model, t_, 1)
             bind_socket(args.host, args.port).close()     # a taken port fails before any rank starts
             return relaunch(n, ["-m", "pyengine"] + sys.argv[1:])
         from pyengine.disagg.kv_transfer import MPITransport
         t = MPITransport()
         if t.size != n:
-            raise ValueError(f"the MPI job has {t.size} ranks, --prefill-instances {len(pre)} + "
-                             f"--decode-instances {len(dec)} need 1 + {len(pre)} + {len(dec)} = {n}")
+            raise ValueError(f"the MPI job has {t.size} ranks, --prefill-instances {args.prefill_instances} x "
+                             f"{tp[0]} + --decode-instances {args.decode_instances} x {tp[1]} need 1 + "
+                             f"{args.prefill_instances * tp[0]} + {args.decode_instances * tp[1]} = {n}")
     except (ValueError, OSError) as exc:
         print(f"pyengine serve: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    if t.rank == 0:
-        return serve_router(args, t, pre, dec)
-    run_instance(args, t, "prefill" if t.rank in pre else "decode")
+    mine = next((i for i in insts if t.rank in i.ranks), None)
+    # every rank takes part in the split (collective): the router alone, each instance's ranks together
+    comm = t.comm.Split(t.MPI.UNDEFINED if mine is None else 1 + insts.index(mine), t.rank)
+    if mine is None:
+        return serve_router(args, t, *roles(args.prefill_instances, args.decode_instances, *tp))
+    run_instance(args, t, mine, comm)
     return 0
 
 
-def run_instance(args, t, role: str) -> None:
+def run_instance(args, t, inst: InstanceRanks, comm) -> None:
+    """An instance's rank: its leader runs the instance loop, a follower its part of every step (in build_engine,
+    until the leader stops it)."""
     from pyengine.cli.serve import build_engine
     from pyengine.disagg.decode_worker import DecodeWorker
     from pyengine.disagg.prefill_worker import PrefillWorker
     args.max_waiting = None                           # the router bounds what waits
-    engine, _ = build_engine(args)
-    if role == "prefill" and PREFILL_NICE and hasattr(os, "nice"):
+    args.tensor_parallel_size, args.mpi_comm = len(inst.ranks), comm
+    if inst.role == "prefill" and PREFILL_NICE and hasattr(os, "nice"):
         os.nice(PREFILL_NICE)
+    engine, _ = build_engine(args)                    # a follower's worker loop runs in here, then it exits
     timeout = args.parallel_timeout or 60.0
-    worker = PrefillWorker(engine, t, timeout) if role == "prefill" else DecodeWorker(engine, t)
+    worker = PrefillWorker(engine, t, timeout) if inst.role == "prefill" else DecodeWorker(engine, t)
     freeze_heap()
-    worker.run()
+    try:
+        worker.run()
+    finally:
+        engine.runner.close()                         # a TP instance: its followers' STOP
 
 
 def freeze_heap() -> None:

@@ -5,7 +5,8 @@
              (the client's first token), the sequence is parked with its blocks (engine.prefill_only)
     prefill --offer(xid, prompt, params, block hashes)-->   decode
     decode  --have(xid, k)-->                               prefill   (its prefix cache holds the first k blocks)
-    prefill --block k, k+1, ... (kv_transfer messages)-->   decode    (at most WINDOW in flight)
+    prefill --block k, k+1, ... (kv_transfer messages)-->   decode    (at most WINDOW in flight; a tensor-parallel
+                                                                      instance gathers its ranks' heads of them first)
     prefill --commit(xid, first token, sampler state)-->    decode
     prefill: frees the blocks once all are packed; "shipped" (blocks, bytes, seconds) to the router
 
@@ -35,7 +36,7 @@ from __future__ import annotations
 import time
 
 from pyengine.disagg.instance import Instance
-from pyengine.disagg.kv_transfer import pack_block
+from pyengine.disagg.kv_transfer import KVBlocks, pack_data
 from pyengine.engine.block_manager import hash_block
 
 WINDOW = 32                    # block messages in flight to one decode instance: at least what it takes between two
@@ -80,6 +81,7 @@ class PrefillWorker(Instance):
     def __init__(self, engine, transport, timeout: float = 60.0):
         super().__init__(engine, transport)
         engine.prefill_only = True
+        self.blocks = KVBlocks(engine.runner.kv_cache, engine.runner.parallel)
         self.timeout = timeout
         self.decode_of: dict[int, int] = {}      # xid -> the decode rank the router chose
         self.transfers: dict[int, Transfer] = {}  # xid -> the transfer under way (one sequence of it at a time)
@@ -163,7 +165,6 @@ class PrefillWorker(Instance):
         message went out or a transfer ended: a turn that only waits (a full window, the decode side taking its
         blocks between its steps) lets the loop sleep instead of spinning on the core the ranks share."""
         busy = False
-        kv = self.engine.runner.kv_cache
         now = time.monotonic()
         for xid, tr in list(self.transfers.items()):
             if tr.next is None or (tr.packed and self.t.pending(tr.dest)):
@@ -171,8 +172,15 @@ class PrefillWorker(Instance):
                     self.give_up(xid, RuntimeError(f"decode instance rank {tr.dest} did not take the KV blocks "
                                                    f"within {self.timeout:g} s"))
                 continue
-            while not tr.packed and self.t.pending(tr.dest) < WINDOW:
+            room = WINDOW - self.t.pending(tr.dest)
+            if not tr.packed and room > 0:
                 busy = True
+                todo = range(tr.next, min(tr.end, tr.next + room))
+                kvs = self.blocks.views([tr.seq.block_table[i] for i in todo]) if todo else []
+                for i, (k, v) in zip(todo, kvs):   # (a TP instance gathered its ranks' heads of them at once)
+                    buf = pack_data(k, v, xid, i, tr.hashes[i] if i < len(tr.hashes) else None)
+                    self.t.send_buffer(tr.dest, buf)
+                    tr.next, tr.sent, tr.bytes, tr.t_last = i + 1, tr.sent + 1, tr.bytes + buf.size, now
                 if tr.next >= tr.end:
                     self.t.send(tr.dest, {"op": "commit", "xid": xid, "index": tr.index, "blocks": tr.sent,
                                           **tr.first})
@@ -180,11 +188,6 @@ class PrefillWorker(Instance):
                     if req is not None and len(self.shipped[xid]) == len(req.seqs):
                         self.engine.release_prefilled(tr.rid)  # every sequence is packed: the blocks are free
                     tr.packed = True
-                    break
-                i = tr.next
-                buf = pack_block(kv, tr.seq.block_table[i], xid, i, tr.hashes[i] if i < len(tr.hashes) else None)
-                self.t.send_buffer(tr.dest, buf)
-                tr.next, tr.sent, tr.bytes, tr.t_last = i + 1, tr.sent + 1, tr.bytes + buf.size, now
             if tr.packed and not self.t.pending(tr.dest):
                 busy = True
                 del self.transfers[xid]

@@ -20,7 +20,9 @@ decode side's outputs show it empty; the server streams each choice from its own
 or goes missing), finish reasons per choice, the prompt counted once in usage (the server's own count).
 
 Liveness: every instance reports at least every HEARTBEAT_S. An instance on this host whose process is gone, a
-zombie or stopped is dead at once; elsewhere, one that owes an answer and has been silent for ``timeout`` seconds.
+zombie or stopped is dead at once; elsewhere, one that owes an answer and has been silent for ``timeout`` seconds. A
+tensor-parallel instance is named by its leader's rank; it is dead as well when one of its followers is (their
+pids come with its hello), or when its leader says it is ("down": a step or KV gather met a lost rank).
 A dead prefill instance fails the requests it holds (not yet adopted) with `ParallelError` (the server answers 503)
 while the decode instances keep serving: new requests go to the other prefill instances, or, with none left, to a
 decode instance as whole requests ("run": it then prefills too). With no decode instance left the router reports a
@@ -265,6 +267,9 @@ class Router:
             inst.info = msg
         elif op == "stats":
             inst.stats = msg["stats"]
+        elif op == "down":                            # a TP instance lost one of its ranks
+            if inst.dead is None:
+                self._declare_dead(inst, msg["error"], outputs)
         elif op == "shipped":
             pass                                      # the prefill side's view; the decode side's "adopted" counts
         elif op == "outs":
@@ -317,22 +322,25 @@ class Router:
             if inst.dead is not None or not inst.info:
                 continue
             why = None
-            if inst.info.get("host") == host:
-                state = proc_state(inst.info["pid"])
-                if state in ("gone", "Z", "X", "T", "t"):
-                    why = f"pid {inst.info['pid']} {'stopped' if state in 'Tt' else 'dead'}"
+            # a tensor-parallel instance: its leader and each follower rank (their leader reports a lost one too)
+            for h, pid in [(inst.info.get("host"), inst.info["pid"])] + list(inst.info.get("followers", ())):
+                state = proc_state(pid) if h == host else None
+                if why is None and state in ("gone", "Z", "X", "T", "t"):
+                    why = f"pid {pid} {'stopped' if state in 'Tt' else 'dead'}"
             owes = any(inst.rank in (r.prefill, r.decode) for r in self.requests.values())
             if why is None and owes and now - inst.last_seen > max(self.timeout, 4 * HEARTBEAT_S):
                 why = f"silent for {now - inst.last_seen:.0f} s"
-            if why is None:
-                continue
-            inst.dead = why
-            if inst.role == "prefill":
-                self.totals["prefill_failures"] += 1
-            exc = ParallelError(f"{inst.role} instance rank {inst.rank} ({why}) failed its requests")
-            for r in list(self.requests.values()):
-                if r.decode == inst.rank or (r.prefill == inst.rank and r.stage in ("prefill", "transfer")):
-                    self._fail(r, exc, outputs)
+            if why is not None:
+                self._declare_dead(inst, why, outputs)
+
+    def _declare_dead(self, inst: InstanceState, why: str, outputs: list) -> None:
+        inst.dead = why
+        if inst.role == "prefill":
+            self.totals["prefill_failures"] += 1
+        exc = ParallelError(f"{inst.role} instance rank {inst.rank} ({why}) failed its requests")
+        for r in list(self.requests.values()):
+            if r.decode == inst.rank or (r.prefill == inst.rank and r.stage in ("prefill", "transfer")):
+                self._fail(r, exc, outputs)
 
     # --- introspection -----------------------------------------------------------------------------
     def stats(self) -> dict:

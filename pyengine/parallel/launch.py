@@ -131,12 +131,13 @@ def _exit_without_finalize() -> None:
     atexit.register(leave)
 
 
-def mpi_runner(model: str, tp: int, pp: int, timeout: float | None = None, **runner_kw):
-    """Inside an MPI job: this rank's ModelRunner over an MPIGroup. On rank 0 it is returned (to drive an
-    LLMEngine); on the other ranks the worker loop runs here until rank 0 stops, then the process exits."""
+def mpi_runner(model: str, tp: int, pp: int, timeout: float | None = None, comm=None, **runner_kw):
+    """Inside an MPI job: this rank's ModelRunner over an MPIGroup (of ``comm``, default the whole job). On rank 0
+    it is returned (to drive an LLMEngine); on the other ranks the worker loop runs here until rank 0 stops, then
+    the process exits."""
     from pyengine.engine.model_runner import ModelRunner
     from pyengine.parallel.mpi import DEFAULT_TIMEOUT_S, MPIGroup
-    group = MPIGroup(tp, pp, DEFAULT_TIMEOUT_S if timeout is None else timeout)
+    group = MPIGroup(tp, pp, DEFAULT_TIMEOUT_S if timeout is None else timeout, comm=comm)
     group.starting = True                  # until every rank has its part (a rank may fail to load it)
     try:
         runner = ModelRunner(model, parallel=group, **runner_kw)

@@ -68,6 +68,7 @@ from pyengine.engine.forward_batch import ForwardBatch
 from pyengine.parallel.layout import plan_ranks
 
 OP_STEP, OP_STOP, OP_STATS, OP_LAUNCH, OP_FINISH = 1, 2, 3, 4, 5
+OP_KV_GATHER, OP_KV_SCATTER = 6, 7     # S18: a TP instance's whole KV blocks (kv_gather / kv_scatter)
 HEADER = 8                     # int64 slots: op, T, sequences, logits rows, block-table entries, discard
 CROSS_STEP = True              # pp >= 2: M groups of sequences in flight across steps (PP 2 32-sequence decode
                                # 2.2-2.7x the within-step mode's in bench parallel: docs/performance.md)
@@ -76,6 +77,7 @@ IDLE_SPIN_S = 0.005            # a worker waiting for the next step polls withou
 IDLE_SLEEP_S = 0.0005
 DEFAULT_TIMEOUT_S = 60.0       # a step part that waits this long on another rank means that rank is stuck
 TAG_ACT, TAG_BACK, TAG_STOP, TAG_PLAN = 1000, 2000, 3000, 4000
+TAG_KV = 5000                  # S18: KV shards, follower -> rank 0 (gather) and rank 0 -> follower (+1, scatter)
 START_TIMEOUT_S = 600.0        # how long rank 0 waits for the slowest rank to load its part (large models)
 STOP_GRACE_S = 5.0             # after a failure: how long rank 0 waits for a live rank to take its STOP
 log = logging.getLogger("pyengine.parallel")
@@ -190,6 +192,7 @@ class MPIGroup:
         self.next = self.rank + self.tp if p.stage < self.pp - 1 else p.tp_rank   # the last stage: back to 0
         self.prev = self.rank - self.tp if p.stage > 0 else None
         self.d_model = config.d_model
+        self.n_kv_heads = config.n_kv_heads
 
     starting = False                      # launch.mpi_runner: the ranks are still building their parts
 
@@ -311,10 +314,13 @@ class MPIGroup:
         """Steps the engine may keep in flight at once: pp with cross-step pipelining, else 1."""
         return self.pp if self.cross_step and self.pp > 1 else 1
 
-    def _post(self, header: np.ndarray, payload: np.ndarray | None = None, ranks=None) -> None:
-        """Rank 0: an order (and its step plan) to every worker, or to ``ranks``; not waited for."""
-        if self.failure:
-            raise ParallelError(self.failure)
+    def _post(self, header: np.ndarray, payload: np.ndarray | None = None, ranks=None, look: bool = True) -> None:
+        """Rank 0: an order (and its step plan) to every worker, or to ``ranks``; not waited for. ``look``: first
+        look for a dead rank of this host (``failure``); the per-block KV orders skip it (its /proc reads were 2/3
+        of a block's scatter, 0.25 ms), as a lost rank fails their messages or the next step anyway."""
+        failure = self.failure if look else self._failure
+        if failure:
+            raise ParallelError(failure)
         try:
             for r in range(1, self.size) if ranks is None else ranks:
                 self._sending.append((self.world.Isend(header, r, TAG_PLAN), header))
@@ -433,6 +439,96 @@ class MPIGroup:
         self.steps = 0
         return self.world.gather(mine, 0)
 
+    # --- S18: whole KV blocks of a tensor-parallel instance ----------------------------------------------
+    # Each tensor rank's cache holds its KV heads (part.kv_heads, contiguous; with more ranks than KV heads a head
+    # is replicated). A disaggregated instance ships whole blocks (every KV head in order, the bytes as stored:
+    # a head's row is float32 / fp16 / q8_0 / q4_0 blocks of its own, so head slices of any format are exact):
+    # rank 0 gathers the others' heads of a block before packing it, and scatters a received block's heads to
+    # the ranks holding them. Orders ride on TAG_PLAN like a step's, so a follower writes a block before it
+    # runs any later step that reads it.
+    def _kv_heads(self, r: int) -> tuple[int, int]:
+        h = self.parts[r].kv_heads
+        return h[0], h[-1] + 1
+
+    def _kv_contrib(self, r: int) -> tuple[int, int]:
+        """The heads rank ``r`` sends in a gather: its own, less those an earlier rank holds (replicas)."""
+        h0, h1 = self._kv_heads(r)
+        before = max((self._kv_heads(q)[1] for q in range(r)), default=0)
+        return max(h0, before), h1
+
+    def _kv_shard(self, kv, blocks: np.ndarray, h0: int, h1: int) -> np.ndarray:
+        """(2, n, layers, block_size, h1 - h0, row) of this rank's cache: K and V of global heads h0..h1."""
+        l0 = h0 - self._kv_heads(self.rank)[0]
+        out = np.empty((2, len(blocks), kv.k.shape[0]) + kv.k.shape[2:3] + (h1 - h0,) + kv.k.shape[4:], kv.k.dtype)
+        for j, cache in enumerate((kv.k, kv.v)):
+            out[j] = np.take(cache[:, :, :, l0:l0 + h1 - h0], blocks, axis=1).swapaxes(0, 1)
+        return out
+
+    def kv_gather(self, kv, blocks) -> np.ndarray:
+        """Rank 0: (2, n, layers, block_size, all KV heads, row) — K and V of cache blocks ``blocks``, every
+        rank's heads put in place (one order and one message per contributing rank, however many blocks)."""
+        ids = np.asarray(blocks, np.int64)
+        L, _, bs, _, row = kv.k.shape
+        out = np.empty((2, len(ids), L, bs, self.n_kv_heads, row), kv.k.dtype)
+        if self.tp > 1:
+            self._post(np.array([OP_KV_GATHER, len(ids), 0, 0, 0, 0, 0, 0], np.int64), ids, look=False)
+            # each follower's heads land in place: an MPI subarray type of ``out`` (no copy after the receive)
+            sizes = list(out.shape[:-1]) + [row * out.itemsize]
+            types, reqs = [], []
+            for r in range(1, self.tp):
+                c0, c1 = self._kv_contrib(r)
+                if c1 > c0:
+                    t = self.MPI.BYTE.Create_subarray(sizes, sizes[:4] + [c1 - c0, sizes[5]], [0] * 4 + [c0, 0])
+                    types.append(t.Commit())
+                    reqs.append(self.world.Irecv([out.reshape(-1).view(np.uint8), 1, t], r, TAG_KV))
+        h0, h1 = self._kv_heads(0)            # meanwhile this rank's own heads, block by block
+        for j, b in enumerate(ids):
+            out[0, j, :, :, h0:h1] = kv.k[:, b]
+            out[1, j, :, :, h0:h1] = kv.v[:, b]
+        if self.tp > 1:
+            try:
+                self._wait(reqs, "KV gather")
+            finally:
+                for t in types:
+                    t.Free()
+        return out
+
+    def kv_scatter(self, kv, blocks, data: np.ndarray) -> None:
+        """Rank 0: write ``data`` (2, n, layers, block_size, all KV heads, row) into cache blocks ``blocks`` of
+        every rank, each its own heads; the others' shards are sent and not waited for."""
+        ids = np.asarray(blocks, np.int64)
+        h0, h1 = self._kv_heads(0)
+        for j, cache in enumerate((kv.k, kv.v)):
+            cache[:, ids] = data[j, :, :, :, h0:h1].swapaxes(0, 1)
+        if self.tp == 1:
+            return
+        self._post(np.array([OP_KV_SCATTER, len(ids), 0, 0, 0, 0, 0, 0], np.int64), ids, look=False)
+        try:
+            for r in range(1, self.tp):
+                c0, c1 = self._kv_heads(r)
+                shard = np.ascontiguousarray(data[:, :, :, :, c0:c1])
+                self._sending.append((self.world.Isend([shard.reshape(-1).view(np.uint8), self.MPI.BYTE], r,
+                                                       TAG_KV + 1), shard))
+        except self.MPI.Exception as exc:
+            self._lost(f"failed (KV scatter: {exc.Get_error_string()})")
+
+    def _kv_follow(self, runner, op: int, n: int) -> None:
+        """A follower's part of a kv_gather / kv_scatter order."""
+        kv = runner.kv_cache
+        ids = self._recv(n, TAG_PLAN + 1)
+        if op == OP_KV_GATHER:
+            c0, c1 = self._kv_contrib(self.rank)
+            if c1 > c0:
+                shard = self._kv_shard(kv, ids, c0, c1)
+                self._wait(self.world.Isend([shard.reshape(-1).view(np.uint8), self.MPI.BYTE], 0, TAG_KV),
+                           "KV gather")
+            return
+        h0, h1 = self._kv_heads(self.rank)
+        shard = np.empty((2, n, kv.k.shape[0]) + kv.k.shape[2:3] + (h1 - h0,) + kv.k.shape[4:], kv.k.dtype)
+        self._wait(self.world.Irecv([shard.reshape(-1).view(np.uint8), self.MPI.BYTE], 0, TAG_KV + 1), "KV scatter")
+        for j, cache in enumerate((kv.k, kv.v)):
+            cache[:, ids] = shard[j].swapaxes(0, 1)
+
     # --- this rank's part of a step -------------------------------------------------------------------
     def _timed(self, fn, *args, count: bool = True):
         """Run a part of a step, counting it in ``steps`` and its time, less the waits, in ``busy_s``."""
@@ -529,6 +625,8 @@ class MPIGroup:
                 op = int(header[0])
                 if op == OP_STATS:
                     self.stats()
+                elif op in (OP_KV_GATHER, OP_KV_SCATTER):     # S18: a disaggregated instance's KV blocks
+                    self._kv_follow(runner, op, int(header[1]))
                 elif op == OP_FINISH:     # stage 0's other tensor ranks: their columns of the LM head
                     self._timed(self._head_part, runner, int(header[3]), 0, 0, bool(header[5]), count=False)
                 else:

@@ -65,5 +65,23 @@ MIN_GAIN = 1.1             # draft only for an expected 10% more tokens per unit
 PROBE_MIN_GAIN = 1.2       # ... probe only when always-accepted drafts would make decoding at least 1.2x faster
 BASELINE_EVERY = 64        # one forced plain decode step in 64 keeps cost(0) measured (~1.5% of the steps)
 
+# --- S18 disaggregation (pyengine/disagg/; evidence in docs/disaggregation.md) ----------------------------
+# One host usually has fewer cores than ranks + their client: when they compete, the decode rank and the router
+# (the latency targets: ITL, token delivery) should get the core, the prefill rank (throughput work) give it up.
+PREFILL_NICE = 5             # niceness of prefill ranks: 5 steps is 1/3 of the CPU weight (Linux CFS);
+#                              $PYENGINE_PREFILL_NICE overrides it (0: prefill competes as an equal, the A/B's other arm)
+TRANSFER_WINDOW = 32         # block messages in flight to one decode instance: at least what it takes between two
+#                              steps (a quarter-step budget: ~20 float32 SmolLM2 blocks of 0.74 MB on a loaded host); a
+#                              sleeping prefill rank refilled a window of 8 too rarely (transfers 2.81 s vs 0.33-0.67)
+OFFER_WAIT_S = 1.0           # no new prefill step while an offer waits this long for its answer (about one decode
+#                              step on a loaded host; a prefill step started meanwhile would hold the answer for seconds)
+# Adoption between two decode steps: checking + writing a block runs at ~0.7 GB/s (SmolLM2 float32: 0.74 MB a block,
+# ~1 ms). A turn may spend ADOPT_STEP_SHARE of the last decode step on blocks (at least ADOPT_BUDGET_S): the running
+# decodes' ITL grows by at most that share while a prompt arrives, on a quiet host (40 ms steps: 10 ms, ~10 blocks)
+# as on a loaded one (0.26 s steps took 2.1 s per 26-block transfer with a fixed 10 ms budget).
+ADOPT_BUDGET_S = 0.010
+ADOPT_STEP_SHARE = 0.25
+ADOPT_BLOCKS_PER_POLL = 256  # block messages taken in one turn at most (the time budget ends a turn first)
+
 SWEEPABLE = ("LINEAR_ROW_LOOP_MAX", "LEAN_ROW_LOOP_MAX", "DECODE_SLOTS", "DECODE_KEY_CHUNK",
              "KEY_TREE_MIN", "SHORT_QUERY_MAX")

@@ -371,7 +371,7 @@ def test_a_prefill_rank_waiting_on_a_full_window_does_not_spin(runners, monkeypa
     """While every block of its transfer's window is still in flight (MPI has not completed the sends: the decode
     side takes blocks between its steps), a prefill turn does nothing and says so, so that its loop sleeps; once
     the sends complete it moves blocks again and the request finishes exactly."""
-    from pyengine.disagg.prefill_worker import WINDOW
+    from pyengine.tuning import TRANSFER_WINDOW as WINDOW
     c = Cluster(runners)
     in_flight = {"n": WINDOW}                                    # the window is full (loopback sends never are)
     monkeypatch.setattr(c.prefill.t, "pending", lambda dest=None: in_flight["n"])

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from model_paths import model_path
-from pyengine.disagg.launch import PREFILL_NICE
+from pyengine.disagg.launch import prefill_nice
 from test_mpi_serve import Server, gone, ranks_of
 
 pytestmark = pytest.mark.slow
@@ -50,7 +50,7 @@ def test_openai_client_streams_from_prefill_and_decode_instances(reference):
         assert sorted(ranks) == [0, 1, 2]
         # the prefill rank yields the core to the decode rank and the router (the kernel's view: /proc stat)
         nice = {r: int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[16]) for r, p in ranks.items()}
-        assert nice[1] == nice[2] + PREFILL_NICE and nice[0] == nice[2]
+        assert nice[1] == nice[2] + prefill_nice() and nice[0] == nice[2]
         c = s.client()
         got = [c.completions.create(model="SmolLM2-135M-Instruct", prompt=p, max_tokens=8, temperature=0,
                                     extra_body={"ignore_eos": True}).choices[0].text for p in PROMPTS]

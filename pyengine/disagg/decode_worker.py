@@ -4,7 +4,7 @@ On an *offer* (prompt, params, the prefill side's block hashes) the engine regis
 blocks at once (``LLMEngine.add_prefilled``): the leading blocks its prefix cache already holds are hits, so it
 answers *have k* and only blocks k.. are sent. Each block message is checked (kv_transfer: size, CRC, and its
 prefix hash against this side's own hash chain of the prompt) and written straight into the block the sequence
-was given (a tensor-parallel instance: each rank its KV heads, kv_transfer.KVBlocks), for at most a quarter of a decode step's time between two steps (``ADOPT_STEP_SHARE``), so a long prompt
+was given (a tensor-parallel instance: each rank its KV heads, kv_transfer.KVBlocks), for at most a quarter of a decode step's time between two steps (``tuning.ADOPT_STEP_SHARE``), so a long prompt
 never stalls the running decodes for more than that. When every block is in and the *commit* (first token, sampler state) has arrived,
 ``LLMEngine.commit_prefilled`` starts the sequence decoding; its outputs go to the router like any engine's.
 
@@ -24,19 +24,12 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from pyengine import tuning
 from pyengine.disagg.instance import Instance
 from pyengine.disagg.kv_transfer import KVBlocks, TransferError, block_header, check_block
 from pyengine.disagg.prefill_worker import prompt_hashes
 from pyengine.engine.llm_engine import EngineOverloaded
 
-# Adoption between two decode steps: checking + writing a block runs at ~0.7 GB/s here (SmolLM2 float32: 0.74 MB
-# a block, ~1 ms; docs/disaggregation.md). A turn may spend ADOPT_STEP_SHARE of the last decode step's time on
-# blocks (at least ADOPT_BUDGET_S): the running decodes' ITL grows by at most that share while a prompt arrives,
-# on a quiet host (40 ms steps: 10 ms, ~10 blocks a step) as on a loaded one (a bench run with 0.26 s steps took
-# 2.1 s per 26-block transfer with a fixed 10 ms budget).
-ADOPT_BUDGET_S = 0.010
-ADOPT_STEP_SHARE = 0.25
-ADOPT_BLOCKS_PER_POLL = 256
 
 
 class Adoption:
@@ -52,7 +45,6 @@ class Adoption:
 
 class DecodeWorker(Instance):
     role = "decode"
-    blocks_per_poll = ADOPT_BLOCKS_PER_POLL
 
     @property
     def block_budget_s(self) -> float:
@@ -60,13 +52,14 @@ class DecodeWorker(Instance):
         step, at least ADOPT_BUDGET_S; no limit when nothing runs."""
         if not self.engine.scheduler.running:
             return float("inf")
-        return max(ADOPT_BUDGET_S, ADOPT_STEP_SHARE * self.last_step_s)
+        return max(tuning.ADOPT_BUDGET_S, tuning.ADOPT_STEP_SHARE * self.last_step_s)
 
     def after_step(self) -> None:
         self.last_step_s = time.perf_counter() - self.step_started
 
     def __init__(self, engine, transport):
         super().__init__(engine, transport)
+        self.blocks_per_poll = tuning.ADOPT_BLOCKS_PER_POLL
         self.adopting: dict[int, Adoption] = {}
         self.offers: deque = deque()             # (src, msg) waiting for room: offers and "first" messages
         self.arrived: dict[int, tuple[int, set[int]]] = {}   # xid -> (n, indices of its sequences committed)

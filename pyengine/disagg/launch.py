@@ -31,11 +31,12 @@ import os
 import sys
 from dataclasses import dataclass
 
-# One host usually has fewer cores than ranks + their client: when they compete, the scheduler should give the
-# core to the decode rank and the router (the latency targets: ITL, token delivery) and take it from the prefill
-# rank (throughput work). 5 steps of niceness is 1/3 of the CPU weight (Linux CFS); docs/disaggregation.md.
-# $PYENGINE_PREFILL_NICE overrides it (0: the prefill rank competes as an equal; that page's A/B runs both).
-PREFILL_NICE = int(os.environ.get("PYENGINE_PREFILL_NICE", "5"))
+from pyengine import tuning
+
+
+def prefill_nice() -> int:
+    """Niceness of a prefill rank: tuning.PREFILL_NICE, or $PYENGINE_PREFILL_NICE (docs/disaggregation.md's A/B)."""
+    return int(os.environ.get("PYENGINE_PREFILL_NICE", tuning.PREFILL_NICE))
 
 
 @dataclass(frozen=True)
@@ -125,8 +126,8 @@ def run_instance(args, t, inst: InstanceRanks, comm) -> None:
     from pyengine.disagg.prefill_worker import PrefillWorker
     args.max_waiting = None                           # the router bounds what waits
     args.tensor_parallel_size, args.mpi_comm = len(inst.ranks), comm
-    if inst.role == "prefill" and PREFILL_NICE and hasattr(os, "nice"):
-        os.nice(PREFILL_NICE)
+    if inst.role == "prefill" and prefill_nice() and hasattr(os, "nice"):
+        os.nice(prefill_nice())
     engine, _ = build_engine(args)                    # a follower's worker loop runs in here, then it exits
     timeout = args.parallel_timeout or 60.0
     worker = PrefillWorker(engine, t, timeout) if inst.role == "prefill" else DecodeWorker(engine, t)

@@ -5,7 +5,7 @@
              (the client's first token), the sequence is parked with its blocks (engine.prefill_only)
     prefill --offer(xid, prompt, params, block hashes)-->   decode
     decode  --have(xid, k)-->                               prefill   (its prefix cache holds the first k blocks)
-    prefill --block k, k+1, ... (kv_transfer messages)-->   decode    (at most WINDOW in flight; a tensor-parallel
+    prefill --block k, k+1, ... (kv_transfer messages)-->   decode    (at most tuning.TRANSFER_WINDOW in flight; a tensor-parallel
                                                                       instance gathers its ranks' heads of them first)
     prefill --commit(xid, first token, sampler state)-->    decode
     prefill: frees the blocks once all are packed; "shipped" (blocks, bytes, seconds) to the router
@@ -26,7 +26,7 @@ or, without prefix caching, when the n prompts do not fit one step. Later tokens
 the colocated engine's (choice 0 decodes alone while the others move), which changes no bits: a row's product does
 not depend on its batch (layers/linear.py DenseLinear).
 
-While a transfer is under way, or its offer has waited less than ``OFFER_WAIT_S`` for an answer, no new engine step
+While a transfer is under way, or its offer has waited less than ``tuning.OFFER_WAIT_S`` for an answer, no new engine step
 starts (a long prefill step would stall the transfer, whose messages MPI moves only while both sides take part);
 the decode side takes blocks for a share of its step time between two of its steps (decode_worker.py). A transfer whose decode instance stops answering for ``timeout`` seconds is given up: its request
 fails, its blocks are freed here.
@@ -35,15 +35,11 @@ from __future__ import annotations
 
 import time
 
+from pyengine import tuning
 from pyengine.disagg.instance import Instance
 from pyengine.disagg.kv_transfer import KVBlocks, pack_data
 from pyengine.engine.block_manager import hash_block
 
-WINDOW = 32                    # block messages in flight to one decode instance: at least what it takes between two
-                               # steps (a quarter-step budget: ~20 float32 SmolLM2 blocks of 0.74 MB on a loaded host),
-                               # as this rank refills it only when it wakes (it sleeps while the window is full)
-OFFER_WAIT_S = 1.0             # no new step while an offer waits for its answer this long (about one decode step on a
-                               # loaded host; a prefill step started meanwhile would hold the answer for seconds)
 
 
 def prompt_hashes(token_ids, block_size: int) -> list[bytes]:
@@ -172,7 +168,7 @@ class PrefillWorker(Instance):
                     self.give_up(xid, RuntimeError(f"decode instance rank {tr.dest} did not take the KV blocks "
                                                    f"within {self.timeout:g} s"))
                 continue
-            room = WINDOW - self.t.pending(tr.dest)
+            room = tuning.TRANSFER_WINDOW - self.t.pending(tr.dest)
             if not tr.packed and room > 0:
                 busy = True
                 todo = range(tr.next, min(tr.end, tr.next + room))
@@ -200,4 +196,4 @@ class PrefillWorker(Instance):
 
     def may_step(self) -> bool:
         now = time.monotonic()
-        return not any(tr.next is not None or now - tr.t0 < OFFER_WAIT_S for tr in self.transfers.values())
+        return not any(tr.next is not None or now - tr.t0 < tuning.OFFER_WAIT_S for tr in self.transfers.values())

@@ -17,7 +17,7 @@ import pytest
 
 from model_paths import model_path
 from pyengine.disagg.launch import prefill_nice
-from test_mpi_serve import Server, gone, ranks_of
+from test_mpi_serve import Server, all_gone, eventually, ranks_of
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["The capital of France is", "def fib(n):", "Once upon a time"]
@@ -59,14 +59,15 @@ def test_openai_client_streams_from_prefill_and_decode_instances(reference):
             model="SmolLM2-135M-Instruct", max_tokens=6, stream=True, temperature=0,
             messages=[{"role": "user", "content": "Hi!"}]) if ch.choices]
         assert len([x for x in chunks if x]) >= 2 and "".join(chunks)     # first token (prefill) + the rest (decode)
-        time.sleep(1.0)                                                   # the instances' last reports
-        m = httpx.get(s.url + "/metrics", timeout=5).text
-        assert metric(m, "pyengine_kv_transfer_blocks_total") >= 4
-        assert metric(m, "pyengine_kv_transfer_bytes_total") > 0
-        assert metric(m, "pyengine_kv_transfer_seconds_count") == 4
-        for rank, role in ((1, "prefill"), (2, "decode")):
-            assert metric(m, "pyengine_instance_up", f'{{rank="{rank}",role="{role}"}}') == 1.0
-            assert metric(m, "pyengine_instance_kv_cache_used_blocks", f'{{rank="{rank}",role="{role}"}}') == 0.0
+        def reported():                                                   # the instances' last reports
+            m = httpx.get(s.url + "/metrics", timeout=5).text
+            assert metric(m, "pyengine_kv_transfer_blocks_total") >= 4
+            assert metric(m, "pyengine_kv_transfer_bytes_total") > 0
+            assert metric(m, "pyengine_kv_transfer_seconds_count") == 4
+            for rank, role in ((1, "prefill"), (2, "decode")):
+                assert metric(m, "pyengine_instance_up", f'{{rank="{rank}",role="{role}"}}') == 1.0
+                assert metric(m, "pyengine_instance_kv_cache_used_blocks", f'{{rank="{rank}",role="{role}"}}') == 0.0
+        eventually(reported)
         # n = 2 seeded, streamed: each choice under its index equals the colocated LLM's choice of that index,
         # the prompt counted once in usage; both sequences moved (one transfer each), no block left in use
         texts, reasons, usage = ["", ""], [None, None], None
@@ -81,15 +82,15 @@ def test_openai_client_streams_from_prefill_and_decode_instances(reference):
         assert texts == [o.text for o in choices.outputs] and texts[0] != texts[1]
         assert reasons == ["length", "length"]
         assert usage.prompt_tokens == len(choices.prompt_token_ids) and usage.completion_tokens == 16
-        time.sleep(1.0)
-        m = httpx.get(s.url + "/metrics", timeout=5).text
-        assert metric(m, "pyengine_kv_transfer_seconds_count") == 4 + 2
-        for rank, role in ((1, "prefill"), (2, "decode")):
-            assert metric(m, "pyengine_instance_kv_cache_used_blocks", f'{{rank="{rank}",role="{role}"}}') == 0.0
+        def moved_both():
+            m = httpx.get(s.url + "/metrics", timeout=5).text
+            assert metric(m, "pyengine_kv_transfer_seconds_count") == 4 + 2
+            for rank, role in ((1, "prefill"), (2, "decode")):
+                assert metric(m, "pyengine_instance_kv_cache_used_blocks", f'{{rank="{rank}",role="{role}"}}') == 0.0
+        eventually(moved_both)
     finally:
         s.stop()
-    time.sleep(1)
-    assert all(gone(p) for p in ranks.values()), "a rank outlived the server"
+    eventually(lambda: all_gone(ranks))
 
 
 def test_killed_prefill_rank_fails_its_request_while_decode_keeps_serving():
@@ -116,14 +117,14 @@ def test_killed_prefill_rank_fails_its_request_while_decode_keeps_serving():
                                      max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
         assert after.usage.completion_tokens == 8
         assert httpx.get(s.url + "/health", timeout=5).status_code == 200
-        time.sleep(1.0)
-        m = httpx.get(s.url + "/metrics", timeout=5).text
-        assert metric(m, "pyengine_instance_up", '{rank="1",role="prefill"}') == 0.0
-        assert metric(m, "pyengine_instance_kv_cache_used_blocks", '{rank="2",role="decode"}') == 0.0
+        def reported():
+            m = httpx.get(s.url + "/metrics", timeout=5).text
+            assert metric(m, "pyengine_instance_up", '{rank="1",role="prefill"}') == 0.0
+            assert metric(m, "pyengine_instance_kv_cache_used_blocks", '{rank="2",role="decode"}') == 0.0
+        eventually(reported)
     finally:
         s.stop()
-    time.sleep(1)
-    assert all(gone(p) for p in ranks.values()), "a rank outlived the server"
+    eventually(lambda: all_gone(ranks))
 
 
 @pytest.mark.parametrize("flags,says", [(["--prefill-instances", "1"], "--decode-instances must be >= 1"),

@@ -17,7 +17,7 @@ import pytest
 
 from model_paths import model_path
 from test_disagg_serve import PROMPTS, metric
-from test_mpi_serve import Server, gone, ranks_of
+from test_mpi_serve import Server, all_gone, eventually, gone, ranks_of
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
@@ -56,8 +56,7 @@ def server():
     s.ranks = ranks_of(s.proc.pid)
     yield s
     s.stop()
-    time.sleep(1)
-    assert all(gone(p) for p in s.ranks.values()), "a rank outlived the server"
+    eventually(lambda: all_gone(s.ranks))
 
 
 def test_tp_instances_serve_the_colocated_engines_text(server, reference):
@@ -72,13 +71,14 @@ def test_tp_instances_serve_the_colocated_engines_text(server, reference):
     # the multi-block prompt, then one sharing its first 4 blocks: only the blocks the decode side lacks move
     sent0, cached0 = totals(server)
     assert complete(c, LONG) == reference["long"][0]
-    time.sleep(0.6)
-    sent1, cached1 = totals(server)
-    assert (sent1 - sent0, cached1 - cached0) == (5, 0)
+
+    def moved(base, want):
+        now = totals(server)
+        assert (now[0] - base[0], now[1] - base[1]) == want
+        return now
+    sent1, cached1 = eventually(lambda: moved((sent0, cached0), (5, 0)))
     assert complete(c, SHARED) == reference["long"][1]
-    time.sleep(0.6)
-    sent2, cached2 = totals(server)
-    assert (sent2 - sent1, cached2 - cached1) == (1, 4)           # 5 blocks: 4 cached, 1 shipped
+    eventually(lambda: moved((sent1, cached1), (1, 4)))            # 5 blocks: 4 cached, 1 shipped
     m = httpx.get(server.url + "/metrics", timeout=5).text
     for rank, role in ((1, "prefill"), (3, "decode")):            # one series per instance, named by its leader
         assert metric(m, "pyengine_instance_up", f'{{rank="{rank}",role="{role}"}}') == 1.0
@@ -123,10 +123,11 @@ def test_killed_followers_fail_their_instances_requests_cleanly(server, referenc
     assert len(rest) + 1 == 60                                     # the running stream lost nothing
     assert [complete(c, p) for p in PROMPTS] == reference["greedy"]   # the decode instance prefills them now
     assert httpx.get(server.url + "/health", timeout=5).status_code == 200
-    time.sleep(1.0)
-    m = httpx.get(server.url + "/metrics", timeout=5).text
-    assert metric(m, "pyengine_instance_up", '{rank="1",role="prefill"}') == 0.0
-    assert metric(m, "pyengine_instance_kv_cache_used_blocks", '{rank="3",role="decode"}') == 0.0
+    def reported():
+        m = httpx.get(server.url + "/metrics", timeout=5).text
+        assert metric(m, "pyengine_instance_up", '{rank="1",role="prefill"}') == 0.0
+        assert metric(m, "pyengine_instance_kv_cache_used_blocks", '{rank="3",role="decode"}') == 0.0
+    eventually(reported)
     # then the decode instance's follower, mid-stream: that instance goes down too, its stream ends with the error,
     # and with no decode instance left the server is unhealthy (its leader lives on, down)
     with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
@@ -155,8 +156,7 @@ def test_prefill_tp2_ships_to_decode_tp1(reference):
         assert complete(c, LONG) == reference["long"][0]
     finally:
         s.stop()
-    time.sleep(1)
-    assert all(gone(p) for p in ranks.values()), "a rank outlived the server"
+    eventually(lambda: all_gone(ranks))
 
 
 @pytest.mark.parametrize("model,dtype", [("smollm2", "auto"), ("smollm2", "fp16"), ("smollm2", "q8_0"),

@@ -118,16 +118,18 @@ def rank_zero_pid(token: str) -> int | None:
     return None
 
 
-def _exit_without_finalize() -> None:
+def exit_without_finalize(status: int | None = None) -> None:
     """After a rank of the job died: end this process at interpreter exit without MPI_Finalize, which under
-    ULFM can wait forever on the dead rank (seen in rank 0's ompi_mpi_finalize). The exit status is 1: the job
-    failed to start, whatever the caller does with the error first."""
+    ULFM can wait forever on the dead rank (seen in ompi_mpi_finalize at start, and in 1 of ~12 runs of a rank
+    killed mid-job on a loaded host: every survivor spinning in it). ``status``: the exit status; None: 1 after an
+    uncaught exception, else 0 (a ``sys.exit`` code is not seen at that point)."""
     import atexit
 
     def leave():
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(1)
+        failed = getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None
+        os._exit(status if status is not None else int(failed))
     atexit.register(leave)
 
 
@@ -151,12 +153,16 @@ def mpi_runner(model: str, tp: int, pp: int, timeout: float | None = None, comm=
             os.kill(os.getpid(), signal.SIGKILL)
         lost = group.lost_rank_error(exc)
         if lost:                           # e.g. the model file missing on another host: that rank said why
-            _exit_without_finalize()
+            exit_without_finalize(1)       # the job failed to start, whatever the caller does with the error
             raise ValueError(f"the MPI job did not start: {lost} (its own error is printed above)") from None
         raise
     if group.rank != 0:
         import signal
         signal.signal(signal.SIGINT, signal.SIG_IGN)       # a terminal's Ctrl-C: rank 0 decides, then says STOP
         group.worker_loop(runner)
+        if group.failure:                  # a rank was lost: stopped by rank 0, leave without MPI_Finalize
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
         raise SystemExit(0)
     return runner

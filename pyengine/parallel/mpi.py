@@ -80,6 +80,8 @@ TAG_ACT, TAG_BACK, TAG_STOP, TAG_PLAN = 1000, 2000, 3000, 4000
 TAG_KV = 5000                  # S18: KV shards, follower -> rank 0 (gather) and rank 0 -> follower (+1, scatter)
 START_TIMEOUT_S = 600.0        # how long rank 0 waits for the slowest rank to load its part (large models)
 STOP_GRACE_S = 5.0             # after a failure: how long rank 0 waits for a live rank to take its STOP
+PEER_CHECK_S = 0.5             # a wait this long looks again for a lost peer (rank 0: a dead rank of this host; a
+                               # worker: rank 0's STOP): ULFM's notice of a killed rank came after > 25 s once, loaded
 log = logging.getLogger("pyengine.parallel")
 
 
@@ -222,6 +224,7 @@ class MPIGroup:
         timeout = self.timeout if timeout is None else timeout
         MPI = self.MPI
         test = MPI.Request.Testall if isinstance(reqs, list) else type(reqs).Test
+        check = t0 + PEER_CHECK_S
         try:
             done = test(reqs)
             while not done:
@@ -232,6 +235,12 @@ class MPIGroup:
                         raise _PeerLost("rank 0 stopped the group")
                 elif not idle and now - t0 > timeout:
                     self._lost(f"did not answer within {timeout:g} s ({what})")
+                elif not idle and now > check:
+                    check = now + PEER_CHECK_S
+                    if self.is_driver and any(n.endswith("dead)") for n in self._named_failures(mpi=False)):
+                        self._lost(f"lost it ({what})")
+                    if not self.is_driver and self.world.Iprobe(0, TAG_STOP):
+                        raise _PeerLost("rank 0 stopped the group")
                 done = test(reqs)
         except MPI.Exception as exc:      # ULFM: an operation with a failed rank (MPI_ERR_PROC_FAILED, ...)
             self._lost(f"failed ({what}: {exc.Get_error_string()})")
@@ -386,6 +395,8 @@ class MPIGroup:
     def _stop_after_failure(self) -> None:
         """STOP to every live rank point-to-point (Issend: complete = taken); kill this host's ranks that do not
         take it in STOP_GRACE_S (stopped or stuck); ``Abort`` if a remote one does not."""
+        from pyengine.parallel.launch import exit_without_finalize
+        exit_without_finalize()               # MPI_Finalize could wait forever on the lost rank (ULFM)
         MPI, host = self.MPI, socket.gethostname()
         failed = self._failed_ranks()
         msg = np.array([OP_STOP], np.int64)
@@ -633,6 +644,7 @@ class MPIGroup:
                     batch = self.recv_plan(header)
                     self._timed(self._step if op == OP_STEP else self._stage_part, runner, batch)
         except _PeerLost as exc:
+            self._failure = str(exc)
             print(f"pyengine rank {self.rank}: {exc}; waiting for rank 0 to stop", file=sys.stderr, flush=True)
             self.await_stop()
 

@@ -93,6 +93,13 @@ def test_openai_client_streams_from_prefill_and_decode_instances(reference):
     eventually(lambda: all_gone(ranks))
 
 
+def prefill_down_decode_empty(url: str, decode_rank: int) -> None:
+    """/metrics says the prefill instance (rank 1) is down and the decode instance holds no block."""
+    m = httpx.get(url + "/metrics", timeout=5).text
+    assert metric(m, "pyengine_instance_up", '{rank="1",role="prefill"}') == 0.0
+    assert metric(m, "pyengine_instance_kv_cache_used_blocks", f'{{rank="{decode_rank}",role="decode"}}') == 0.0
+
+
 def test_killed_prefill_rank_fails_its_request_while_decode_keeps_serving():
     s = Server(*FLAGS)
     try:
@@ -117,11 +124,7 @@ def test_killed_prefill_rank_fails_its_request_while_decode_keeps_serving():
                                      max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
         assert after.usage.completion_tokens == 8
         assert httpx.get(s.url + "/health", timeout=5).status_code == 200
-        def reported():
-            m = httpx.get(s.url + "/metrics", timeout=5).text
-            assert metric(m, "pyengine_instance_up", '{rank="1",role="prefill"}') == 0.0
-            assert metric(m, "pyengine_instance_kv_cache_used_blocks", '{rank="2",role="decode"}') == 0.0
-        eventually(reported)
+        eventually(lambda: prefill_down_decode_empty(s.url, 2))
     finally:
         s.stop()
     eventually(lambda: all_gone(ranks))

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from model_paths import model_path
-from test_disagg_serve import PROMPTS, metric
+from test_disagg_serve import PROMPTS, metric, prefill_down_decode_empty
 from test_mpi_serve import Server, all_gone, eventually, gone, ranks_of
 
 pytestmark = pytest.mark.slow
@@ -123,11 +123,7 @@ def test_killed_followers_fail_their_instances_requests_cleanly(server, referenc
     assert len(rest) + 1 == 60                                     # the running stream lost nothing
     assert [complete(c, p) for p in PROMPTS] == reference["greedy"]   # the decode instance prefills them now
     assert httpx.get(server.url + "/health", timeout=5).status_code == 200
-    def reported():
-        m = httpx.get(server.url + "/metrics", timeout=5).text
-        assert metric(m, "pyengine_instance_up", '{rank="1",role="prefill"}') == 0.0
-        assert metric(m, "pyengine_instance_kv_cache_used_blocks", '{rank="3",role="decode"}') == 0.0
-    eventually(reported)
+    eventually(lambda: prefill_down_decode_empty(server.url, 3))
     # then the decode instance's follower, mid-stream: that instance goes down too, its stream ends with the error,
     # and with no decode instance left the server is unhealthy (its leader lives on, down)
     with httpx.stream("POST", server.url + "/v1/completions", timeout=60,

@@ -59,7 +59,7 @@ class KVBlocks:
         """(2, n, layers, block_size, KV heads, row): K and V of cache blocks ``blocks``."""
         if self.group is not None:
             return self.group.kv_gather(self.kv, blocks)
-        out = np.empty((2, len(blocks)) + self.shape, self.dtype)
+        out = self.kv.block_data(len(blocks))
         for j, (k, v) in enumerate(self.views(blocks)):
             out[0, j], out[1, j] = k, v
         return out
@@ -77,9 +77,7 @@ class KVBlocks:
         if self.group is not None:
             self.group.kv_scatter(self.kv, blocks, data)
             return
-        ids = np.asarray(blocks, np.int64)
-        self.kv.k[:, ids] = data[0].swapaxes(0, 1)
-        self.kv.v[:, ids] = data[1].swapaxes(0, 1)
+        self.kv.write_blocks(blocks, data)
 
 
 def pack_data(k: np.ndarray, v: np.ndarray, xid: int, index: int, chain_hash: bytes | None) -> np.ndarray:

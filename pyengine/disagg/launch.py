@@ -126,8 +126,9 @@ def run_instance(args, t, inst: InstanceRanks, comm) -> None:
     from pyengine.disagg.prefill_worker import PrefillWorker
     args.max_waiting = None                           # the router bounds what waits
     args.tensor_parallel_size, args.mpi_comm = len(inst.ranks), comm
-    if inst.role == "prefill" and prefill_nice() and hasattr(os, "nice"):
-        os.nice(prefill_nice())
+    nice = prefill_nice() if inst.role == "prefill" else 0
+    if nice and hasattr(os, "nice"):
+        os.nice(nice)
     engine, _ = build_engine(args)                    # a follower's worker loop runs in here, then it exits
     timeout = args.parallel_timeout or 60.0
     worker = PrefillWorker(engine, t, timeout) if inst.role == "prefill" else DecodeWorker(engine, t)

@@ -104,6 +104,19 @@ class PagedKVCache:
         """Reads of consecutive slots return views of the cache itself (float32 storage)."""
         return self.dtype == "auto"
 
+    # --- whole blocks, every layer at once (S18: a prompt's KV shipped between instances) ------------------
+    def block_data(self, n: int, heads: int | None = None) -> np.ndarray:
+        """An empty (2, n, layers, block_size, heads, row) array: K and V of ``n`` whole blocks as stored, with
+        ``heads`` KV heads (default this cache's)."""
+        L, _, bs, h, row = self.k.shape
+        return np.empty((2, n, L, bs, h if heads is None else heads, row), self.k.dtype)
+
+    def write_blocks(self, blocks, data: np.ndarray) -> None:
+        """Cache blocks ``blocks`` <- ``data`` (as `block_data` holds it, with this cache's KV heads)."""
+        ids = np.asarray(blocks, np.int64)
+        for j, cache in enumerate((self.k, self.v)):
+            cache[:, ids] = data[j].swapaxes(0, 1)
+
     # --- writes -----------------------------------------------------------------------------------------
     def write(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
         """Store K/V rows (T, Hkv, hd) of this step's tokens into their slots."""

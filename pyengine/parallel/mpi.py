@@ -470,7 +470,7 @@ class MPIGroup:
     def _kv_shard(self, kv, blocks: np.ndarray, h0: int, h1: int) -> np.ndarray:
         """(2, n, layers, block_size, h1 - h0, row) of this rank's cache: K and V of global heads h0..h1."""
         l0 = h0 - self._kv_heads(self.rank)[0]
-        out = np.empty((2, len(blocks), kv.k.shape[0]) + kv.k.shape[2:3] + (h1 - h0,) + kv.k.shape[4:], kv.k.dtype)
+        out = kv.block_data(len(blocks), h1 - h0)
         for j, cache in enumerate((kv.k, kv.v)):
             out[j] = np.take(cache[:, :, :, l0:l0 + h1 - h0], blocks, axis=1).swapaxes(0, 1)
         return out
@@ -479,12 +479,11 @@ class MPIGroup:
         """Rank 0: (2, n, layers, block_size, all KV heads, row) — K and V of cache blocks ``blocks``, every
         rank's heads put in place (one order and one message per contributing rank, however many blocks)."""
         ids = np.asarray(blocks, np.int64)
-        L, _, bs, _, row = kv.k.shape
-        out = np.empty((2, len(ids), L, bs, self.n_kv_heads, row), kv.k.dtype)
+        out = kv.block_data(len(ids), self.n_kv_heads)
         if self.tp > 1:
             self._post(np.array([OP_KV_GATHER, len(ids), 0, 0, 0, 0, 0, 0], np.int64), ids, look=False)
             # each follower's heads land in place: an MPI subarray type of ``out`` (no copy after the receive)
-            sizes = list(out.shape[:-1]) + [row * out.itemsize]
+            sizes = list(out.shape[:-1]) + [out.shape[-1] * out.itemsize]
             types, reqs = [], []
             for r in range(1, self.tp):
                 c0, c1 = self._kv_contrib(r)
@@ -509,8 +508,7 @@ class MPIGroup:
         every rank, each its own heads; the others' shards are sent and not waited for."""
         ids = np.asarray(blocks, np.int64)
         h0, h1 = self._kv_heads(0)
-        for j, cache in enumerate((kv.k, kv.v)):
-            cache[:, ids] = data[j, :, :, :, h0:h1].swapaxes(0, 1)
+        kv.write_blocks(ids, data[:, :, :, :, h0:h1])
         if self.tp == 1:
             return
         self._post(np.array([OP_KV_SCATTER, len(ids), 0, 0, 0, 0, 0, 0], np.int64), ids, look=False)
@@ -535,10 +533,9 @@ class MPIGroup:
                            "KV gather")
             return
         h0, h1 = self._kv_heads(self.rank)
-        shard = np.empty((2, n, kv.k.shape[0]) + kv.k.shape[2:3] + (h1 - h0,) + kv.k.shape[4:], kv.k.dtype)
+        shard = kv.block_data(n, h1 - h0)
         self._wait(self.world.Irecv([shard.reshape(-1).view(np.uint8), self.MPI.BYTE], 0, TAG_KV + 1), "KV scatter")
-        for j, cache in enumerate((kv.k, kv.v)):
-            cache[:, ids] = shard[j].swapaxes(0, 1)
+        kv.write_blocks(ids, shard)
 
     # --- this rank's part of a step -------------------------------------------------------------------
     def _timed(self, fn, *args, count: bool = True):

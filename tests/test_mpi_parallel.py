@@ -266,3 +266,12 @@ def test_abort_of_a_sequence_in_flight_frees_its_blocks_when_its_step_is_back(tm
     for i, o in enumerate(want):
         if f"r{i}" != out["victim"]:
             assert out["done"][f"r{i}"] == o.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("calls, code", [("e(1); e()", 1), ("e()", 0), ("e(); raise SystemError('x')", 1)])
+def test_exit_without_finalize_keeps_an_explicit_status(calls, code):
+    """A failed start asks for status 1; the stop after it (exit_without_finalize() again) must not turn that into
+    0. Without an explicit status: 1 only after an uncaught exception."""
+    src = f"from pyengine.parallel.launch import exit_without_finalize as e; {calls}"
+    p = subprocess.run([sys.executable, "-c", src], capture_output=True, text=True, timeout=60)
+    assert p.returncode == code, p.stderr

@@ -118,18 +118,29 @@ def rank_zero_pid(token: str) -> int | None:
     return None
 
 
+_LEAVE: dict = {}          # exit_without_finalize's one atexit handler and the status it ends with
+
+
 def exit_without_finalize(status: int | None = None) -> None:
     """After a rank of the job died: end this process at interpreter exit without MPI_Finalize, which under
     ULFM can wait forever on the dead rank (seen in ompi_mpi_finalize at start, and in 1 of ~12 runs of a rank
     killed mid-job on a loaded host: every survivor spinning in it). ``status``: the exit status; None: 1 after an
-    uncaught exception, else 0 (a ``sys.exit`` code is not seen at that point)."""
+    uncaught exception, else 0 (a ``sys.exit`` code is not seen at that point). Called again, it keeps one handler,
+    and an explicit status given once stays (a failed start's 1 is not undone by the stop that follows)."""
     import atexit
+
+    if status is not None:
+        _LEAVE["status"] = status
+    if "registered" in _LEAVE:
+        return
+    _LEAVE["registered"] = True
 
     def leave():
         sys.stdout.flush()
         sys.stderr.flush()
         failed = getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None
-        os._exit(status if status is not None else int(failed))
+        code = _LEAVE.get("status")
+        os._exit(code if code is not None else int(failed))
     atexit.register(leave)
 
 

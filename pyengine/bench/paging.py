@@ -360,12 +360,12 @@ def bench_chunked(args) -> None:
     print(f"  {'setup':<34} {'prefill steps':>13} {'TTFT s':>8} {'/ unchunked':>11} {'ITL p99 ms':>10} "
           f"{'median ms':>9} {'p99/median':>10}", flush=True)
     runs = []
-    # --frontier: fixed targets of m x the decodes' step, known once the unchunked run has measured that step
-    setups += [(f"ITL target {m:g}x decode step", whole, True, m) for m in args.frontier or ()]
+    # --frontier: fixed targets of m x the decodes' step (no name yet: known once the unchunked run measured it)
+    setups += [(None, whole, True, m) for m in args.frontier or ()]
     for i, (name, budget, chunked, t) in enumerate(setups):
-        if i >= len(setups) - len(args.frontier or ()):
-            t = t * 1000 * float(np.median(runs[0]["calm"][:, 0]))
-            name = f"ITL target {t:.0f} ms ({setups[i][3]:g}x)"
+        if name is None:
+            m, t = t, t * 1000 * float(np.median(runs[0]["calm"][:, 0]))
+            name = f"ITL target {t:.0f} ms ({m:g}x)"
             setups[i] = (name, budget, chunked, t)
         r = _itl_run(args, budget, chunked, long_prompt, decoders, calm_steps, target_itl_ms=t)
         n = len(r["calm"]) + len(r["busy"])

@@ -30,7 +30,6 @@ def _exit_with_parent(parent: int) -> None:
     """End this worker when the server process is gone. A pool worker blocks reading its call queue, whose
     pipe it also holds open for writing, so a server killed without shutting the pool down (SIGKILL, a crash,
     an MPI job's rank 0 ended by its launcher) would leave it waiting forever, orphaned."""
-    import os
     import threading
     import time
 

@@ -19,6 +19,9 @@ SUBCOMMANDS = {
     "web": ("pyengine.cli.web", "serve the browser demo (Pyodide + TypeScript engines side by side)"),
     "perplexity": ("pyengine.cli.perplexity", "perplexity of a text file (llama.cpp's method), KL divergence"),
     "quantize": ("pyengine.cli.quantize", "write a GGUF with its tensors requantized (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)"),
+    "pull": ("pyengine.cli.pull", "download a GGUF: org/repo/file.gguf, org/repo[:QUANT] or an https:// URL"),
+    "models": ("pyengine.cli.models", "list the models here (packaged, pulled, local) with size, arch and quant"),
+    "rm": ("pyengine.cli.rm", "delete a pulled model"),
 }
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Fresh machine -> generation on the default model (SmolLM2-135M-Instruct, Q4_1 GGUF).
-#   bash scripts/quickstart.sh ["prompt"] [pyengine generate options...]
+#   bash scripts/quickstart.sh ["question"] [pyengine generate options...]
 #   bash scripts/quickstart.sh web [pyengine web options...]   (assembles the browser demo, then serves it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,6 +15,8 @@ if [ "$mode" = web ]; then
     bash scripts/setup_web.sh          # Pyodide + numpy wheel (npm), our wheel, the TypeScript engine's build
     exec .venv/bin/pyengine web "$@"
 fi
-prompt="${1:-The capital of France is}"
+# The prompt is sent as a user message through the model's chat template (an instruct model answers and stops);
+# `pyengine generate PROMPT` without --chat continues raw text instead.
+prompt="${1:-What is the capital of France?}"
 shift || true
-exec .venv/bin/pyengine generate "$prompt" --temperature 0 "$@"
+exec .venv/bin/pyengine generate "$prompt" --chat --temperature 0 "$@"

@@ -443,6 +443,61 @@ def test_metrics_counters_equal_usage(server, client):
     assert metric(after, "pyengine_kv_cache_used_blocks") == 0
 
 
+def test_vllm_metric_names_beside_ours(server, client):
+    """Gateways scrape vLLM's names: the same measurements under `vllm:*`, labelled model_name, with vLLM v1's
+    histogram buckets, parsed by prometheus_client's own parser; counters move with usage and the prefix cache."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pyengine.server.metrics import VLLM_ITL_BUCKETS, VLLM_REQUEST_LATENCY_BUCKETS, VLLM_TTFT_BUCKETS
+
+    def families():
+        return {f.name: f for f in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)}
+
+    def value(fams, family, sample, **labels):
+        return sum(s.value for s in fams[family].samples
+                   if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()))
+
+    before = families()
+    prompt = "Prefix caching reuses the key and value blocks of a prompt it has seen before. " * 3
+    usages = [client.completions.create(model=server.model_id, prompt=prompt, max_tokens=4, temperature=0,
+                                        extra_body={"ignore_eos": True}).usage for _ in range(2)]
+    deadline = time.monotonic() + 60
+    while True:
+        after = families()
+        if (value(after, "vllm:e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds_count")
+                - value(before, "vllm:e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds_count")
+                >= 2 or time.monotonic() > deadline):
+            break
+        time.sleep(0.01)
+    kinds = {"vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
+             "vllm:kv_cache_usage_perc": "gauge", "vllm:prefix_cache_queries": "counter",
+             "vllm:prefix_cache_hits": "counter", "vllm:prompt_tokens": "counter",
+             "vllm:generation_tokens": "counter", "vllm:request_success": "counter",
+             "vllm:num_preemptions": "counter", "vllm:time_to_first_token_seconds": "histogram",
+             "vllm:inter_token_latency_seconds": "histogram", "vllm:e2e_request_latency_seconds": "histogram"}
+    for name, kind in kinds.items():
+        assert after[name].type == kind, name
+        assert {s.labels.get("model_name") for s in after[name].samples} == {server.model_id}, name
+    for name, buckets in (("vllm:time_to_first_token_seconds", VLLM_TTFT_BUCKETS),
+                          ("vllm:inter_token_latency_seconds", VLLM_ITL_BUCKETS),
+                          ("vllm:e2e_request_latency_seconds", VLLM_REQUEST_LATENCY_BUCKETS)):
+        les = [float(s.labels["le"]) for s in after[name].samples if s.name == name + "_bucket"]
+        assert les[:-1] == list(buckets) and les[-1] == float("inf"), name
+    d = lambda fam, sample, **lab: value(after, fam, sample, **lab) - value(before, fam, sample, **lab)  # noqa
+    assert d("vllm:prompt_tokens", "vllm:prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    assert d("vllm:generation_tokens", "vllm:generation_tokens_total") == 8
+    assert d("vllm:request_success", "vllm:request_success_total", finished_reason="length") == 2
+    assert d("vllm:time_to_first_token_seconds", "vllm:time_to_first_token_seconds_count") == 2
+    assert d("vllm:inter_token_latency_seconds", "vllm:inter_token_latency_seconds_count") == 6
+    # the second request found the first one's full prompt blocks: hits counted in tokens, as vLLM counts them
+    stats = server.engine.stats()
+    assert value(after, "vllm:prefix_cache_queries", "vllm:prefix_cache_queries_total") == \
+        stats["prefix_cache_query_tokens"]
+    assert value(after, "vllm:prefix_cache_hits", "vllm:prefix_cache_hits_total") == stats["prefix_cache_hit_tokens"]
+    assert d("vllm:prefix_cache_hits", "vllm:prefix_cache_hits_total") >= 16
+    assert 0 <= value(after, "vllm:kv_cache_usage_perc", "vllm:kv_cache_usage_perc") <= 1
+
+
 def test_demo_and_api_in_one_process(server):
     """The web demo's app mounted under the API app: one process, one port, both answer."""
     demo = web_server.create_app(model=default_model_path())

@@ -85,3 +85,7 @@ def test_server_reports_spec_metrics_and_honours_the_opt_out():
     assert values["pyengine_spec_decode_num_accepted_tokens_total"] == st["spec_decode_num_accepted_tokens"]
     assert values["pyengine_spec_decode_mean_acceptance_length"] == pytest.approx(
         st["spec_decode_mean_acceptance_length"])
+    vllm = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+            if line.startswith("vllm:spec_decode")}                # vLLM's names, labelled as vLLM labels them
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        assert vllm[f'vllm:spec_decode_{name}_total{{model_name="m"}}'] == st[f"spec_decode_{name}"]

@@ -174,7 +174,7 @@ def serve_router(args, t, pre: list[int], dec: list[int]) -> int:
             aliases, model_id = aliases + [model_id], args.served_model_name
         app = create_app(router, model_id=model_id, aliases=aliases, api_key=args.api_key,
                          max_model_len=args.max_model_len, max_body_bytes=args.max_body_bytes,
-                         metrics=DisaggMetrics(), limits=server_limits(args))
+                         metrics=DisaggMetrics(model_name=model_id), limits=server_limits(args))
         print(f"pyengine serve: model {model_id} on http://{args.host}:{args.port} (disaggregated: prefill ranks "
               f"{pre}, decode ranks {dec}; context {args.max_model_len})", file=sys.stderr)
         exit_normally_on_signals()

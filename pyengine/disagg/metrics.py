@@ -18,8 +18,8 @@ TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 
 
 class DisaggMetrics(ServerMetrics):
-    def __init__(self, registry=None):
-        super().__init__(registry)
+    def __init__(self, registry=None, model_name: str = "pyengine"):
+        super().__init__(registry, model_name)
         r, p, lab = self.registry, "pyengine_", ["rank", "role"]
         self.inst = {key: Gauge(p + name, help_, lab, registry=r) for key, name, help_ in (
             ("running", "instance_num_requests_running", "Sequences in the instance's running batch"),

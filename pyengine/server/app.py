@@ -143,7 +143,7 @@ def create_app(engine, *, model_id: str | None = None, aliases=(), api_key: str 
         gguf = getattr(getattr(engine, "runner", None), "gguf", None)
         sampling_defaults = model_sampling_defaults(getattr(gguf, "metadata", None))
     state = ServerState(engine, model_id or "pyengine", list(aliases), int(max_model_len), max_body_bytes,
-                        metrics or ServerMetrics(), limits, sampling_defaults)
+                        metrics or ServerMetrics(model_name=model_id or "pyengine"), limits, sampling_defaults)
 
     async def api(request: Request, handler) -> Response:
         """Run one API handler: its APIErrors become OpenAI-shaped answers (and count in the metrics)."""

@@ -193,11 +193,11 @@ class Generation:
         if self.first_token_at is None:
             self.first_token_at = t
             if self.metrics:
-                self.metrics.ttft.observe(t - self.arrival)
+                self.metrics.observe_ttft(t - self.arrival)
         elif self.last_token_at[c] and self.metrics:
             gap = (t - self.last_token_at[c]) / count
             for _ in range(count):
-                self.metrics.itl.observe(gap)
+                self.metrics.observe_itl(gap)
         self.last_token_at[c] = t
 
     def close(self) -> None:
@@ -209,12 +209,9 @@ class Generation:
         if not self.metrics:
             return
         m = self.metrics
-        m.prompt_tokens.inc(self.prompt_tokens)
-        m.generation_tokens.inc(self.completion_tokens)
-        for reason in self.finish:
-            m.requests.labels(finish_reason=reason or "abort").inc()
-        if self.failure is None and all(r not in (None, "abort") for r in self.finish):
-            m.e2e.observe(time.perf_counter() - self.arrival)
+        normal = self.failure is None and all(r not in (None, "abort") for r in self.finish)
+        m.observe_finished(time.perf_counter() - self.arrival if normal else None, self.prompt_tokens,
+                           self.completion_tokens, [reason or "abort" for reason in self.finish])
         if self.failure is not None:
             m.errors.labels(status="500").inc()
 

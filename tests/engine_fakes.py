@@ -92,11 +92,16 @@ def reference_greedy(prompt: list[int], max_tokens: int, ignore_eos: bool = Fals
 
 
 class FakeRunner:
-    def __init__(self, num_blocks=64, block_size=4, max_num_batched_tokens=None):
+    """`logits_fn(context ids) -> logits` and `tokenizer` may be replaced (a scripted model over a real
+    vocabulary: tests/test_reasoning.py); by default the hashed-context model over the one-character vocabulary."""
+
+    def __init__(self, num_blocks=64, block_size=4, max_num_batched_tokens=None, logits_fn=None, tokenizer=None):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.tokenizer = FakeTokenizer()
+        self.tokenizer = tokenizer or FakeTokenizer()
         self.config = FakeConfig()
+        self.config.vocab_size = self.tokenizer.vocab_size
+        self.logits_fn = logits_fn or context_logits
         self.max_num_batched_tokens = max_num_batched_tokens
         n = num_blocks * block_size
         self.kv_tok = np.full(n, -1, dtype=np.int64)
@@ -112,7 +117,7 @@ class FakeRunner:
         return blocks * bs + positions % bs
 
     def run(self, batch) -> np.ndarray:
-        batch.validate(self.block_size, self.num_blocks, VOCAB)       # the real runner's own checks
+        batch.validate(self.block_size, self.num_blocks, self.config.vocab_size)   # the real runner's own checks
         T = len(batch.token_ids)
         assert batch.token_ids.dtype == np.int64 and batch.positions.dtype == np.int64
         assert sum(batch.query_lens) == T == len(batch.positions)
@@ -145,8 +150,8 @@ class FakeRunner:
             p = int(batch.positions[r])
             sl = self.slots(batch.block_tables[s], np.arange(p + 1))
             assert np.array_equal(self.kv_pos[sl], np.arange(p + 1)), "context slot holds a stale/missing token"
-            rows.append(context_logits(self.kv_tok[sl]))
-        return np.stack(rows) if rows else np.zeros((0, VOCAB), np.float32)
+            rows.append(self.logits_fn(self.kv_tok[sl]))
+        return np.stack(rows) if rows else np.zeros((0, self.config.vocab_size), np.float32)
 
 
 def make_engine(num_blocks=64, block_size=4, **kw):

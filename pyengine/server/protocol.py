@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass
 
 from pyengine.sampling_params import SamplingParams
+from pyengine.server.reasoning import parser_for
 from pyengine.tokenizer.length_bound import TooManyTokens
 
 MAX_N = 32                  # choices per request: each one is a sequence in the batch
@@ -191,6 +192,9 @@ class ParsedRequest:
     echo: bool = False
     user: str | None = None
     tool_plan: object = None        # S15: how a reply to a request with tools is read (server/structured.py)
+    reasoning: object = None        # a thinking model's ReasoningParser (server/reasoning.py), else None
+    reasoning_open: bool = False    # the prompt leaves the model inside an open <think>
+    include_reasoning: bool = True  # return the reasoning as reasoning_content (else drop it)
 
 
 def _common(body: dict, vocab_size: int, chat: bool = False) -> dict:
@@ -375,21 +379,44 @@ def _finish(kind, body, common, prompts, prompt_texts, tokenizer, limits, logpro
                          user=common["user"], tool_plan=common["tool_plan"])
 
 
+# what a client's chat_template_kwargs may not set: the template's own inputs and the tokenizer's tokens
+_TEMPLATE_RESERVED = {"messages", "add_generation_prompt", "chat_template", "tools", "documents", "tokenize",
+                      "continue_final_message", "raise_exception", "strftime_now", "default_system"}
+
+
+def _chat_template_kwargs(body: dict) -> dict:
+    """vLLM's chat_template_kwargs (e.g. {"enable_thinking": false}): named scalar variables for the template."""
+    value = body.get("chat_template_kwargs")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise bad_param("chat_template_kwargs", "chat_template_kwargs must be an object")
+    for key, v in value.items():
+        if not key.isidentifier() or key in _TEMPLATE_RESERVED or key.endswith("_token"):
+            raise bad_param("chat_template_kwargs", f"chat_template_kwargs may not set {key!r}")
+        if not isinstance(v, (bool, int, float, str)) or (isinstance(v, str) and len(v) > 1000):
+            raise bad_param("chat_template_kwargs", f"chat_template_kwargs[{key!r}] must be a boolean, a number "
+                            "or a string of at most 1000 characters")
+    return dict(value)
+
+
 def encode_messages(tokenizer, messages: list[dict], limits: RequestPolicy, add_generation_prompt: bool = True,
-                    param: str = "messages") -> tuple[str, list[int]]:
+                    param: str = "messages", template_kwargs: dict | None = None) -> tuple[str, list[int]]:
     """The conversation as (text, ids) with the message text read as plain text (unless the operator's
     special_tokens_in_content), refused before rendering when its text alone cannot fit."""
     if hasattr(tokenizer, "min_tokens"):
         at_least = sum(tokenizer.min_tokens(m["content"]) for m in messages)
         if at_least >= limits.max_model_len:
             raise _too_long(limits.max_model_len, f"holds at least {at_least} tokens of message text", param)
+    template_kwargs = template_kwargs or {}
     if not hasattr(tokenizer, "encode_chat"):   # a stand-in tokenizer: render, then encode
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                             **template_kwargs)
         return text, tokenizer.encode(text, add_special_tokens=False, parse_special=True)
     try:
         return tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt,
                                      special_tokens_in_content=limits.special_tokens_in_content,
-                                     limit=limits.max_model_len)
+                                     limit=limits.max_model_len, **template_kwargs)
     except TooManyTokens as exc:
         raise _too_long(limits.max_model_len, f"has at least {exc.at_least} tokens", param) from None
 
@@ -410,8 +437,15 @@ def parse_chat(body: dict, tokenizer, limits: RequestPolicy | int) -> ParsedRequ
     elif body.get("top_logprobs") is not None:
         _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
         raise bad_param("top_logprobs", "top_logprobs requires logprobs: true")
-    text, ids = encode_messages(tokenizer, messages, limits)
-    return _finish("chat", body, common, [ids], [text], tokenizer, limits, logprobs, False, "messages")
+    text, ids = encode_messages(tokenizer, messages, limits, template_kwargs=_chat_template_kwargs(body))
+    parsed = _finish("chat", body, common, [ids], [text], tokenizer, limits, logprobs, False, "messages")
+    parser = parser_for(getattr(tokenizer, "chat_template", None))
+    if parser is not None:
+        parsed.reasoning, parsed.reasoning_open = parser, parser.opens_in_prompt(text)
+        parsed.include_reasoning = _bool(body, "include_reasoning", True)
+    elif body.get("include_reasoning") is not None:
+        _bool(body, "include_reasoning", True)
+    return parsed
 
 
 def parse_completion(body: dict, tokenizer, limits: RequestPolicy | int) -> ParsedRequest:
@@ -466,7 +500,8 @@ def tokenize(body: dict, tokenizer, limits: RequestPolicy | int) -> dict:
     want_strs = _bool(body, "return_token_strs")
     if body.get("messages") is not None:
         messages = _messages(body)
-        _, ids = encode_messages(tokenizer, messages, limits, _bool(body, "add_generation_prompt", True))
+        _, ids = encode_messages(tokenizer, messages, limits, _bool(body, "add_generation_prompt", True),
+                                 template_kwargs=_chat_template_kwargs(body))
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):

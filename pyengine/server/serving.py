@@ -245,9 +245,14 @@ async def collect(gen: Generation, tokenizer, model_id: str, created: int) -> di
         reason = P.openai_finish_reason(gen.finish[c])
         if p.kind == "chat":
             lp = P.chat_logprobs(tokenizer, ids[c], lps[c], p.logprobs) if p.logprobs is not None else None
-            choices.append(P.chat_choice(c, gen.texts[c], reason, lp))
+            reasoning, text = None, gen.texts[c]
+            if p.reasoning is not None:     # a thinking model: its <think> part is not the answer
+                reasoning, text = p.reasoning.split(text, p.reasoning_open)
+            choices.append(P.chat_choice(c, text, reason, lp))
             if p.tool_plan is not None:     # S15: a reply that is a call becomes tool_calls
-                choices[-1]["message"], choices[-1]["finish_reason"] = p.tool_plan.message(gen.texts[c], reason)
+                choices[-1]["message"], choices[-1]["finish_reason"] = p.tool_plan.message(text, reason)
+            if reasoning is not None and p.include_reasoning:
+                choices[-1]["message"]["reasoning_content"] = reasoning
         else:
             prefix = p.prompt_texts[c // p.n] if p.echo else ""
             lp = (P.completion_logprobs(tokenizer, ids[c], lps[c], p.logprobs, 0)
@@ -274,9 +279,13 @@ async def stream(gen: Generation, tokenizer, model_id: str, created: int) -> Asy
     def event(choices: list[dict]) -> bytes:
         return sse(chunk(gen.api_id, created, model_id, choices, p.include_usage))
 
+    splitters = None
     if chat:
         for c in range(gen.n_choices):
             yield event([P.chat_delta(c, {"role": "assistant", "content": ""})])
+        if p.reasoning is not None:
+            from pyengine.server.reasoning import ThinkSplitter
+            splitters = [ThinkSplitter(p.reasoning, p.reasoning_open) for _ in range(gen.n_choices)]
     elif p.echo:
         for c in range(gen.n_choices):
             text = p.prompt_texts[c // p.n]
@@ -288,7 +297,17 @@ async def stream(gen: Generation, tokenizer, model_id: str, created: int) -> Asy
             continue
         if chat:
             lp = P.chat_logprobs(tokenizer, u.token_ids, u.logprobs or [], p.logprobs) if u.logprobs else None
-            delta = {"content": u.delta} if u.delta or not reason else {}
+            if splitters is not None:       # reasoning and answer as separate delta fields
+                r, a = splitters[u.choice].push(u.delta)
+                if reason:
+                    r2, a2 = splitters[u.choice].flush()
+                    r, a = r + r2, a + a2
+                delta = {**({"reasoning_content": r} if r and p.include_reasoning else {}),
+                         **({"content": a} if a else {})}
+                if not (delta or lp or reason):
+                    continue
+            else:
+                delta = {"content": u.delta} if u.delta or not reason else {}
             yield event([P.chat_delta(u.choice, delta, reason, lp)])
         else:
             lp = (P.completion_logprobs(tokenizer, u.token_ids, u.logprobs, p.logprobs, offsets[u.choice])

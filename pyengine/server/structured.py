@@ -265,6 +265,10 @@ async def stream_tool_calls(gen, model_id: str, created: int):
         if not reason:
             continue
         text = gen.texts[u.choice]
+        if p.reasoning is not None:      # a thinking model: the call is read from the answer after </think>
+            reasoning, text = p.reasoning.split(text, p.reasoning_open)
+            if reasoning and p.include_reasoning:
+                yield event([P.chat_delta(u.choice, {"reasoning_content": reasoning})])
         calls = plan.calls(text) if reason == "stop" else None
         if calls is None:
             if text:

@@ -3,7 +3,7 @@
     app = create_app(engine, model_id="SmolLM2-135M-Instruct.Q4_1")
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
-POST /v1/chat/completions, POST /v1/completions (SSE when "stream": true), GET /v1/models,
+POST /v1/chat/completions, POST /v1/completions, POST /v1/responses (SSE when "stream": true), GET /v1/models,
 POST /tokenize, POST /detokenize (vLLM's shapes), GET /health, GET /metrics (Prometheus text). Every
 error is OpenAI-shaped: {"error": {"message", "type", "param", "code"}} with the matching HTTP status,
 and names no internals. guard.py holds the defences around the routes (Host check, CORS, auth, 500s).
@@ -24,6 +24,7 @@ from starlette.routing import Mount, Route
 
 from pyengine.server import guard
 from pyengine.server import protocol as P
+from pyengine.server import responses as R
 from pyengine.server import serving as S
 from pyengine.server.engine_loop import EngineLoop, engine_failure
 from pyengine.server.guard import ServerLimits
@@ -34,7 +35,7 @@ log = logging.getLogger("pyengine.server")
 
 MAX_BODY_BYTES = 1 << 20          # 1 MiB: larger bodies get 413
 DRAIN_LIMIT = 64 << 20            # read (and drop) at most this much of an oversized body before answering
-ROUTES = ("POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models", "POST /tokenize",
+ROUTES = ("POST /v1/chat/completions", "POST /v1/completions", "POST /v1/responses", "GET /v1/models", "POST /tokenize",
           "POST /detokenize", "GET /health", "GET /metrics")
 
 
@@ -154,14 +155,21 @@ def create_app(engine, *, model_id: str | None = None, aliases=(), api_key: str 
             return error_response(err)
 
     async def complete(request: Request, kind: str) -> Response:
+        """chat / completion / responses: parse, start the engine requests, then stream or collect."""
         arrival = time.perf_counter()
         body = await state.read_json(request)
         state.check_model(body)
-        parse = P.parse_chat if kind == "chat" else P.parse_completion
+        parse_body = R.chat_body(body) if kind == "responses" else body
+        parse = P.parse_completion if kind == "completion" else P.parse_chat
         try:
-            parsed = await state.parse(parse, body)
+            parsed = await state.parse(parse, parse_body)
+        except P.APIError as err:   # a Responses body's fields keep their own names in errors
+            if kind == "responses":
+                err.param = R.PARAMS.get(err.param, err.param)
+            raise
         except ValueError as exc:   # e.g. the chat template refusing a message sequence
-            raise P.APIError(400, str(exc), param="messages" if kind == "chat" else "prompt") from None
+            raise P.APIError(400, str(exc), param={"chat": "messages", "completion": "prompt"}.get(kind, "input")
+                             ) from None
         gen = S.Generation(state.loop, state.metrics, parsed, P.new_id(kind), arrival, state.admission)
         await gen.start()
         created = P.now()
@@ -170,9 +178,12 @@ def create_app(engine, *, model_id: str | None = None, aliases=(), api_key: str 
             def on_close():   # the stream ended, failed or lost its client: abort leftovers, count it
                 watcher.stop()
                 gen.close()
-            return EventStreamResponse(S.stream(gen, state.tokenizer, state.model_id, created), on_close=on_close)
+            events = (R.stream(gen, state.model_id, created, body) if kind == "responses"
+                      else S.stream(gen, state.tokenizer, state.model_id, created))
+            return EventStreamResponse(events, on_close=on_close)
         try:
-            result = await S.collect(gen, state.tokenizer, state.model_id, created)
+            result = await (R.collect(gen, state.model_id, created, body) if kind == "responses"
+                            else S.collect(gen, state.tokenizer, state.model_id, created))
         finally:
             watcher.stop()
             gen.close()
@@ -183,6 +194,9 @@ def create_app(engine, *, model_id: str | None = None, aliases=(), api_key: str 
 
     async def completions(request: Request) -> Response:
         return await api(request, lambda r: complete(r, "completion"))
+
+    async def responses(request: Request) -> Response:
+        return await api(request, lambda r: complete(r, "responses"))
 
     async def tokenize(request: Request) -> Response:
         async def handle(r):
@@ -261,6 +275,7 @@ def create_app(engine, *, model_id: str | None = None, aliases=(), api_key: str 
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),

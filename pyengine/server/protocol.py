@@ -527,7 +527,7 @@ def detokenize(body: dict, tokenizer) -> dict:
 
 # --- responses ------------------------------------------------------------------------------------
 def new_id(kind: str) -> str:
-    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+    return {"chat": "chatcmpl-", "responses": "resp-"}.get(kind, "cmpl-") + uuid.uuid4().hex
 
 
 def now() -> int:

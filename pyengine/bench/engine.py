@@ -22,6 +22,8 @@ import tracemalloc
 
 import numpy as np
 
+from pyengine.bench.report import Checks, Progress, plan_line
+
 HELP = "decode/prefill tok/s vs the NumPy roofline, KV-cache scaling, flash attention memory"
 # --quick: every section at toy sizes (a smoke run of well under a minute; its ratios are not the README's)
 QUICK = dict(decode_tokens=8, prefill_tokens=64, contexts="32,64", flash_tokens=256, repeat=1, batch_sizes="1,4",
@@ -128,6 +130,28 @@ def batched_decode(runner, batch_sizes, context: int, steps: int, rng, profile=N
     return results
 
 
+def _estimates(runner, args, skip, contexts, batch_sizes, rng) -> dict[str, float]:
+    """Seconds each section should take, from one timed decode step and one 64-token prefill."""
+    vocab = runner.config.vocab_size
+    runner.run(runner.contiguous_batch(rng.integers(0, vocab, 64), 0))
+    t_pre = _median_time(lambda: runner.run(runner.contiguous_batch(rng.integers(0, vocab, 64), 0)), 1) / 64
+    t_dec = _median_time(lambda: runner.run(runner.contiguous_batch([1], 64)), 3)
+    out = {}
+    if "prefill" not in skip:
+        out["prefill"] = 2 * (args.repeat + 1) * args.prefill_tokens * t_pre
+    if "decode" not in skip:
+        out["decode"] = (args.decode_tokens + 16) * t_dec * 1.2
+    if batch_sizes:
+        out["batch"] = sum(B * args.batch_context * t_pre + (args.batch_steps + 1) * t_dec * max(1.0, B / 4)
+                           for B in batch_sizes)
+    if "kv" not in skip:
+        out["kv"] = sum(2 * L * t_pre + max(5, args.repeat) * t_dec + max(1, args.repeat - 1) * L * t_pre
+                        for L in contexts)
+    if "flash" not in skip:   # attention grows with the square of the prompt: scale a 64-token prefill's
+        out["flash"] = 2 * 64 * t_pre * (args.flash_tokens / 64) ** 2 / runner.config.n_layers
+    return out
+
+
 def _fit_exponent(xs, ys) -> float:
     return float(np.polyfit(np.log(xs), np.log(ys), 1)[0])
 
@@ -161,6 +185,10 @@ def run(args) -> int:
     rng = np.random.default_rng(0)
     vocab = runner.config.vocab_size
     mats, head = _layer_mats(runner)
+    checks = Checks()
+    checks.sample_load()
+    print(plan_line(_estimates(runner, args, skip, contexts, batch_sizes, rng)), flush=True)
+    progress = Progress("prefill").start()
 
     if "prefill" not in skip:
         n = args.prefill_tokens
@@ -175,8 +203,10 @@ def run(args) -> int:
               f"{n / t_roof:8.1f} tok/s ({t_roof * 1e3:.0f} ms) | ratio {t_roof / t_engine:.2f} (target: >= 400 tok/s)")
         print(f"  cpu time: engine {c_engine * 1e3:.0f} ms = {n / c_engine:.0f} tok/s, roofline {c_roof * 1e3:.0f} ms, "
               f"ratio {c_roof / c_engine:.2f}")
+        checks.not_above_roofline("prefill", t_roof / t_engine)
 
     if "decode" not in skip:
+        progress.section = "decode"
         n = args.decode_tokens
         prompt = list(rng.integers(0, vocab, 16))
         logits = runner.run(runner.contiguous_batch(prompt, 0))
@@ -200,6 +230,10 @@ def run(args) -> int:
         glue = (c_step - c_roof) * 1e3 / runner.config.n_layers
         print(f"  cpu time: engine {c_step * 1e3:.1f} ms/step = {1 / c_step:.1f} tok/s, roofline "
               f"{c_roof * 1e3:.1f} ms, ratio {c_roof / c_step:.2f}; non-GEMM work ~{glue:.2f} ms per layer")
+        checks.not_above_roofline("decode", t_roof / t_step)
+        checks.positive("decode's non-GEMM work per layer", glue)
+        if os.environ.get("OPENBLAS_NUM_THREADS") == "1":   # one thread: it should have had a whole core
+            checks.cpu_share("decode", sum(cpus), sum(steps))
         if args.profile:
             prof = cProfile.Profile()
             batches = [runner.contiguous_batch([1], pos + i) for i in range(16)]
@@ -212,6 +246,7 @@ def run(args) -> int:
             print(s.getvalue())
 
     if batch_sizes:
+        progress.section = "batch"
         prof = cProfile.Profile() if args.profile else None
         res = batched_decode(runner, batch_sizes, args.batch_context, args.batch_steps, rng, profile=prof)
         w1, c1 = res.get(1, (None, None))
@@ -222,12 +257,15 @@ def run(args) -> int:
             rw = f"{(B / w) / (1 / w1):6.2f}" if w1 else f"{'-':>6}"
             rc = f"{(B / c) / (1 / c1):9.2f}" if c1 else f"{'-':>9}"
             print(f"{B:>4} {w * 1e3:>9.1f} {B / w:>8.1f} {rw} {c * 1e3:>9.1f} {B / c:>10.1f} {rc}")
+        if w1:
+            checks.batch_gains({B: (B / w) * w1 for B, (w, _) in res.items()})
         if prof is not None:
             s = io.StringIO()
             pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(10)
             print(f"profile of {args.batch_steps} steps at B={max(batch_sizes)}:\n{s.getvalue()}")
 
     if "kv" not in skip:
+        progress.section = "kv"
         print("\nKV cache: ms per decode step at context L (with cache: append 1 token and attend; "
               "without: recompute all L tokens)")
         print(f"{'L':>6} {'cache ms':>10} {'no-cache ms':>12} {'speedup':>8}")
@@ -242,12 +280,14 @@ def run(args) -> int:
             cached.append(t_c)
             recomputed.append(t_n)
             print(f"{L:>6} {t_c * 1e3:>10.1f} {t_n * 1e3:>12.1f} {t_n / t_c:>8.1f}")
+            checks.cache_helps(L, t_n / t_c)
         if len(contexts) >= 2:
             a, b = _fit_exponent(contexts, cached), _fit_exponent(contexts, recomputed)
             print(f"growth exponent per step: with cache {a:.2f}, without {b:.2f}; per generated sequence of "
                   f"length L (sum over steps): ~{a + 1:.2f} vs ~{b + 1:.2f} (linear vs quadratic)")
 
     if "flash" not in skip:
+        progress.section = "flash"
         c = runner.config
         T = args.flash_tokens
         q = rng.standard_normal((T, c.n_heads, c.head_dim)).astype(np.float32)
@@ -269,5 +309,8 @@ def run(args) -> int:
               f"plain peak {results['plain'][0] / 2**20:.1f} MiB, {results['plain'][1] * 1e3:.0f} ms | flash "
               f"peak {results['flash'][0] / 2**20:.1f} MiB, {results['flash'][1] * 1e3:.0f} ms | "
               f"memory ratio {results['plain'][0] / max(1, results['flash'][0]):.0f}x | max |diff| {err:.1e}")
+    progress.stop()
     print(_load())
+    checks.sample_load()
+    print(checks.verdict())
     return 0

@@ -26,12 +26,15 @@ import time
 
 import numpy as np
 
+from pyengine.engine.args import EngineArgs
 from pyengine.engine.block_manager import BlockManager
 from pyengine.engine.chunk_budget import ChunkBudget, check_target_itl_ms
+from pyengine.engine.executor import Executor
 from pyengine.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, snapshot_metrics
 from pyengine.engine.scheduler import Scheduler, SchedulerOutput
 from pyengine.engine.sequence import Sequence, SequenceStatus
-from pyengine.engine.spec_decode import spec_stats
+from pyengine.engine.spec_decode import make_speculative_decoder, spec_stats
+from pyengine.layers.sampler import Sampler
 
 
 def check_prompt(ids: list[int], params, vocab_size: int, max_model_len: int) -> int:
@@ -54,6 +57,16 @@ def stop_token_ids(tok) -> set[int]:
     if ids is None:
         ids = [tok.eos_token_id] if getattr(tok, "eos_token_id", None) is not None else []
     return {int(t) for t in ids}
+
+
+def _make_scheduler(config: EngineArgs, block_manager: BlockManager) -> Scheduler:
+    """The scheduler of ``config``'s limits; S11: a chunk budget unless chunking by a target ITL is off."""
+    target = config.target_itl_ms
+    budget = ChunkBudget(target) if target is None or check_target_itl_ms(target) > 0 else None
+    return Scheduler(block_manager, max_num_seqs=config.max_num_seqs,
+                     max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
+                     enable_chunked_prefill=config.enable_chunked_prefill, watermark=config.watermark,
+                     aging_steps=config.aging_steps, chunk_budget=budget)
 
 
 class EngineOverloaded(RuntimeError):
@@ -90,95 +103,41 @@ class _Flight:
 
 
 class LLMEngine:
-    def __init__(self, model=None, max_model_len: int = 2048, block_size: int = 16, num_blocks: int | None = None,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
-                 enable_chunked_prefill: bool = True, max_waiting: int | None = None, *,
-                 runner=None, tokenizer=None, seed: int | None = None, watermark: float = 0.03,
-                 aging_steps: int = 64, tensor_parallel_size: int = 1, speculative_config=None,
-                 draft_runner=None, weights_mode: str = "resident", kv_cache_dtype: str = "auto",
-                 pipeline_parallel_size: int = 1, target_itl_ms: float | None = None,
-                 enforce_eager: bool = False):
-        """``runner``/``tokenizer`` (keyword-only extension): inject any object with the ModelRunner contract
-        (tests use a fake one); by default a `ModelRunner` is built for ``model`` (path, bytes, GGUFFile or
-        None for the default model), its weights in ``weights_mode`` ("resident" or "lean"), its KV cache in
-        ``kv_cache_dtype``; ``enforce_eager`` (vLLM's name) runs every step plain instead of replaying
-        captured steps (S13; also set on an injected runner that has the switch).
-        ``speculative_config`` (S14, vLLM's dict): ``{"method": "ngram" | "draft_model",
-        "num_speculative_tokens": k, "prompt_lookup_min", "prompt_lookup_max", "model"}``; ``draft_runner``
-        (extension) injects the draft model's runner.
-        S17: inside an MPI job (``mpiexec -n N*M python script.py``), ``tensor_parallel_size`` N and
-        ``pipeline_parallel_size`` M run over MPI: rank 0 gets the engine, the other ranks compute in here until
-        rank 0 is done, then exit (``pyengine serve`` starts its ranks itself).
-        S11: with chunked prefill, ``target_itl_ms`` sizes each step's prompt chunks so that a step with decodes
-        is predicted to last at most that long (engine/chunk_budget.py); None derives the target from the
-        decodes' own measured cost, 0 turns it off (chunks fill ``max_num_batched_tokens``)."""
-        if runner is None and tensor_parallel_size * pipeline_parallel_size > 1:
-            from pyengine.parallel.mpi import launched_under_mpi    # lazy: mpi4py only when asked for
-            if launched_under_mpi():
-                from pyengine.model_files import resolve_model
-                from pyengine.parallel.launch import mpi_runner
-                runner = mpi_runner(resolve_model(model) if model is None or isinstance(model, str) else model,
-                                    tensor_parallel_size, pipeline_parallel_size, max_model_len=max_model_len,
-                                    num_blocks=num_blocks, block_size=block_size,
-                                    max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                    kv_cache_dtype=kv_cache_dtype)
-                tensor_parallel_size, pipeline_parallel_size, kv_cache_dtype = 1, 1, "auto"   # the runner has them
-            else:
-                raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = "
-                                 f"{tensor_parallel_size * pipeline_parallel_size} ranks run over MPI: start this "
-                                 f"program with mpiexec -n {tensor_parallel_size * pipeline_parallel_size} (pip "
-                                 f"install 'pyengine[parallel]'), or use pyengine serve, which starts its ranks")
-        if runner is None:
-            from pyengine.engine.model_runner import ModelRunner
-            if model is None or isinstance(model, str):
-                from pyengine.model_files import resolve_model
-                model = resolve_model(model)
-            runner = ModelRunner(model, max_model_len=max_model_len, num_blocks=num_blocks, block_size=block_size,
-                                 max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                 weights_mode=weights_mode, kv_cache_dtype=kv_cache_dtype,
-                                 enforce_eager=enforce_eager)
-        elif tensor_parallel_size * pipeline_parallel_size != 1 or kv_cache_dtype != "auto":
-            raise ValueError("tensor_parallel_size, pipeline_parallel_size and kv_cache_dtype build the runner: "
-                             "pass them to the runner you inject")
-        if enforce_eager and hasattr(runner, "enforce_eager"):
-            runner.enforce_eager = True
-        for name, want in (("max_model_len", max_model_len), ("max_num_batched_tokens", max_num_batched_tokens),
-                           ("max_num_seqs", max_num_seqs)):
-            have = getattr(runner, name, None)
-            if isinstance(have, int) and want > have:
-                raise ValueError(f"{name}={want} exceeds the model runner's {name}={have}")
-        if max_waiting is not None and max_waiting < 0:
-            raise ValueError(f"max_waiting must be >= 0 or None, got {max_waiting}")
-        self.runner = runner
-        self.tokenizer = tokenizer if tokenizer is not None else runner.tokenizer
-        self.max_model_len = max_model_len
-        self.max_waiting = max_waiting
-        self.block_manager = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching)
-        chunk_budget = None
-        if target_itl_ms is None or check_target_itl_ms(target_itl_ms) > 0:
-            chunk_budget = ChunkBudget(target_itl_ms)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                                   enable_chunked_prefill=enable_chunked_prefill, watermark=watermark,
-                                   aging_steps=aging_steps, chunk_budget=chunk_budget)
+    def __init__(self, config: EngineArgs | None = None, executor: Executor | None = None, *, tokenizer=None,
+                 draft_runner=None, runner=None, **options):
+        """``config``: resolved `EngineArgs`; ``executor``: the `Executor` computing the steps (as
+        `EngineArgs.create_engine` / `pyengine.llm.build_engine` build them). Keyword form: ``LLMEngine(model,
+        max_model_len=.., ...)`` (any `EngineArgs` field), with ``runner=`` (a ModelRunner-like object: tests use
+        fakes) or ``executor=`` (e.g. `parallel.launch.mpi_runner`'s) injected; ``tokenizer=``; ``draft_runner=``
+        (S14's draft model)."""
+        if not isinstance(config, EngineArgs):
+            config = EngineArgs(model=config, **options)
+            executor = config.local_executor(runner) if executor is None else config.attach(executor)
+        elif options or runner is not None:
+            raise ValueError("LLMEngine(config, executor) takes no other options: set them on the EngineArgs")
+        self.config, self.executor = config, executor
+        config.check_runner(executor.runner)
+        self.tokenizer = tokenizer if tokenizer is not None else executor.runner.tokenizer
+        self.max_model_len, self.max_waiting = config.max_model_len, config.max_waiting
+        self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size, config.enable_prefix_caching)
+        self.scheduler = _make_scheduler(config, self.block_manager)
         # S17 cross-step pipelining (parallel/mpi.py): the running sequences are dealt into M groups, one step
         # of each in flight at once (one group with speculative decoding: its drafts need the latest tokens)
-        self.pipeline_groups = getattr(runner, "pipeline_groups", 1) if speculative_config is None else 1
+        self.pipeline_groups = executor.pipeline_groups if config.speculative_config is None else 1
         self.scheduler.num_groups = self.pipeline_groups
+        self.clock = time.perf_counter          # S11: step durations for the chunk budget (tests inject one)
+        self.sampler, self.rng = Sampler(), np.random.default_rng(config.seed)
+        self.eos_token_ids = stop_token_ids(self.tokenizer)
+        self.vocab_size = int(getattr(self.tokenizer, "vocab_size", 0) or self.runner.config.vocab_size)
+        self.spec = None if config.speculative_config is None else make_speculative_decoder(
+            config.speculative_config, config.max_model_len, self.runner, draft_runner=draft_runner,
+            max_num_seqs=config.max_num_seqs)
+        self._reset_state()
+
+    def _reset_state(self) -> None:
+        """The bookkeeping of requests, sequences, steps in flight and counters, empty."""
         self._in_flight: list[_Flight] = []
         self.max_groups_in_flight = 0
-        self.clock = time.perf_counter          # S11: step durations for the chunk budget (tests inject one)
-        from pyengine.layers.sampler import Sampler
-        self.sampler = Sampler()
-        self.rng = np.random.default_rng(seed)
-        tok = self.tokenizer
-        self.eos_token_ids = stop_token_ids(tok)
-        self.vocab_size = int(getattr(tok, "vocab_size", 0) or runner.config.vocab_size)
-        self.spec = None
-        if speculative_config is not None:
-            from pyengine.engine.spec_decode import make_speculative_decoder
-            self.spec = make_speculative_decoder(speculative_config, max_model_len, runner,
-                                                 draft_runner=draft_runner, max_num_seqs=max_num_seqs)
         self._structured = None                 # S15: built on the first constrained request
         self._draft_masks: dict[int, list] = {}  # S15 x S14: seq_id -> grammar masks of its verification rows
         self.requests: dict[str, _Request] = {}
@@ -191,6 +150,15 @@ class LLMEngine:
         self.counters = {"prompt_tokens": 0, "computed_prompt_tokens": 0, "generation_tokens": 0,
                          "finished_requests": 0, "aborted_requests": 0, "steps": 0,
                          "spec_decode_num_grammar_cut_tokens": 0}     # S15: draft tokens the grammar forbade
+
+    @property
+    def runner(self):
+        """This process's model runner (the executor's): its config, tokenizer, KV cache, gguf."""
+        return self.executor.runner
+
+    @runner.setter
+    def runner(self, runner) -> None:       # tests put a wrapper in front of it
+        self.executor.runner = runner
 
     # requests ------------------------------------------------------------------------------------
     def get_tokenizer(self):
@@ -354,7 +322,7 @@ class LLMEngine:
         if flight is None:
             return []
         captures = self._captures()
-        logits = self.runner.run(flight.batch) if flight.batch.token_ids.size else None
+        logits = self.executor.run(flight.batch) if flight.batch.token_ids.size else None
         # S13: a step captured now costs more than its replays will; it would price its draft length too high
         flight.decode_only = flight.decode_only and self._captures() == captures
         return self._complete(flight, logits)
@@ -370,7 +338,7 @@ class LLMEngine:
                 flight = None if g in flying else self._schedule(g, self.clock(), time.process_time())
                 if flight is not None:
                     if flight.batch.token_ids.size:
-                        self.runner.launch(flight.batch)
+                        self.executor.launch(flight.batch)
                     self._in_flight.append(flight)
             self.max_groups_in_flight = max(self.max_groups_in_flight, len(self._in_flight))
             if not self._in_flight:
@@ -378,7 +346,7 @@ class LLMEngine:
                     raise RuntimeError("scheduler could not schedule any of the unfinished requests")
                 return []
             flight = self._in_flight.pop(0)
-            logits = self.runner.finish() if flight.batch.token_ids.size else None
+            logits = self.executor.finish() if flight.batch.token_ids.size else None
         except Exception:                  # e.g. a lost rank: no step is in flight any more
             for f in self._in_flight:
                 self._free_aborted(f.sched)

@@ -30,33 +30,12 @@ from pyengine.engine.args import EngineArgs
 from pyengine.engine.block_manager import BlockManager
 from pyengine.engine.chunk_budget import ChunkBudget, check_target_itl_ms
 from pyengine.engine.executor import Executor
+from pyengine.engine.input_processor import InputProcessor, check_prompt, stop_token_ids  # noqa: F401 (re-exported)
 from pyengine.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, snapshot_metrics
 from pyengine.engine.scheduler import Scheduler, SchedulerOutput
 from pyengine.engine.sequence import Sequence, SequenceStatus
 from pyengine.engine.spec_decode import make_speculative_decoder, spec_stats
 from pyengine.layers.sampler import Sampler
-
-
-def check_prompt(ids: list[int], params, vocab_size: int, max_model_len: int) -> int:
-    """ValueError if the prompt's ids or the params cannot run on this model; else the request's max_tokens."""
-    if not ids:
-        raise ValueError("prompt is empty (no tokens)")
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"prompt token id {bad[0]} is out of range for vocab size {vocab_size}")
-    params.validate_for_vocab(vocab_size)
-    max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - len(ids)
-    if max_tokens <= 0:
-        raise ValueError(f"prompt ({len(ids)} tokens) leaves no room in max_model_len ({max_model_len})")
-    return max_tokens
-
-
-def stop_token_ids(tok) -> set[int]:
-    """The ids that end a sequence: the tokenizer's stop tokens, else its EOS."""
-    ids = getattr(tok, "stop_token_ids", None)
-    if ids is None:
-        ids = [tok.eos_token_id] if getattr(tok, "eos_token_id", None) is not None else []
-    return {int(t) for t in ids}
 
 
 def _make_scheduler(config: EngineArgs, block_manager: BlockManager) -> Scheduler:
@@ -129,6 +108,7 @@ class LLMEngine:
         self.sampler, self.rng = Sampler(), np.random.default_rng(config.seed)
         self.eos_token_ids = stop_token_ids(self.tokenizer)
         self.vocab_size = int(getattr(self.tokenizer, "vocab_size", 0) or self.runner.config.vocab_size)
+        self.inputs = InputProcessor(self.tokenizer, self.vocab_size, config.max_model_len, self.eos_token_ids)
         self.spec = None if config.speculative_config is None else make_speculative_decoder(
             config.speculative_config, config.max_model_len, self.runner, draft_runner=draft_runner,
             max_num_seqs=config.max_num_seqs)
@@ -138,7 +118,6 @@ class LLMEngine:
         """The bookkeeping of requests, sequences, steps in flight and counters, empty."""
         self._in_flight: list[_Flight] = []
         self.max_groups_in_flight = 0
-        self._structured = None                 # S15: built on the first constrained request
         self._draft_masks: dict[int, list] = {}  # S15 x S14: seq_id -> grammar masks of its verification rows
         self.requests: dict[str, _Request] = {}
         self._seq_owner: dict[int, _Request] = {}
@@ -164,21 +143,6 @@ class LLMEngine:
     def get_tokenizer(self):
         return self.tokenizer
 
-    def _encode(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-            bos = getattr(self.tokenizer, "bos_token_id", None)
-            # SmolLM2/HF adds no BOS; Gemma does: follow the GGUF's tokenizer.ggml.add_bos_token flag.
-            if getattr(self.tokenizer, "add_bos_token", False) and bos is not None and ids[:1] != [bos]:
-                ids = [bos] + ids
-            return prompt, list(ids)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
-            return None, [int(t) for t in prompt]
-        raise ValueError("prompt must be a str, a list of token ids or {'prompt_token_ids': [...]}, "
-                         f"got {type(prompt).__name__}")
-
     def num_waiting_requests(self) -> int:
         return sum(1 for r in self.requests.values() if not r.admitted)
 
@@ -198,14 +162,13 @@ class LLMEngine:
             params = SamplingParams()
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an int, got {priority!r}")
-        text, ids = self._encode(prompt)
-        max_tokens = check_prompt(ids, params, self.vocab_size, self.max_model_len)
+        text, ids = self.inputs.encode(prompt)
+        max_tokens = self.inputs.check(ids, params)
         self.scheduler.check_fits(len(ids), max_tokens)
 
         req = _Request(request_id, text, ids, params, priority,
                        time.monotonic() if arrival_time is None else arrival_time)
-        if params.structured_outputs is not None:
-            req.matchers = self._structured_outputs().matchers(params, params.n)
+        req.matchers = self.inputs.matchers(params, params.n)
         for i in range(params.n):
             seq = Sequence(self._next_seq_id, request_id, i, ids, params, priority, max_tokens=max_tokens)
             self._next_seq_id += 1
@@ -220,12 +183,6 @@ class LLMEngine:
         self.requests[request_id] = req
         for seq in req.seqs:
             self.scheduler.add(seq)
-
-    def _structured_outputs(self):
-        if self._structured is None:
-            from pyengine.structured.processor import StructuredOutputs
-            self._structured = StructuredOutputs(self.tokenizer, self.eos_token_ids, self.vocab_size)
-        return self._structured
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free all its blocks; returns its final output (None if unknown)."""

@@ -64,7 +64,8 @@ def reference(model, kw=KW, logits=LOGITS, prompts=None, max_tokens=MAX_TOKENS, 
         ids = np.random.default_rng(seed).integers(3, r.config.vocab_size, n)
         out.append(r.run(r.contiguous_batch(ids, pos, logits_all=True)).copy())
         pos += n
-    return out, (greedy(r, prompts, max_tokens) if prompts is not None else None)
+    from pyengine.engine.executor import LocalExecutor
+    return out, (greedy(LocalExecutor(r), prompts, max_tokens) if prompts is not None else None)
 
 
 # two prompts sharing their first blocks: the second hits the prefix cache (with pipeline stages: from

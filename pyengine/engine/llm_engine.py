@@ -30,8 +30,9 @@ from pyengine.engine.args import EngineArgs
 from pyengine.engine.block_manager import BlockManager
 from pyengine.engine.chunk_budget import ChunkBudget, check_target_itl_ms
 from pyengine.engine.executor import Executor
-from pyengine.engine.input_processor import InputProcessor, check_prompt, stop_token_ids  # noqa: F401 (re-exported)
-from pyengine.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, snapshot_metrics
+from pyengine.engine.input_processor import InputProcessor, stop_token_ids
+from pyengine.engine.output_processor import OutputProcessor
+from pyengine.engine.outputs import RequestMetrics, RequestOutput
 from pyengine.engine.scheduler import Scheduler, SchedulerOutput
 from pyengine.engine.sequence import Sequence, SequenceStatus
 from pyengine.engine.spec_decode import make_speculative_decoder, spec_stats
@@ -108,7 +109,8 @@ class LLMEngine:
         self.sampler, self.rng = Sampler(), np.random.default_rng(config.seed)
         self.eos_token_ids = stop_token_ids(self.tokenizer)
         self.vocab_size = int(getattr(self.tokenizer, "vocab_size", 0) or self.runner.config.vocab_size)
-        self.inputs = InputProcessor(self.tokenizer, self.vocab_size, config.max_model_len, self.eos_token_ids)
+        self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, config.max_model_len, self.eos_token_ids)
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, config.max_model_len)
         self.spec = None if config.speculative_config is None else make_speculative_decoder(
             config.speculative_config, config.max_model_len, self.runner, draft_runner=draft_runner,
             max_num_seqs=config.max_num_seqs)
@@ -150,7 +152,6 @@ class LLMEngine:
                     arrival_time: float | None = None) -> None:
         """Queue a request. ValueError if it is malformed or can never fit; EngineOverloaded if the
         waiting queue is full. ``arrival_time`` (extension) defaults to ``time.monotonic()``."""
-        from pyengine.engine.stop_checker import StopChecker
         from pyengine.layers.sampler import make_rng
         from pyengine.sampling_params import SamplingParams
 
@@ -162,23 +163,21 @@ class LLMEngine:
             params = SamplingParams()
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an int, got {priority!r}")
-        text, ids = self.inputs.encode(prompt)
-        max_tokens = self.inputs.check(ids, params)
+        text, ids = self.input_processor.encode(prompt)
+        max_tokens = self.input_processor.check(ids, params)
         self.scheduler.check_fits(len(ids), max_tokens)
 
         req = _Request(request_id, text, ids, params, priority,
                        time.monotonic() if arrival_time is None else arrival_time)
-        req.matchers = self.inputs.matchers(params, params.n)
+        req.matchers = self.input_processor.matchers(params, params.n)
         for i in range(params.n):
             seq = Sequence(self._next_seq_id, request_id, i, ids, params, priority, max_tokens=max_tokens)
             self._next_seq_id += 1
             if i > 0 and self.block_manager.enable_prefix_caching:
                 seq.wait_for = req.seqs[0]
             req.seqs.append(seq)
-            req.checkers.append(StopChecker(self.tokenizer, params, self.eos_token_ids, max_tokens=max_tokens))
+            self.output_processor.add_sequence(req, params, max_tokens)
             req.rngs.append(None if params.greedy else make_rng(params, self.rng, i))
-            req.logprobs.append([] if params.logprobs is not None else None)
-            req.cumulative_logprob.append(0.0 if params.logprobs is not None else None)
             self._seq_owner[seq.seq_id] = req
         self.requests[request_id] = req
         for seq in req.seqs:
@@ -190,16 +189,15 @@ class LLMEngine:
         if req is None:
             return None
         flying = {s.seq_id for f in self._in_flight for s, _ in f.sched.scheduled}
-        for seq, checker in zip(req.seqs, req.checkers):
+        for seq in req.seqs:
             if not seq.is_finished:        # S17: blocks of a sequence in flight are freed when its step is back
                 self._finish(seq, free_blocks=seq.seq_id not in flying)
-                checker.finish("abort")
-                seq.finish_reason = "abort"
+                self.output_processor.abort(req, seq)
         for seq in req.seqs:
             self._seq_owner.pop(seq.seq_id, None)
         req.metrics.finished_time = time.monotonic()
         self.counters["aborted_requests"] += 1
-        return self._make_output(req, {})
+        return self.output_processor.make_output(req, {})
 
     def has_unfinished_requests(self) -> bool:
         """Also True while a step is in flight (S17: of aborted sequences, whose blocks it frees when back)."""
@@ -367,7 +365,7 @@ class LLMEngine:
         outputs = []
         for rid, d in deltas.items():
             req = self.requests[rid]
-            outputs.append(self._make_output(req, d))
+            outputs.append(self.output_processor.make_output(req, d))
             if req.finished:
                 del self.requests[rid]
                 for s in req.seqs:
@@ -442,28 +440,12 @@ class LLMEngine:
             raise RuntimeError(f"sampled token {tok} is outside the grammar of request {req.request_id!r}")
         seq.append_token(tok)
         self.counters["generation_tokens"] += 1
-        m = req.metrics
-        if m.first_token_time is None:
-            m.first_token_time = now
-        if not m.token_times or m.token_times[-1] != now:
-            m.token_times.append(now)
-        if info is not None:
-            req.logprobs[seq.index].append(info.as_dict())
-            req.cumulative_logprob[seq.index] += info.logprob
-        checker = req.checkers[seq.index]
-        res = checker.append(tok)
-        delta = res.delta_text
-        if not res.finished and seq.num_tokens >= self.max_model_len:
-            res = checker.finish("length")
-            delta += res.delta_text
-        if res.finished:
+        res = self.output_processor.on_token(seq, req, tok, info, now, deltas)
+        if res is not None:
             seq.finish_reason, seq.stop_reason = res.finish_reason, res.stop_reason
             self._finish(seq)
             if req.finished:
-                m.finished_time = now
-        entry = deltas.setdefault(req.request_id, {}).setdefault(seq.index, [[], ""])
-        entry[0].append(tok)      # a verification may emit several tokens in one step
-        entry[1] += delta
+                req.metrics.finished_time = now
         if self.prefill_only and not seq.is_finished:      # S18: the decode instance takes it from here
             self.scheduler.running.remove(seq)
             self.prefilled.append(seq)
@@ -472,19 +454,6 @@ class LLMEngine:
         self.scheduler.finish(seq, free_blocks)
         if self.spec is not None:
             self.spec.release(seq)
-
-    def _make_output(self, req: _Request, deltas: dict[int, list]) -> RequestOutput:
-        outs = []
-        for seq, checker in zip(req.seqs, req.checkers):
-            toks, delta = deltas.get(seq.index, ([], ""))
-            lps = req.logprobs[seq.index]
-            outs.append(CompletionOutput(
-                index=seq.index, text=checker.text, token_ids=list(seq.output_token_ids),
-                logprobs=list(lps) if lps is not None else None, finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason, delta_text=delta, delta_token_ids=list(toks),
-                cumulative_logprob=req.cumulative_logprob[seq.index]))
-        return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), outs, req.finished,
-                             snapshot_metrics(req.metrics))
 
     # S18 disaggregation (pyengine/disagg/): hand a prefilled sequence from one engine to another ----------
     def release_prefilled(self, request_id: str) -> None:
@@ -571,7 +540,7 @@ class LLMEngine:
                 for s in req.seqs:
                     self._seq_owner.pop(s.seq_id, None)
                 self.counters["finished_requests"] += 1
-            return self._make_output(req, {})
+            return self.output_processor.make_output(req, {})
         if not seq.block_table:
             self.abort_request(request_id)
             raise RuntimeError(f"sequence {index} of request {request_id!r} was committed without its KV blocks "

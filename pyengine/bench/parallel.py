@@ -56,7 +56,6 @@ def _job(spec: dict) -> None:
         from pyengine.parallel.mpi import MPIGroup
         group = MPIGroup(tp, pp, cross_step=spec.get("cross_step", True))
         runner = ModelRunner(spec["model"], shard=group, **kw)
-        group.held = runner.held
         if group.rank != 0:
             group.worker_loop(runner)
             return

@@ -19,6 +19,7 @@ class MPIExecutor:
 
     def __init__(self, runner, group):
         self.runner, self.group = runner, group
+        group.held = getattr(runner, "held", {})  # what rank 0 holds (weights, KV cache), in the group's stats
 
     @property
     def pipeline_groups(self) -> int:

@@ -155,7 +155,6 @@ def mpi_runner(model: str, tp: int, pp: int, timeout: float | None = None, comm=
     group.starting = True                  # until every rank has its part (a rank may fail to load it)
     try:
         runner = ModelRunner(model, shard=group, **runner_kw)
-        group.held = runner.held               # what this rank holds, in its stats
         group.ready()
     except Exception as exc:
         if group.rank != 0:                # say why, then fail as a process: MPI_Finalize would wait for rank 0,

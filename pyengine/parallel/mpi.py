@@ -632,6 +632,7 @@ class MPIGroup:
 
     def worker_loop(self, runner) -> None:
         """A worker rank: follow rank 0's orders until it says stop."""
+        self.held = runner.held                   # what this rank holds (weights, KV cache), in its stats
         try:
             while True:
                 header = self.recv_step()

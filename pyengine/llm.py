@@ -21,14 +21,44 @@ from collections import deque
 from pyengine.sampling_params import SamplingParams
 
 
-class LLM:
-    def __init__(self, model=None, **engine_kwargs):
-        """``model``: None (default model), a GGUF path, or the file's bytes. Other keyword arguments
-        go to `LLMEngine` (max_model_len, block_size, num_blocks, max_num_seqs, seed, ...), among them S14's
-        ``speculative_config={"method": "ngram", "num_speculative_tokens": 4}`` (or "draft_model" + "model")."""
-        from pyengine.engine.llm_engine import LLMEngine   # lazy: `import pyengine` stays light
+def build_engine(engine_args, *, comm=None, runner=None, tokenizer=None, draft_runner=None):
+    """The `LLMEngine` of ``engine_args`` (an `EngineArgs`), the one path every front end takes (LLM, the CLI
+    commands, the server, disagg, the benches). One rank: a local executor. More (tensor x pipeline parallel) inside
+    an MPI job (``mpiexec -n N*M``, or ``comm``: a disaggregated instance's ranks): an `MPIExecutor` from
+    pyengine.parallel; rank 0 gets the engine, the other ranks compute in here until rank 0 is done, then exit.
+    ``runner`` (extension) injects a runner of one rank."""
+    engine_args.validate()
+    executor = None
+    if runner is None and engine_args.num_ranks > 1:
+        from pyengine.parallel.mpi import launched_under_mpi    # lazy: mpi4py only when asked for
+        if comm is not None or launched_under_mpi():
+            from pyengine.parallel.launch import mpi_executor
+            executor = mpi_executor(engine_args, comm=comm)
+    return engine_args.create_engine(executor, runner=runner, tokenizer=tokenizer, draft_runner=draft_runner)
 
-        self.llm_engine = LLMEngine(model=model, **engine_kwargs)
+
+class LLM:
+    def __init__(self, model=None, *, runner=None, tokenizer=None, draft_runner=None, **engine_kwargs):
+        """``model``: None (default model), a GGUF path, or the file's bytes. Other keyword arguments are
+        `EngineArgs` fields (max_model_len, block_size, num_blocks, max_num_seqs, seed, threads, weights_mode, ...),
+        among them S14's ``speculative_config={"method": "ngram", "num_speculative_tokens": 4}`` (or "draft_model"
+        + "model"). ``max_model_len`` defaults to the model's trained context when one full-length sequence's KV
+        cache fits (as ``pyengine generate``). ``runner=`` (extension) injects a model runner."""
+        from pyengine.engine.args import EngineArgs   # lazy: `import pyengine` stays light
+
+        self.engine_args = EngineArgs(model=model, **engine_kwargs)
+        self._start(build_engine(self.engine_args, runner=runner, tokenizer=tokenizer, draft_runner=draft_runner))
+
+    @classmethod
+    def from_engine_args(cls, engine_args, executor=None) -> "LLM":
+        """An `LLM` over the engine of ``engine_args`` (and of ``executor``, when one is built already)."""
+        llm = cls.__new__(cls)
+        llm.engine_args = engine_args
+        llm._start(build_engine(engine_args) if executor is None else engine_args.create_engine(executor))
+        return llm
+
+    def _start(self, engine) -> None:
+        self.llm_engine = engine
         self._ids = itertools.count()
         # Outputs of each request this object is waiting for. Several consumers (a stream left open
         # while generate() runs) step the same engine, so every step's outputs are routed by id.
@@ -46,7 +76,9 @@ class LLM:
         """What a call without sampling_params uses: the model's GGUF recommendations
         (`general.sampling.*`) over vLLM's defaults, with max_tokens 16 as in vLLM."""
         from pyengine.sampling_params import model_sampling_defaults
-        gguf = getattr(getattr(self.llm_engine, "runner", None), "gguf", None)
+        if self.engine_args.sampling_defaults:
+            return SamplingParams(**self.engine_args.sampling_defaults)
+        gguf = getattr(self.llm_engine.runner, "gguf", None)       # an injected runner: ask its file
         return SamplingParams(**model_sampling_defaults(getattr(gguf, "metadata", None)))
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = False) -> list:

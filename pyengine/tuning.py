@@ -6,6 +6,14 @@ process. None of them changes a result beyond float rounding: they only choose b
 """
 from __future__ import annotations
 
+# --- BLAS threads (engine/threads.py) ---------------------------------------------------------------------
+DEFAULT_THREADS_MAX = 1     # default BLAS threads at most this many (the usable cores, fewer when busy): one thread
+#                             decoded faster than two on this machine class even when quiet (1 vs 2 threads: 49.5
+#                             vs 38 tok/s single-stream, 330 vs 267 at 32 sequences) and is 12-137x faster to a first
+#                             token when the cores are busy (docs/performance.md "BLAS threads")
+THREADS_IDLE_SAMPLE_S = 0.05  # /proc/stat sampled this long at startup to count the idle cores
+THREADS_IDLE_SLACK = 0.25   # a core counts as free when at least 75% idle over the sample
+
 # --- linear layers (layers/linear.py) -------------------------------------------------------------------
 LINEAR_ROW_LOOP_MAX = 8     # 2..8 rows: matvecs (rows after the first read the weight from cache) beat one sgemm
 #                             (plain (in, out) arrays: MoE experts; resident DenseLinear uses column blocks)

@@ -28,36 +28,39 @@ def main() -> None:
     ap.add_argument("--runner-greedy", action="store_true", help="greedy on the runner itself (no tokenizer)")
     a = ap.parse_args()
     from pyengine.engine.model_runner import ModelRunner
+    from pyengine.parallel.executor import MPIExecutor
     from pyengine.parallel.mpi import MPIGroup
 
     group = MPIGroup(a.tp, a.pp)
-    runner = ModelRunner(a.model, parallel=group, **json.loads(a.kw))
+    runner = ModelRunner(a.model, shard=group, **json.loads(a.kw))
     if group.rank != 0:
         group.worker_loop(runner)
         return
+    ex = MPIExecutor(runner, group)           # rank 0 drives every rank's runner
     try:
         out = {"parts": [p.__dict__ for p in group.parts]}
         passes, pos = [], 0
         for n, seed in json.loads(a.logits):
             ids = np.random.default_rng(seed).integers(3, runner.config.vocab_size, n)
-            passes.append(runner.run(runner.contiguous_batch(ids, pos, logits_all=True)).copy())
+            passes.append(ex.run(runner.contiguous_batch(ids, pos, logits_all=True)).copy())
             pos += n
         np.savez(os.path.join(a.out, "logits.npz"), *passes)
-        if runner.pipeline_groups > 1:    # the same passes under cross-step pipelining, each with a step of
-            np.savez(os.path.join(a.out, "logits_cross.npz"), *cross_step_passes(runner, json.loads(a.logits)))
+        if ex.pipeline_groups > 1:    # the same passes under cross-step pipelining, each with a step of
+            np.savez(os.path.join(a.out, "logits_cross.npz"), *cross_step_passes(ex, json.loads(a.logits)))
         if a.prompts:
             prompts = json.load(open(a.prompts))
-            out["greedy"] = (batched_greedy(runner, prompts, a.max_tokens) if a.runner_greedy
-                             else greedy(runner, prompts, a.max_tokens, out))
+            out["greedy"] = (batched_greedy(ex, prompts, a.max_tokens) if a.runner_greedy
+                             else greedy(ex, prompts, a.max_tokens, out))
         out["stats"] = group.stats()
         json.dump(out, open(os.path.join(a.out, "result.json"), "w"))
     finally:
-        runner.close()
+        ex.close()
 
 
-def cross_step_passes(runner, passes):
+def cross_step_passes(ex, passes):
     """The ``--logits`` passes again, each launched with a step of another sequence (random tokens, blocks at
     the end of the pool) behind it, so that two steps are in flight when the pass's logits come back."""
+    runner = ex.runner
     rng = np.random.default_rng(99)
     lens = rng.integers(1, 40, len(passes)).tolist()
     need = -(-sum(lens) // runner.block_size)
@@ -66,21 +69,20 @@ def cross_step_passes(runner, passes):
     out, pos, opos = [], 0, 0
     for (n, seed), m in zip(passes, lens):
         ids = np.random.default_rng(seed).integers(3, runner.config.vocab_size, n)
-        runner.launch(runner.contiguous_batch(ids, pos, logits_all=True))
+        ex.launch(runner.contiguous_batch(ids, pos, logits_all=True))
         b = runner.contiguous_batch(rng.integers(3, runner.config.vocab_size, m), opos)
         b.block_tables = [other[:len(b.block_tables[0])]]
-        runner.launch(b)
-        out.append(runner.finish().copy())
-        runner.finish()
+        ex.launch(b)
+        out.append(ex.finish().copy())
+        ex.finish()
         pos, opos = pos + n, opos + m
     return out
 
 
-def greedy(runner, prompts, max_tokens, out=None):
+def greedy(ex, prompts, max_tokens, out=None):
     from pyengine.engine.llm_engine import LLMEngine
     from pyengine.sampling_params import SamplingParams
-    eng = LLMEngine(runner=runner, max_model_len=runner.max_model_len, max_num_seqs=runner.max_num_seqs,
-                    max_num_batched_tokens=runner.max_num_batched_tokens)
+    eng = LLMEngine(executor=ex)              # the runner's own limits
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
         eng.add_request(f"r{i}", p, params)
@@ -95,11 +97,11 @@ def greedy(runner, prompts, max_tokens, out=None):
     return [done[f"r{i}"] for i in range(len(prompts))]
 
 
-def batched_greedy(runner, prompts, max_tokens):
+def batched_greedy(ex, prompts, max_tokens):
     """Greedy continuations of token-id prompts decoded together on the runner (models without a tokenizer):
     one batch prefills them all, then each step decodes one token of every sequence."""
     from pyengine.engine.forward_batch import ForwardBatch
-    bs = runner.block_size
+    bs = ex.runner.block_size
     seqs = [list(p) for p in prompts]
     per = -(-(max(map(len, seqs)) + max_tokens) // bs)
     tables = [np.arange(i * per, (i + 1) * per, dtype=np.int32) for i in range(len(seqs))]
@@ -110,7 +112,7 @@ def batched_greedy(runner, prompts, max_tokens):
         batch = ForwardBatch(np.concatenate(new).astype(np.int64),
                              np.concatenate([np.arange(d, d + q) for d, q in zip(done, ql)]).astype(np.int64),
                              ql, [d + q for d, q in zip(done, ql)], tables, np.cumsum(ql) - 1)
-        nxt = runner.run(batch).argmax(-1)
+        nxt = ex.run(batch).argmax(-1)
         for i, t in enumerate(nxt.tolist()):
             done[i] += ql[i]
             seqs[i].append(t)

@@ -40,24 +40,26 @@ def main() -> None:
     a = ap.parse_args()
     from pyengine.disagg.kv_transfer import KVBlocks
     from pyengine.engine.model_runner import ModelRunner
+    from pyengine.parallel.executor import MPIExecutor
     from pyengine.parallel.mpi import MPIGroup
 
     group = MPIGroup(a.tp, 1)
-    runner = ModelRunner(a.model, parallel=group, kv_cache_dtype=a.kv_dtype, **RUNNER_KW)
+    runner = ModelRunner(a.model, shard=group, kv_cache_dtype=a.kv_dtype, **RUNNER_KW)
     if group.rank != 0:
         group.worker_loop(runner)
         return
+    ex = MPIExecutor(runner, group)           # rank 0 drives every rank's runner
     try:
         blocks = KVBlocks(runner.kv_cache, group)
         ids = prompt(runner.config.vocab_size)
-        logits_a = prefill_and_decode(runner, TABLE, ids)
+        logits_a = prefill_and_decode(ex, TABLE, ids)
         gathered = blocks.read(TABLE)
         blocks.write(MOVED, gathered)
-        logits_b = prefill_and_decode(runner, None, ids, MOVED)
+        logits_b = prefill_and_decode(ex, None, ids, MOVED)
         np.savez(os.path.join(a.out, "kv.npz"), gathered=gathered, logits_a=logits_a, logits_b=logits_b,
                  heads=np.array([p.kv_heads[0] for p in group.parts]))
     finally:
-        runner.close()
+        ex.close()
 
 
 if __name__ == "__main__":

@@ -519,7 +519,8 @@ def test_cli_sampling_defaults_and_max_model_len(monkeypatch):
     assert g.sampling_params(p.parse_args(["--temperature", "0"]), FakeLLM()).temperature == 0.0
     gguf = GGUFFile(model_path("smollm2"))
     assert g.default_max_model_len(gguf) == 8192                      # SmolLM2 was trained on 8192
-    monkeypatch.setattr(g, "_available_memory", lambda: 400 << 20)    # a small machine: 100 MiB for KV
+    import pyengine.engine.args as engine_args                        # default_max_model_len's home (EngineArgs)
+    monkeypatch.setattr(engine_args, "available_memory", lambda: 400 << 20)   # a small machine: 100 MiB for KV
     assert g.default_max_model_len(gguf) == 2048
     with pytest.raises(ValueError, match="--max-model-len 2048"):
         g.check_fits(FakeLLM(), 2000, 100)

@@ -64,7 +64,8 @@ def reference(model, kw=KW, logits=LOGITS, prompts=None, max_tokens=MAX_TOKENS, 
         ids = np.random.default_rng(seed).integers(3, r.config.vocab_size, n)
         out.append(r.run(r.contiguous_batch(ids, pos, logits_all=True)).copy())
         pos += n
-    return out, (greedy(r, prompts, max_tokens) if prompts is not None else None)
+    from pyengine.engine.executor import LocalExecutor
+    return out, (greedy(LocalExecutor(r), prompts, max_tokens) if prompts is not None else None)
 
 
 # two prompts sharing their first blocks: the second hits the prefix cache (with pipeline stages: from
@@ -172,13 +173,13 @@ from pyengine.engine.llm_engine import LLMEngine
 from pyengine.parallel.launch import mpi_runner
 from pyengine.parallel.mpi import ParallelError
 from pyengine.sampling_params import SamplingParams
-runner = mpi_runner(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), max_model_len=256, max_num_seqs=4)
-eng = LLMEngine(runner=runner, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=runner.max_num_batched_tokens)
+ex = mpi_runner(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), max_model_len=256, max_num_seqs=4)
+eng = LLMEngine(executor=ex)
 for i in range(3):
     eng.add_request(f"r{i}", [1, 2, 3, 4 + i], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
 eng.step(); eng.step()
 victim = int(sys.argv[4])
-os.kill(runner.parallel.where[victim][1], signal.SIGKILL)
+os.kill(ex.group.where[victim][1], signal.SIGKILL)
 try:
     while eng.has_unfinished_requests():
         eng.step()
@@ -188,9 +189,9 @@ except ParallelError as exc:
 used = eng.num_used_blocks()
 for i in range(3):
     eng.abort_request(f"r{i}")
-print("OUT " + json.dumps({"error": err, "failure": runner.failure, "used_before": used,
+print("OUT " + json.dumps({"error": err, "failure": ex.failure, "used_before": used,
                            "used_after": eng.num_used_blocks()}), flush=True)
-runner.close()
+ex.close()
 """
 
 
@@ -218,8 +219,8 @@ import json, sys
 from pyengine.engine.llm_engine import LLMEngine
 from pyengine.parallel.launch import mpi_runner
 from pyengine.sampling_params import SamplingParams
-runner = mpi_runner(sys.argv[1], 1, 2, max_model_len=256, max_num_seqs=4)
-eng = LLMEngine(runner=runner, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=runner.max_num_batched_tokens)
+ex = mpi_runner(sys.argv[1], 1, 2, max_model_len=256, max_num_seqs=4)
+eng = LLMEngine(executor=ex)
 for i, p in enumerate(json.loads(sys.argv[2])):
     eng.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
 eng.step()                                # group 0's first step is back, group 1's is in flight
@@ -238,7 +239,7 @@ while eng.has_unfinished_requests():
             done[o.request_id] = o.outputs[0].token_ids
 print("OUT " + json.dumps(dict(groups=groups, victim=victim, used=used, held=held, live=live, after=after,
                                final=eng.num_used_blocks(), done=done)), flush=True)
-runner.close()
+ex.close()
 """
 
 

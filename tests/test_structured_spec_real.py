@@ -65,10 +65,10 @@ def run(runner, spec, temperature=0.0, n=2, max_tokens=32):
 
 def allowed_margin(eng, runner, prompt, so, out, k):
     """Top-2 margin among the grammar's tokens of one unbatched teacher-forced pass at generated step k."""
-    ids = eng._encode(prompt)[1] + list(out[:k])
+    ids = eng.input_processor.encode(prompt)[1] + list(out[:k])
     logits = np.array(runner.run(runner.contiguous_batch(ids, 0))[0], dtype=np.float64)
     if so is not None:
-        m = eng._structured_outputs().matchers(SamplingParams(structured_outputs=so), 1)[0]
+        m = eng.input_processor.matchers(SamplingParams(structured_outputs=so), 1)[0]
         assert m.accept_draft(out[:k]) == k
         logits = m.mask_logits(logits)
     top2 = np.sort(logits)[-2:]

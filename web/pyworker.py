@@ -47,20 +47,17 @@ class WorkerSession:
         or "lean" (quantized weights, dequantized per layer per step: less memory). `speculative` (S14):
         vLLM's speculative_config as a dict or JSON text, e.g. {"method": "ngram", "num_speculative_tokens": 4}
         (a draft_model's "model" must then be the draft GGUF's bytes: the worker has no file system)."""
-        from pyengine import GGUFFile, LLMEngine
-        from pyengine.engine.model_runner import ModelRunner
+        from pyengine import GGUFFile
+        from pyengine.engine.args import EngineArgs
 
-        if isinstance(speculative, str):
-            from pyengine.engine.spec_decode import parse_speculative_config
-            speculative = parse_speculative_config(speculative)
+        args = EngineArgs(max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype or "auto",
+                          speculative_config=speculative, **BROWSER_LIMITS).validate()   # fails before parsing
         t0 = time.perf_counter()
         gguf = GGUFFile(data)                 # zero-copy views into `data`; GGUFError if malformed
         t_parse = time.perf_counter() - t0
-        mode = choose_mode(gguf, mode)
-        runner = ModelRunner(gguf, max_model_len=max_model_len, weights_mode=mode,
-                             kv_cache_dtype=kv_cache_dtype or "auto", **BROWSER_LIMITS)
-        engine = LLMEngine(max_model_len=max_model_len, runner=runner, speculative_config=speculative,
-                           **BROWSER_LIMITS)
+        args.model, args.weights_mode = gguf, choose_mode(gguf, mode)
+        engine = args.create_engine()         # the same path as LLM, the CLI and the server (one thread here)
+        runner, mode = engine.runner, args.weights_mode
         cfg = engine.runner.config
         self.abort_all()
         self.engine = engine

@@ -9,6 +9,8 @@ the same run, plus the KV-cache scaling claim and flash attention's memory claim
   kv-cache  time per decode step at several context lengths with the cache vs recomputing the whole prefix
             each step (no cache); fitted growth exponents (per step: ~0 vs ~1; per sequence add 1).
   flash     tracemalloc peak and time of plain vs tiled flash attention for one long prefill.
+  threads   a 22-token prompt's first-token time and decode tok/s with 1, 2 and the default BLAS threads, on the
+            host as it is and with two busy loops the benchmark starts itself (bench/threads.py).
 Timings are wall-clock medians; on a shared machine they are noisy, the ratios less so.
 """
 from __future__ import annotations
@@ -43,7 +45,9 @@ def add_arguments(p) -> None:
     p.add_argument("--batch-sizes", default="1,8,32", help="sequences per batched decode step")
     p.add_argument("--batch-context", type=int, default=128, help="context tokens of each batched sequence")
     p.add_argument("--batch-steps", type=int, default=8, help="timed batched decode steps per batch size")
-    p.add_argument("--skip", default="", help="comma list of sections to skip: decode,prefill,batch,kv,flash")
+    p.add_argument("--skip", default="", help="comma list of sections to skip: decode,prefill,batch,kv,flash,threads")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="BLAS threads (default: the cores this process may use, 1 when they are busy)")
     p.add_argument("--quick", action="store_true", help="toy sizes for every section (overrides the size options)")
 
 
@@ -149,6 +153,8 @@ def _estimates(runner, args, skip, contexts, batch_sizes, rng) -> dict[str, floa
                         for L in contexts)
     if "flash" not in skip:   # attention grows with the square of the prompt: scale a 64-token prefill's
         out["flash"] = 2 * 64 * t_pre * (args.flash_tokens / 64) ** 2 / runner.config.n_layers
+    if "threads" not in skip:  # 1, 2 and the default threads, quiet then beside two busy loops (about 2x slower)
+        out["threads"] = 3 * 3 * (args.repeat * 22 * t_pre + args.decode_tokens * t_dec)
     return out
 
 
@@ -157,7 +163,9 @@ def _fit_exponent(xs, ys) -> float:
 
 
 def run(args) -> int:
+    from pyengine.bench.threads import section as threads_section
     from pyengine.engine.model_runner import ModelRunner
+    from pyengine.engine.threads import apply_threads, describe
     from pyengine.layers.attention import flash_attention, grouped_attention
     from pyengine.model_files import resolve_model
 
@@ -175,7 +183,8 @@ def run(args) -> int:
     print(f"model {os.path.basename(path)}; cpu_count {os.cpu_count()}; numpy {np.__version__}; "
           f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')} "
           f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}; {_load()}")
-    print("(numpy's BLAS picks its own thread count; on a busy machine OPENBLAS_NUM_THREADS=1 is steadier)")
+    apply_threads(args.threads)
+    print(describe())
     t = time.perf_counter()
     runner = ModelRunner(path, max_model_len=max_len, max_num_batched_tokens=max(args.prefill_tokens, max(contexts)),
                          max_num_seqs=max(batch_sizes, default=1), num_blocks=num_blocks, block_size=16,
@@ -309,8 +318,12 @@ def run(args) -> int:
               f"plain peak {results['plain'][0] / 2**20:.1f} MiB, {results['plain'][1] * 1e3:.0f} ms | flash "
               f"peak {results['flash'][0] / 2**20:.1f} MiB, {results['flash'][1] * 1e3:.0f} ms | "
               f"memory ratio {results['plain'][0] / max(1, results['flash'][0]):.0f}x | max |diff| {err:.1e}")
+    checks.sample_load()                        # before the threads section loads the host on purpose
+    if "threads" not in skip:
+        progress.section = "threads"
+        threads_section(runner, args.decode_tokens, args.repeat)
+        apply_threads(args.threads)             # as the run began
     progress.stop()
     print(_load())
-    checks.sample_load()
     print(checks.verdict())
     return 0

@@ -152,7 +152,6 @@ def _engine(args, runner=None, **kw):
     from pyengine.engine.llm_engine import LLMEngine
     runner = runner or _runner(args)
     kw.setdefault("max_model_len", 2048)
-    kw.setdefault("max_num_seqs", runner.max_num_seqs)
     return LLMEngine(runner=runner, seed=args.seed, **kw)
 
 

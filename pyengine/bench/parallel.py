@@ -43,6 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 # --- inside one setup's job ----------------------------------------------------------------------------
 def _job(spec: dict) -> None:
+    from pyengine.engine.executor import LocalExecutor
     from pyengine.engine.llm_engine import LLMEngine
     from pyengine.engine.model_runner import ModelRunner
     from pyengine.sampling_params import SamplingParams
@@ -51,21 +52,23 @@ def _job(spec: dict) -> None:
     kw = dict(max_model_len=1024, max_num_batched_tokens=max(spec["prefill"], n), max_num_seqs=n, num_blocks=640)
     group = None
     if backend == "mpi":
+        from pyengine.parallel.executor import MPIExecutor
         from pyengine.parallel.mpi import MPIGroup
         group = MPIGroup(tp, pp, cross_step=spec.get("cross_step", True))
-        runner = ModelRunner(spec["model"], parallel=group, **kw)
+        runner = ModelRunner(spec["model"], shard=group, **kw)
         if group.rank != 0:
             group.worker_loop(runner)
             return
+        executor = MPIExecutor(runner, group)
     else:
         runner = ModelRunner(spec["model"], **kw)
+        executor = LocalExecutor(runner)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1000, 30000, size=int(rng.integers(8, 48))).tolist() for _ in range(n)]
     out = {}
 
     def decode(count: int) -> float:
-        eng = LLMEngine(runner=runner, max_model_len=1024, max_num_seqs=n, max_num_batched_tokens=kw[
-            "max_num_batched_tokens"])
+        eng = LLMEngine(executor=executor)       # the runner's own limits
         params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
         for i in range(count):
             eng.add_request(f"r{i}", {"prompt_token_ids": prompts[i]}, params)
@@ -96,7 +99,7 @@ def _job(spec: dict) -> None:
     times = []
     for _ in range(2):
         t = time.perf_counter()
-        runner.run(runner.contiguous_batch(ids, 0))
+        executor.run(runner.contiguous_batch(ids, 0))
         times.append(time.perf_counter() - t)
     out["prefill"] = spec["prefill"] / min(times)
     if group is None:
@@ -104,7 +107,7 @@ def _job(spec: dict) -> None:
         out["held"] = [{"weights_bytes": w, "kv_bytes": runner.kv_cache.k.nbytes * 2}]
     else:
         out["held"] = [{k: s[k] for k in ("weights_bytes", "kv_bytes")} for s in out[f"ranks_{n}"]]
-    runner.close()
+    executor.close()
     print("RESULT " + json.dumps(out), flush=True)
 
 

@@ -217,15 +217,15 @@ class InProcess:
     """Loads the model once; each configuration gets a fresh engine (empty caches) and server."""
 
     def __init__(self, args):
-        from pyengine.engine.llm_engine import LLMEngine
+        from pyengine.engine.args import EngineArgs
         from pyengine.model_files import resolve_model
         from pyengine.server.app import served_names
 
         self.args = args
         self.path = resolve_model(args.model)
         t = time.perf_counter()
-        base = LLMEngine(self.path, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                         max_num_batched_tokens=args.max_num_batched_tokens)
+        base = EngineArgs(self.path, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens).create_engine()
         self.runner, self.tokenizer = base.runner, base.get_tokenizer()
         print(f"model loaded in {time.perf_counter() - t:.1f}s", file=sys.stderr)
         self.model_id, _ = served_names(self.path)
@@ -235,9 +235,7 @@ class InProcess:
         from pyengine.server.app import create_app
         from pyengine.server.runner import ServerThread
 
-        engine = LLMEngine(runner=self.runner, tokenizer=self.tokenizer, max_model_len=self.args.max_model_len,
-                           max_num_seqs=self.args.max_num_seqs,
-                           max_num_batched_tokens=self.args.max_num_batched_tokens, enable_prefix_caching=prefix_cache,
+        engine = LLMEngine(runner=self.runner, tokenizer=self.tokenizer, enable_prefix_caching=prefix_cache,
                            enable_chunked_prefill=chunked, max_waiting=None)
         app = create_app(engine, model_id=self.model_id, max_model_len=self.args.max_model_len)
         return ServerThread(app)  # started by `with`

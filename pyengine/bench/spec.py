@@ -132,9 +132,7 @@ def _engine(runner, draft_runner, spec):
     """One method's engine for the whole run, as a server keeps one: its back-off measures what a step with m
     drafts costs once (in the warm-up), not again in every timed run."""
     from pyengine.engine.llm_engine import LLMEngine
-    return LLMEngine(runner=runner, max_model_len=runner.max_model_len, max_num_seqs=runner.max_num_seqs,
-                     max_num_batched_tokens=runner.max_num_batched_tokens, enable_prefix_caching=False,
-                     speculative_config=spec, draft_runner=draft_runner if spec and spec["method"] == "draft_model"
+    return LLMEngine(runner=runner, enable_prefix_caching=False, speculative_config=spec, draft_runner=draft_runner if spec and spec["method"] == "draft_model"
                      else None)
 
 

@@ -329,7 +329,7 @@ def speculative_section(model_path: str, max_tokens: int = 48) -> None:
     ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     # "forced": every decode drafts (counts independent of timing); "adaptive": the default back-off (S14)
     for name, spec in (("plain", None), ("forced", {**ngram, "adaptive": False}), ("adaptive", ngram)):
-        eng = LLMEngine(runner=runner, max_model_len=512, max_num_seqs=4, speculative_config=spec)
+        eng = LLMEngine(runner=runner, speculative_config=spec)
         eng.add_request("warm", SPEC_PROMPTS[0], params.clone(max_tokens=2))   # first-use costs: vocabulary, grammar
         while eng.has_unfinished_requests():
             eng.step()

@@ -11,22 +11,15 @@ import argparse
 import sys
 import time
 
-
+from pyengine.engine.args import EngineArgs, default_max_model_len  # noqa: F401  (default_max_model_len: its home)
 
 MODEL_DEFAULT = "default: the model's, else "
 SAMPLING_OPTIONS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """--model, --max-model-len and --kv-cache-dtype (generate, chat, serve)."""
-    p.add_argument("--model", metavar="PATH", default=None, help="GGUF file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--max-model-len", type=int, default=None, metavar="N",
-                   help="context length (default: the model's, when one sequence's KV cache fits the memory)")
-    from pyengine.engine.kv_cache import KV_DTYPES
-    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_DTYPES,
-                   help="KV cache storage: auto (float32), fp16, q8_0, q4_0 (S08)")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="run every step plain: no captured step replayed (S13, vLLM's option)")
+    """--model, --max-model-len, --kv-cache-dtype, --enforce-eager, --weights, --threads (every engine command)."""
+    EngineArgs.add_cli_args(p, ("model",))
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -45,17 +38,11 @@ def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
 
 
 def add_speculative_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help='S14 speculative decoding, vLLM\'s dict, e.g. \'{"method": "ngram", '
-                        '"num_speculative_tokens": 4}\' or {"method": "draft_model", "model": PATH, ...}')
+    EngineArgs.add_cli_args(p, ("speculative",))
 
 
 def add_target_itl_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target-itl-ms", type=float, default=None, metavar="MS",
-                   help="S11: size each step's prompt chunks so a step with running decodes is predicted to take at "
-                        "most MS ms (cost model fitted to measured steps); default: 2.9 / (1 + the measured spread of "
-                        "such steps) x the decodes' own step, 2-2.9x; "
-                        "0 = off (chunks fill --max-num-batched-tokens)")
+    EngineArgs.add_cli_args(p, ("target_itl",))
 
 
 def check_target_itl(args) -> None:
@@ -90,38 +77,6 @@ def sampling_params(args, llm=None, **extra):
     return SamplingParams(**{**base, **given}, max_tokens=args.max_tokens, seed=args.seed, stop=args.stop, **extra)
 
 
-def default_max_model_len(gguf, block_size: int = 16, floor: int = 2048) -> int:
-    """The model's trained context, when one full-length sequence's KV cache fits the runner's default KV
-    budget and a quarter of the memory available now; else the longest halving of it that does (at
-    least `floor`, or the context if shorter)."""
-    from pyengine.config import ModelConfig
-    from pyengine.engine.kv_cache import PagedKVCache
-    from pyengine.engine.model_runner import DEFAULT_KV_BUDGET_BYTES
-
-    c = ModelConfig.from_gguf(gguf)
-    context = int(c.context_length or floor)
-    per_token = PagedKVCache.bytes_per_block(c.n_layers, block_size, c.n_kv_heads, c.head_dim) / block_size
-    budget = DEFAULT_KV_BUDGET_BYTES
-    available = _available_memory()
-    if available is not None:
-        budget = min(budget, available // 4)
-    length = context
-    while length > floor and length * per_token > budget:
-        length //= 2
-    return max(min(length, context), min(floor, context))
-
-
-def _available_memory() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def context_hint(max_model_len: int, context: int | None) -> str:
     more = f", up to the model's {context}" if context and context > max_model_len else ""
     return f"the context is --max-model-len {max_model_len}{more}"
@@ -131,44 +86,44 @@ def load_llm(args):
     """Build the `LLM` stage by stage (file, weights + KV cache, tokenizer), reporting each on stderr."""
     import os
 
-    from pyengine.config import ModelConfig
-    from pyengine.engine.model_runner import ModelRunner
-    from pyengine.gguf.reader import GGUFFile
+    from pyengine.engine.executor import LocalExecutor
+    from pyengine.engine.threads import apply_threads, describe
     from pyengine.llm import LLM
-    from pyengine.engine.spec_decode import parse_speculative_config
-    from pyengine.model_files import resolve_model
 
-    spec = parse_speculative_config(getattr(args, "speculative_config", None))   # fails before the model loads
+    # one conversation at a time: size the KV cache and batch for a single sequence, logits rows for
+    # 1 + up to 16 drafts verified per step (S14)
+    eargs = EngineArgs.from_cli_args(args, max_num_seqs=1, max_logits=17).validate()   # fails before loading
 
     def stage(label: str, t: float) -> float:
         now = time.perf_counter()
         print(f"  {label} ({now - t:.2f} s)", file=sys.stderr, flush=True)
         return now
 
-    path = resolve_model(args.model)
+    path = eargs.model = eargs.model_path()
     print(f"loading {os.path.basename(path)} ({os.path.getsize(path) / 2**20:.0f} MB) ...", file=sys.stderr,
           flush=True)
     t0 = t = time.perf_counter()
-    gguf = GGUFFile(path)
-    context = ModelConfig.from_gguf(gguf).context_length
-    if args.max_model_len is None:
-        args.max_model_len = default_max_model_len(gguf)
-    elif args.max_model_len > context:
-        raise ValueError(f"--max-model-len {args.max_model_len} exceeds the model's context length {context}")
-    t = stage(f"read {len(gguf.tensors)} tensors' headers; context {args.max_model_len} of {context}", t)
-    # one conversation at a time: size the KV cache and batch for a single sequence
-    runner = ModelRunner(gguf, max_model_len=args.max_model_len, max_num_seqs=1,
-                         max_logits=17,    # 1 + up to 16 drafts verified per step (S14)
-                         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
-                         enforce_eager=getattr(args, "enforce_eager", False))
+    given = eargs.max_model_len
+    try:
+        gguf = eargs.load_model()
+    except ValueError:
+        if given is not None and eargs.model_context and given > eargs.model_context:
+            raise ValueError(f"--max-model-len {given} exceeds the model's context length "
+                             f"{eargs.model_context}") from None
+        raise
+    args.max_model_len = eargs.max_model_len
+    eargs.threads = apply_threads(eargs.threads)
+    t = stage(f"read {len(gguf.tensors)} tensors' headers; context {eargs.max_model_len} of {eargs.model_context}; "
+              f"{describe()}", t)
+    runner = eargs.create_runner(gguf)
     c = runner.config
-    t = stage(f"weights: {c.arch}, {c.n_layers} layers, d={c.d_model}; KV cache {runner.num_blocks} blocks "
-              f"({runner.kv_cache_dtype})", t)
+    t = stage(f"weights: {c.arch}, {c.n_layers} layers, d={c.d_model} ({eargs.weights_mode}); KV cache "
+              f"{runner.num_blocks} blocks ({runner.kv_cache_dtype})", t)
     tok = runner.tokenizer
     stage(f"tokenizer: {tok.vocab_size} tokens", t)
-    llm = LLM(runner=runner, max_model_len=args.max_model_len, max_num_seqs=1, speculative_config=spec,
-              target_itl_ms=getattr(args, "target_itl_ms", None))
-    llm.model_context = context
+    llm = LLM.from_engine_args(eargs, LocalExecutor(runner))
+    llm.model_context = eargs.model_context
+    spec = eargs.speculative_config
     if spec is not None:
         stage(f"speculative decoding: {spec['method']}, up to {spec['num_speculative_tokens']} drafts a step", t)
     print(f"loaded in {time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)

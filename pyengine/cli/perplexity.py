@@ -12,6 +12,8 @@ import argparse
 import sys
 import time
 
+from pyengine.engine.args import WEIGHTS_MODES, EngineArgs
+
 HELP = "perplexity of a model on a text file (llama.cpp's method); KL divergence against a saved base run"
 
 
@@ -24,7 +26,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from pyengine.engine.kv_cache import KV_DTYPES
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_DTYPES,
                    help="KV cache storage: auto (float32), fp16, q8_0, q4_0")
-    p.add_argument("--weights-mode", default="resident", choices=("resident", "lean"))
+    p.add_argument("--weights", dest="weights_mode", default="resident", choices=WEIGHTS_MODES,
+                   help="resident: float32 weights (fastest); lean: quantized, dequantized per matrix (S21)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="BLAS threads (default: the cores this process may use, 1 when they are busy)")
     p.add_argument("--kl-divergence-base", metavar="FILE", default=None,
                    help="save the scored log-probs here (or, with --kl-divergence, read them)")
     p.add_argument("--kl-divergence", action="store_true", help="compare against --kl-divergence-base FILE")
@@ -35,12 +40,15 @@ def _bar(i: int, n: int, text: str, width: int = 30) -> str:
     return f"\r[{'#' * done}{'.' * (width - done)}] {i + 1}/{n} {text}"
 
 
-def make_runner(model, ctx: int, kv_cache_dtype: str = "auto", weights_mode: str = "resident"):
+def make_runner(model, ctx: int, kv_cache_dtype: str = "auto", weights_mode: str = "resident", threads=None):
     """A runner sized for one window at a time (the scored half of the logits kept in the arena)."""
-    from pyengine.engine.model_runner import ModelRunner
+    from pyengine.engine.threads import apply_threads
 
-    return ModelRunner(model, max_model_len=ctx, max_num_batched_tokens=min(ctx, 2048), max_num_seqs=1,
-                       max_logits=ctx // 2, weights_mode=weights_mode, kv_cache_dtype=kv_cache_dtype)
+    eargs = EngineArgs(model=model, max_model_len=ctx, max_num_batched_tokens=min(ctx, 2048), max_num_seqs=1,
+                       max_logits=ctx // 2, weights_mode=weights_mode, kv_cache_dtype=kv_cache_dtype, threads=threads)
+    gguf = eargs.load_model()
+    apply_threads(eargs.threads)
+    return eargs.create_runner(gguf)
 
 
 def run(args) -> int:
@@ -65,7 +73,8 @@ def run(args) -> int:
         args.ctx = args.ctx or 512
         with open(args.file, encoding="utf-8") as f:
             text = f.read()
-    runner = make_runner(resolve_model(args.model), args.ctx, args.kv_cache_dtype, args.weights_mode)
+    runner = make_runner(resolve_model(args.model), args.ctx, args.kv_cache_dtype, args.weights_mode,
+                         getattr(args, "threads", None))
     print(f"model loaded in {time.perf_counter() - t0:.1f} s; KV cache {args.kv_cache_dtype}", file=sys.stderr)
 
     if base is not None:

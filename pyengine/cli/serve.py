@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from pyengine.cli.generate import add_model_arguments, add_speculative_argument, add_target_itl_argument
+from pyengine.engine.args import EngineArgs
 
 # The web demo's dev-server app factory (the demo owns that module): create_app(model=path, pyodide=None).
 DEMO_MODULE = "pyengine.web_server"
@@ -65,14 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens that may wait for the engine (default 16 x max-model-len)")
     p.add_argument("--max-tokens-per-request", type=int, default=d.max_tokens_per_request,
                    help=f"n x max_tokens one request may ask for; 0 = unlimited (default {d.max_tokens_per_request})")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="S17: ranks splitting every layer by heads / FFN columns (MPI; one Allreduce per sub-layer); "
-                        "S18: with --prefill-instances, the ranks of every instance")
-    p.add_argument("--pipeline-parallel-size", type=int, default=1,
-                   help="S17: pipeline stages of contiguous layers (MPI; N x M ranks with --tensor-parallel-size); "
-                        "M groups of sequences, a step of each in flight, keep the stages busy")
+    EngineArgs.add_cli_args(p, ("batching", "parallel"))
     p.add_argument("--prefill-instances", type=int, default=0,
                    help="S18: prefill engines (MPI ranks) computing prompts and shipping their KV blocks; with "
                         "--decode-instances: 1 + P x Tp + D x Td ranks, the router on rank 0, then each prefill "
@@ -84,11 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="S18: ranks of each prefill instance (default --tensor-parallel-size)")
     p.add_argument("--decode-tensor-parallel-size", type=int, default=None,
                    help="S18: ranks of each decode instance (default --tensor-parallel-size)")
-    p.add_argument("--parallel-timeout", type=float, default=None,
-                   help="seconds a step may wait on another rank before the server declares it stuck (default 60)")
     add_speculative_argument(p)
-    p.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
-    p.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
     add_target_itl_argument(p)
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     p.add_argument("--body-timeout", type=float, default=d.body_timeout,
@@ -116,34 +106,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_engine(args):
-    from pyengine.cli.generate import check_target_itl, default_max_model_len
-    from pyengine.engine.llm_engine import LLMEngine
-    from pyengine.engine.spec_decode import parse_speculative_config
-    from pyengine.gguf.reader import GGUFFile
-    from pyengine.model_files import resolve_model
+    """(engine, model path) of a parsed serve command line, through `EngineArgs` (a disaggregated instance's ranks:
+    ``args.mpi_comm``); ``args.max_model_len`` is set to the resolved context length."""
+    from pyengine.cli.generate import check_target_itl
+    from pyengine.llm import build_engine as build
 
-    spec = parse_speculative_config(getattr(args, "speculative_config", None))   # fails before the model loads
     check_target_itl(args)
-    path = resolve_model(args.model)
-    if getattr(args, "max_model_len", None) is None:
-        args.max_model_len = default_max_model_len(GGUFFile(path))
-    kv_cache_dtype = getattr(args, "kv_cache_dtype", "auto")
-    runner = None
-    if uses_mpi(args):
-        from pyengine.parallel.launch import mpi_runner
-        # rank 0 gets its runner back; the other ranks compute in mpi_runner until the server stops
-        runner = mpi_runner(path, args.tensor_parallel_size, args.pipeline_parallel_size, args.parallel_timeout,
-                            comm=getattr(args, "mpi_comm", None),      # S18: a disaggregated instance's ranks
-                            max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                            max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=kv_cache_dtype)
-        kv_cache_dtype = "auto"                               # the runner has it
-    engine = LLMEngine(path, runner=runner, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens,
-                       enable_prefix_caching=not args.no_prefix_cache,
-                       enable_chunked_prefill=not args.no_chunked_prefill, max_waiting=args.max_waiting,
-                       speculative_config=spec, kv_cache_dtype=kv_cache_dtype,
-                       target_itl_ms=getattr(args, "target_itl_ms", None),
-                       enforce_eager=getattr(args, "enforce_eager", False))
+    eargs = EngineArgs.from_cli_args(args).validate()      # a bad speculative config fails before the model loads
+    path = eargs.model = eargs.model_path()
+    engine = build(eargs, comm=getattr(args, "mpi_comm", None))
+    args.max_model_len = eargs.max_model_len
     return engine, path
 
 
@@ -159,15 +131,8 @@ def demo_app(model_path: str):
 
 
 def server_limits(args):
-    from pyengine.server.guard import ServerLimits
-    return ServerLimits(body_timeout=args.body_timeout, header_timeout=args.header_timeout,
-                        keep_alive_timeout=args.keep_alive_timeout, max_connections=args.max_connections,
-                        max_waiting=args.max_waiting, max_waiting_tokens=args.max_waiting_tokens,
-                        max_tokens_per_request=args.max_tokens_per_request or None,
-                        special_tokens_in_content=args.special_tokens_in_content,
-                        tokenizer_process=not args.no_tokenizer_process,
-                        allowed_hosts=list(args.allowed_hosts), allowed_origins=list(args.allowed_origins),
-                        bind_host=args.host, stats_interval=args.stats_interval)
+    from pyengine.server.guard import limits_from_args
+    return limits_from_args(args)
 
 
 def make_app(args):
@@ -218,14 +183,16 @@ def run(args) -> int:
             raise
         print(f"pyengine serve: {exc}", file=sys.stderr)
         return 2
+    from pyengine.engine.threads import describe
     print(f"pyengine serve: model {model_id} on http://{args.host}:{args.port} "
           f"(context {args.max_model_len}, prefix cache {'off' if args.no_prefix_cache else 'on'}, chunked prefill "
-          f"{'off' if args.no_chunked_prefill else 'on'}, max waiting {args.max_waiting} sequences)", file=sys.stderr)
+          f"{'off' if args.no_chunked_prefill else 'on'}, max waiting {args.max_waiting} sequences; {describe()})",
+          file=sys.stderr)
     if uses_mpi(args):
         from pyengine.parallel.launch import exit_normally_on_signals
         exit_normally_on_signals()
     try:
         uvicorn_server(app, args.host, args.port, args.log_level).run(sockets=[sock])
     finally:
-        engine.runner.close()                 # S17: stops every rank
+        engine.executor.close()               # S17: stops every rank
     return 0

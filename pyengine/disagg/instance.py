@@ -40,7 +40,7 @@ class Instance:
         import os
         import socket
         r = self.engine.runner
-        group = r.parallel                        # a TP instance: its followers too (the router's liveness check)
+        group = self.engine.executor.group        # a TP instance: its followers too (the router's liveness check)
         return {"op": "hello", "role": self.role, "pid": os.getpid(), "host": socket.gethostname(),
                 "followers": [] if group is None else [list(w) for w in group.where[1:]],
                 "num_blocks": r.num_blocks, "block_size": r.block_size, "max_model_len": self.engine.max_model_len,
@@ -130,7 +130,7 @@ class Instance:
         for xid in list(self.rid_of):
             self.abort(xid)
         self.to_router({"op": "down", "error": f"lost one of its tensor ranks (numbered within the instance): {exc}"})
-        self.engine.runner.close()
+        self.engine.executor.close()
 
     def receive_down(self) -> bool:
         m = self.t.recv()

@@ -32,6 +32,8 @@ import sys
 from dataclasses import dataclass
 
 from pyengine import tuning
+from pyengine.engine.args import EngineArgs, default_max_model_len
+from pyengine.llm import build_engine
 
 
 def prefill_nice() -> int:
@@ -121,7 +123,6 @@ def run(args) -> int:
 def run_instance(args, t, inst: InstanceRanks, comm) -> None:
     """An instance's rank: its leader runs the instance loop, a follower its part of every step (in build_engine,
     until the leader stops it)."""
-    from pyengine.cli.serve import build_engine
     from pyengine.disagg.decode_worker import DecodeWorker
     from pyengine.disagg.prefill_worker import PrefillWorker
     args.max_waiting = None                           # the router bounds what waits
@@ -129,14 +130,14 @@ def run_instance(args, t, inst: InstanceRanks, comm) -> None:
     nice = prefill_nice() if inst.role == "prefill" else 0
     if nice and hasattr(os, "nice"):
         os.nice(nice)
-    engine, _ = build_engine(args)                    # a follower's worker loop runs in here, then it exits
+    engine = build_engine(EngineArgs.from_cli_args(args), comm=comm)   # a follower's worker loop runs in here
     timeout = args.parallel_timeout or 60.0
     worker = PrefillWorker(engine, t, timeout) if inst.role == "prefill" else DecodeWorker(engine, t)
     freeze_heap()
     try:
         worker.run()
     finally:
-        engine.runner.close()                         # a TP instance: its followers' STOP
+        engine.executor.close()                       # a TP instance: its followers' STOP
 
 
 def freeze_heap() -> None:
@@ -148,14 +149,13 @@ def freeze_heap() -> None:
 
 
 def serve_router(args, t, pre: list[int], dec: list[int]) -> int:
-    from pyengine.cli.generate import default_max_model_len
-    from pyengine.cli.serve import server_limits
     from pyengine.disagg.metrics import DisaggMetrics
     from pyengine.disagg.router import Router
     from pyengine.gguf.reader import GGUFFile
     from pyengine.model_files import resolve_model
     from pyengine.parallel.launch import exit_normally_on_signals
     from pyengine.server.app import create_app, served_names
+    from pyengine.server.guard import limits_from_args
     from pyengine.server.runner import bind_socket, uvicorn_server
     from pyengine.tokenizer import Tokenizer
 
@@ -174,7 +174,7 @@ def serve_router(args, t, pre: list[int], dec: list[int]) -> int:
             aliases, model_id = aliases + [model_id], args.served_model_name
         app = create_app(router, model_id=model_id, aliases=aliases, api_key=args.api_key,
                          max_model_len=args.max_model_len, max_body_bytes=args.max_body_bytes,
-                         metrics=DisaggMetrics(model_name=model_id), limits=server_limits(args))
+                         metrics=DisaggMetrics(model_name=model_id), limits=limits_from_args(args))
         print(f"pyengine serve: model {model_id} on http://{args.host}:{args.port} (disaggregated: prefill ranks "
               f"{pre}, decode ranks {dec}; context {args.max_model_len})", file=sys.stderr)
         exit_normally_on_signals()

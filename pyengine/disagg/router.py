@@ -34,7 +34,8 @@ import time
 from dataclasses import dataclass, field
 
 from pyengine.disagg.instance import HEARTBEAT_S
-from pyengine.engine.llm_engine import EngineOverloaded, LLMEngine, check_prompt, stop_token_ids
+from pyengine.engine.input_processor import InputProcessor
+from pyengine.engine.llm_engine import EngineOverloaded
 from pyengine.parallel.mpi import ParallelError, proc_state
 from pyengine.server.engine_loop import EngineFailure
 
@@ -98,7 +99,7 @@ class Router:
         self.requests: dict[str, Routed] = {}
         self.by_xid: dict[int, Routed] = {}
         self._next_xid = 1
-        self._structured = None
+        self.inputs = InputProcessor(tokenizer, self.vocab_size, max_model_len)   # the engines' prompt forms
         self._checked = 0.0
         self._drain_until = 0.0
         self._failed: list = []                      # failures found outside a step, returned by the next one
@@ -133,14 +134,11 @@ class Router:
         dead = "; ".join(f"rank {i.rank}: {i.dead}" for i in self.instances.values() if i.role == "decode")
         return f"no decode instance is alive ({dead})"
 
-    def _encode(self, prompt):
-        return LLMEngine._encode(self, prompt)       # the engine's own prompt forms (text, ids, dict)
-
     def _check(self, request_id: str, ids: list[int], params) -> None:
         """The refusals LLMEngine.add_request would give, decided here so that the client gets them at once."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
-        max_tokens = check_prompt(ids, params, self.vocab_size, self.max_model_len)
+        max_tokens = self.inputs.check(ids, params)       # the engines' own refusals
         total = len(ids) + max_tokens
         if total > self.max_model_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
@@ -150,12 +148,7 @@ class Router:
             if -(-total // bs) > nb:
                 raise ValueError(f"prompt + max_tokens = {total} tokens needs {-(-total // bs)} KV blocks; the "
                                  f"pool has only {nb}")
-        if params.structured_outputs is not None:        # a schema the grammar compiler refuses: refused here
-            if self._structured is None:
-                from pyengine.structured.processor import StructuredOutputs
-                self._structured = StructuredOutputs(self.tokenizer, stop_token_ids(self.tokenizer),
-                                                     self.vocab_size)
-            self._structured.matchers(params, 1)
+        self.inputs.matchers(params, 1)                   # a schema the grammar compiler refuses: refused here
         waiting = sum(1 for r in self.requests.values() if r.stage == "prefill")
         if self.max_waiting is not None and waiting >= self.max_waiting:
             raise EngineOverloaded(f"waiting queue is full ({self.max_waiting} requests)")
@@ -164,7 +157,7 @@ class Router:
                     arrival_time: float | None = None) -> None:
         from pyengine.sampling_params import SamplingParams
         params = params if params is not None else SamplingParams()
-        _, ids = self._encode(prompt)
+        _, ids = self.inputs.encode(prompt)
         self._check(request_id, ids, params)
         self._check_liveness(self._failed)           # the server may have been idle: route to live ones only
         decodes = self.alive("decode")

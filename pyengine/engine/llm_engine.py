@@ -26,34 +26,27 @@ import time
 
 import numpy as np
 
+from pyengine.engine.args import EngineArgs
 from pyengine.engine.block_manager import BlockManager
 from pyengine.engine.chunk_budget import ChunkBudget, check_target_itl_ms
-from pyengine.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, snapshot_metrics
+from pyengine.engine.executor import Executor
+from pyengine.engine.input_processor import InputProcessor, stop_token_ids
+from pyengine.engine.output_processor import OutputProcessor
+from pyengine.engine.outputs import RequestMetrics, RequestOutput
 from pyengine.engine.scheduler import Scheduler, SchedulerOutput
 from pyengine.engine.sequence import Sequence, SequenceStatus
-from pyengine.engine.spec_decode import spec_stats
+from pyengine.engine.spec_decode import make_speculative_decoder, spec_stats
+from pyengine.layers.sampler import Sampler
 
 
-def check_prompt(ids: list[int], params, vocab_size: int, max_model_len: int) -> int:
-    """ValueError if the prompt's ids or the params cannot run on this model; else the request's max_tokens."""
-    if not ids:
-        raise ValueError("prompt is empty (no tokens)")
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"prompt token id {bad[0]} is out of range for vocab size {vocab_size}")
-    params.validate_for_vocab(vocab_size)
-    max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - len(ids)
-    if max_tokens <= 0:
-        raise ValueError(f"prompt ({len(ids)} tokens) leaves no room in max_model_len ({max_model_len})")
-    return max_tokens
-
-
-def stop_token_ids(tok) -> set[int]:
-    """The ids that end a sequence: the tokenizer's stop tokens, else its EOS."""
-    ids = getattr(tok, "stop_token_ids", None)
-    if ids is None:
-        ids = [tok.eos_token_id] if getattr(tok, "eos_token_id", None) is not None else []
-    return {int(t) for t in ids}
+def _make_scheduler(config: EngineArgs, block_manager: BlockManager) -> Scheduler:
+    """The scheduler of ``config``'s limits; S11: a chunk budget unless chunking by a target ITL is off."""
+    target = config.target_itl_ms
+    budget = ChunkBudget(target) if target is None or check_target_itl_ms(target) > 0 else None
+    return Scheduler(block_manager, max_num_seqs=config.max_num_seqs,
+                     max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
+                     enable_chunked_prefill=config.enable_chunked_prefill, watermark=config.watermark,
+                     aging_steps=config.aging_steps, chunk_budget=budget)
 
 
 class EngineOverloaded(RuntimeError):
@@ -90,96 +83,43 @@ class _Flight:
 
 
 class LLMEngine:
-    def __init__(self, model=None, max_model_len: int = 2048, block_size: int = 16, num_blocks: int | None = None,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
-                 enable_chunked_prefill: bool = True, max_waiting: int | None = None, *,
-                 runner=None, tokenizer=None, seed: int | None = None, watermark: float = 0.03,
-                 aging_steps: int = 64, tensor_parallel_size: int = 1, speculative_config=None,
-                 draft_runner=None, weights_mode: str = "resident", kv_cache_dtype: str = "auto",
-                 pipeline_parallel_size: int = 1, target_itl_ms: float | None = None,
-                 enforce_eager: bool = False):
-        """``runner``/``tokenizer`` (keyword-only extension): inject any object with the ModelRunner contract
-        (tests use a fake one); by default a `ModelRunner` is built for ``model`` (path, bytes, GGUFFile or
-        None for the default model), its weights in ``weights_mode`` ("resident" or "lean"), its KV cache in
-        ``kv_cache_dtype``; ``enforce_eager`` (vLLM's name) runs every step plain instead of replaying
-        captured steps (S13; also set on an injected runner that has the switch).
-        ``speculative_config`` (S14, vLLM's dict): ``{"method": "ngram" | "draft_model",
-        "num_speculative_tokens": k, "prompt_lookup_min", "prompt_lookup_max", "model"}``; ``draft_runner``
-        (extension) injects the draft model's runner.
-        S17: inside an MPI job (``mpiexec -n N*M python script.py``), ``tensor_parallel_size`` N and
-        ``pipeline_parallel_size`` M run over MPI: rank 0 gets the engine, the other ranks compute in here until
-        rank 0 is done, then exit (``pyengine serve`` starts its ranks itself).
-        S11: with chunked prefill, ``target_itl_ms`` sizes each step's prompt chunks so that a step with decodes
-        is predicted to last at most that long (engine/chunk_budget.py); None derives the target from the
-        decodes' own measured cost, 0 turns it off (chunks fill ``max_num_batched_tokens``)."""
-        if runner is None and tensor_parallel_size * pipeline_parallel_size > 1:
-            from pyengine.parallel.mpi import launched_under_mpi    # lazy: mpi4py only when asked for
-            if launched_under_mpi():
-                from pyengine.model_files import resolve_model
-                from pyengine.parallel.launch import mpi_runner
-                runner = mpi_runner(resolve_model(model) if model is None or isinstance(model, str) else model,
-                                    tensor_parallel_size, pipeline_parallel_size, max_model_len=max_model_len,
-                                    num_blocks=num_blocks, block_size=block_size,
-                                    max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                    kv_cache_dtype=kv_cache_dtype)
-                tensor_parallel_size, pipeline_parallel_size, kv_cache_dtype = 1, 1, "auto"   # the runner has them
-            else:
-                raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = "
-                                 f"{tensor_parallel_size * pipeline_parallel_size} ranks run over MPI: start this "
-                                 f"program with mpiexec -n {tensor_parallel_size * pipeline_parallel_size} (pip "
-                                 f"install 'pyengine[parallel]'), or use pyengine serve, which starts its ranks")
-        if runner is None:
-            from pyengine.engine.model_runner import ModelRunner
-            if model is None or isinstance(model, str):
-                from pyengine.model_files import resolve_model
-                model = resolve_model(model)
-            runner = ModelRunner(model, max_model_len=max_model_len, num_blocks=num_blocks, block_size=block_size,
-                                 max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                 weights_mode=weights_mode, kv_cache_dtype=kv_cache_dtype,
-                                 enforce_eager=enforce_eager)
-        elif tensor_parallel_size * pipeline_parallel_size != 1 or kv_cache_dtype != "auto":
-            raise ValueError("tensor_parallel_size, pipeline_parallel_size and kv_cache_dtype build the runner: "
-                             "pass them to the runner you inject")
-        if enforce_eager and hasattr(runner, "enforce_eager"):
-            runner.enforce_eager = True
-        for name, want in (("max_model_len", max_model_len), ("max_num_batched_tokens", max_num_batched_tokens),
-                           ("max_num_seqs", max_num_seqs)):
-            have = getattr(runner, name, None)
-            if isinstance(have, int) and want > have:
-                raise ValueError(f"{name}={want} exceeds the model runner's {name}={have}")
-        if max_waiting is not None and max_waiting < 0:
-            raise ValueError(f"max_waiting must be >= 0 or None, got {max_waiting}")
-        self.runner = runner
-        self.tokenizer = tokenizer if tokenizer is not None else runner.tokenizer
-        self.max_model_len = max_model_len
-        self.max_waiting = max_waiting
-        self.block_manager = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching)
-        chunk_budget = None
-        if target_itl_ms is None or check_target_itl_ms(target_itl_ms) > 0:
-            chunk_budget = ChunkBudget(target_itl_ms)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                                   enable_chunked_prefill=enable_chunked_prefill, watermark=watermark,
-                                   aging_steps=aging_steps, chunk_budget=chunk_budget)
+    def __init__(self, config: EngineArgs | None = None, executor: Executor | None = None, *, tokenizer=None,
+                 draft_runner=None, runner=None, **options):
+        """``config``: resolved `EngineArgs`; ``executor``: the `Executor` computing the steps (as
+        `EngineArgs.create_engine` / `pyengine.llm.build_engine` build them). Keyword form: ``LLMEngine(model,
+        max_model_len=.., ...)`` (any `EngineArgs` field), with ``runner=`` (a ModelRunner-like object: tests use
+        fakes) or ``executor=`` (e.g. `parallel.launch.mpi_runner`'s) injected; ``tokenizer=``; ``draft_runner=``
+        (S14's draft model)."""
+        if not isinstance(config, EngineArgs):
+            config = EngineArgs(model=config, **options)
+            executor = config.local_executor(runner) if executor is None else config.attach(executor)
+        elif options or runner is not None:
+            raise ValueError("LLMEngine(config, executor) takes no other options: set them on the EngineArgs")
+        self.config, self.executor = config, executor
+        config.check_runner(executor.runner)
+        self.tokenizer = tokenizer if tokenizer is not None else executor.runner.tokenizer
+        self.max_model_len, self.max_waiting = config.max_model_len, config.max_waiting
+        self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size, config.enable_prefix_caching)
+        self.scheduler = _make_scheduler(config, self.block_manager)
         # S17 cross-step pipelining (parallel/mpi.py): the running sequences are dealt into M groups, one step
         # of each in flight at once (one group with speculative decoding: its drafts need the latest tokens)
-        self.pipeline_groups = getattr(runner, "pipeline_groups", 1) if speculative_config is None else 1
+        self.pipeline_groups = executor.pipeline_groups if config.speculative_config is None else 1
         self.scheduler.num_groups = self.pipeline_groups
+        self.clock = time.perf_counter          # S11: step durations for the chunk budget (tests inject one)
+        self.sampler, self.rng = Sampler(), np.random.default_rng(config.seed)
+        self.eos_token_ids = stop_token_ids(self.tokenizer)
+        self.vocab_size = int(getattr(self.tokenizer, "vocab_size", 0) or self.runner.config.vocab_size)
+        self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, config.max_model_len, self.eos_token_ids)
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, config.max_model_len)
+        self.spec = None if config.speculative_config is None else make_speculative_decoder(
+            config.speculative_config, config.max_model_len, self.runner, draft_runner=draft_runner,
+            max_num_seqs=config.max_num_seqs)
+        self._reset_state()
+
+    def _reset_state(self) -> None:
+        """The bookkeeping of requests, sequences, steps in flight and counters, empty."""
         self._in_flight: list[_Flight] = []
         self.max_groups_in_flight = 0
-        self.clock = time.perf_counter          # S11: step durations for the chunk budget (tests inject one)
-        from pyengine.layers.sampler import Sampler
-        self.sampler = Sampler()
-        self.rng = np.random.default_rng(seed)
-        tok = self.tokenizer
-        self.eos_token_ids = stop_token_ids(tok)
-        self.vocab_size = int(getattr(tok, "vocab_size", 0) or runner.config.vocab_size)
-        self.spec = None
-        if speculative_config is not None:
-            from pyengine.engine.spec_decode import make_speculative_decoder
-            self.spec = make_speculative_decoder(speculative_config, max_model_len, runner,
-                                                 draft_runner=draft_runner, max_num_seqs=max_num_seqs)
-        self._structured = None                 # S15: built on the first constrained request
         self._draft_masks: dict[int, list] = {}  # S15 x S14: seq_id -> grammar masks of its verification rows
         self.requests: dict[str, _Request] = {}
         self._seq_owner: dict[int, _Request] = {}
@@ -192,24 +132,18 @@ class LLMEngine:
                          "finished_requests": 0, "aborted_requests": 0, "steps": 0,
                          "spec_decode_num_grammar_cut_tokens": 0}     # S15: draft tokens the grammar forbade
 
+    @property
+    def runner(self):
+        """This process's model runner (the executor's): its config, tokenizer, KV cache, gguf."""
+        return self.executor.runner
+
+    @runner.setter
+    def runner(self, runner) -> None:       # tests put a wrapper in front of it
+        self.executor.runner = runner
+
     # requests ------------------------------------------------------------------------------------
     def get_tokenizer(self):
         return self.tokenizer
-
-    def _encode(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-            bos = getattr(self.tokenizer, "bos_token_id", None)
-            # SmolLM2/HF adds no BOS; Gemma does: follow the GGUF's tokenizer.ggml.add_bos_token flag.
-            if getattr(self.tokenizer, "add_bos_token", False) and bos is not None and ids[:1] != [bos]:
-                ids = [bos] + ids
-            return prompt, list(ids)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
-            return None, [int(t) for t in prompt]
-        raise ValueError("prompt must be a str, a list of token ids or {'prompt_token_ids': [...]}, "
-                         f"got {type(prompt).__name__}")
 
     def num_waiting_requests(self) -> int:
         return sum(1 for r in self.requests.values() if not r.admitted)
@@ -218,7 +152,6 @@ class LLMEngine:
                     arrival_time: float | None = None) -> None:
         """Queue a request. ValueError if it is malformed or can never fit; EngineOverloaded if the
         waiting queue is full. ``arrival_time`` (extension) defaults to ``time.monotonic()``."""
-        from pyengine.engine.stop_checker import StopChecker
         from pyengine.layers.sampler import make_rng
         from pyengine.sampling_params import SamplingParams
 
@@ -230,34 +163,25 @@ class LLMEngine:
             params = SamplingParams()
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an int, got {priority!r}")
-        text, ids = self._encode(prompt)
-        max_tokens = check_prompt(ids, params, self.vocab_size, self.max_model_len)
+        text, ids = self.input_processor.encode(prompt)
+        max_tokens = self.input_processor.check(ids, params)
         self.scheduler.check_fits(len(ids), max_tokens)
 
         req = _Request(request_id, text, ids, params, priority,
                        time.monotonic() if arrival_time is None else arrival_time)
-        if params.structured_outputs is not None:
-            req.matchers = self._structured_outputs().matchers(params, params.n)
+        req.matchers = self.input_processor.matchers(params, params.n)
         for i in range(params.n):
             seq = Sequence(self._next_seq_id, request_id, i, ids, params, priority, max_tokens=max_tokens)
             self._next_seq_id += 1
             if i > 0 and self.block_manager.enable_prefix_caching:
                 seq.wait_for = req.seqs[0]
             req.seqs.append(seq)
-            req.checkers.append(StopChecker(self.tokenizer, params, self.eos_token_ids, max_tokens=max_tokens))
+            self.output_processor.add_sequence(req, params, max_tokens)
             req.rngs.append(None if params.greedy else make_rng(params, self.rng, i))
-            req.logprobs.append([] if params.logprobs is not None else None)
-            req.cumulative_logprob.append(0.0 if params.logprobs is not None else None)
             self._seq_owner[seq.seq_id] = req
         self.requests[request_id] = req
         for seq in req.seqs:
             self.scheduler.add(seq)
-
-    def _structured_outputs(self):
-        if self._structured is None:
-            from pyengine.structured.processor import StructuredOutputs
-            self._structured = StructuredOutputs(self.tokenizer, self.eos_token_ids, self.vocab_size)
-        return self._structured
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free all its blocks; returns its final output (None if unknown)."""
@@ -265,16 +189,15 @@ class LLMEngine:
         if req is None:
             return None
         flying = {s.seq_id for f in self._in_flight for s, _ in f.sched.scheduled}
-        for seq, checker in zip(req.seqs, req.checkers):
+        for seq in req.seqs:
             if not seq.is_finished:        # S17: blocks of a sequence in flight are freed when its step is back
                 self._finish(seq, free_blocks=seq.seq_id not in flying)
-                checker.finish("abort")
-                seq.finish_reason = "abort"
+                self.output_processor.abort(req, seq)
         for seq in req.seqs:
             self._seq_owner.pop(seq.seq_id, None)
         req.metrics.finished_time = time.monotonic()
         self.counters["aborted_requests"] += 1
-        return self._make_output(req, {})
+        return self.output_processor.make_output(req, {})
 
     def has_unfinished_requests(self) -> bool:
         """Also True while a step is in flight (S17: of aborted sequences, whose blocks it frees when back)."""
@@ -354,7 +277,7 @@ class LLMEngine:
         if flight is None:
             return []
         captures = self._captures()
-        logits = self.runner.run(flight.batch) if flight.batch.token_ids.size else None
+        logits = self.executor.run(flight.batch) if flight.batch.token_ids.size else None
         # S13: a step captured now costs more than its replays will; it would price its draft length too high
         flight.decode_only = flight.decode_only and self._captures() == captures
         return self._complete(flight, logits)
@@ -370,7 +293,7 @@ class LLMEngine:
                 flight = None if g in flying else self._schedule(g, self.clock(), time.process_time())
                 if flight is not None:
                     if flight.batch.token_ids.size:
-                        self.runner.launch(flight.batch)
+                        self.executor.launch(flight.batch)
                     self._in_flight.append(flight)
             self.max_groups_in_flight = max(self.max_groups_in_flight, len(self._in_flight))
             if not self._in_flight:
@@ -378,7 +301,7 @@ class LLMEngine:
                     raise RuntimeError("scheduler could not schedule any of the unfinished requests")
                 return []
             flight = self._in_flight.pop(0)
-            logits = self.runner.finish() if flight.batch.token_ids.size else None
+            logits = self.executor.finish() if flight.batch.token_ids.size else None
         except Exception:                  # e.g. a lost rank: no step is in flight any more
             for f in self._in_flight:
                 self._free_aborted(f.sched)
@@ -442,7 +365,7 @@ class LLMEngine:
         outputs = []
         for rid, d in deltas.items():
             req = self.requests[rid]
-            outputs.append(self._make_output(req, d))
+            outputs.append(self.output_processor.make_output(req, d))
             if req.finished:
                 del self.requests[rid]
                 for s in req.seqs:
@@ -517,28 +440,12 @@ class LLMEngine:
             raise RuntimeError(f"sampled token {tok} is outside the grammar of request {req.request_id!r}")
         seq.append_token(tok)
         self.counters["generation_tokens"] += 1
-        m = req.metrics
-        if m.first_token_time is None:
-            m.first_token_time = now
-        if not m.token_times or m.token_times[-1] != now:
-            m.token_times.append(now)
-        if info is not None:
-            req.logprobs[seq.index].append(info.as_dict())
-            req.cumulative_logprob[seq.index] += info.logprob
-        checker = req.checkers[seq.index]
-        res = checker.append(tok)
-        delta = res.delta_text
-        if not res.finished and seq.num_tokens >= self.max_model_len:
-            res = checker.finish("length")
-            delta += res.delta_text
-        if res.finished:
+        res = self.output_processor.on_token(seq, req, tok, info, now, deltas)
+        if res is not None:
             seq.finish_reason, seq.stop_reason = res.finish_reason, res.stop_reason
             self._finish(seq)
             if req.finished:
-                m.finished_time = now
-        entry = deltas.setdefault(req.request_id, {}).setdefault(seq.index, [[], ""])
-        entry[0].append(tok)      # a verification may emit several tokens in one step
-        entry[1] += delta
+                req.metrics.finished_time = now
         if self.prefill_only and not seq.is_finished:      # S18: the decode instance takes it from here
             self.scheduler.running.remove(seq)
             self.prefilled.append(seq)
@@ -547,19 +454,6 @@ class LLMEngine:
         self.scheduler.finish(seq, free_blocks)
         if self.spec is not None:
             self.spec.release(seq)
-
-    def _make_output(self, req: _Request, deltas: dict[int, list]) -> RequestOutput:
-        outs = []
-        for seq, checker in zip(req.seqs, req.checkers):
-            toks, delta = deltas.get(seq.index, ([], ""))
-            lps = req.logprobs[seq.index]
-            outs.append(CompletionOutput(
-                index=seq.index, text=checker.text, token_ids=list(seq.output_token_ids),
-                logprobs=list(lps) if lps is not None else None, finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason, delta_text=delta, delta_token_ids=list(toks),
-                cumulative_logprob=req.cumulative_logprob[seq.index]))
-        return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), outs, req.finished,
-                             snapshot_metrics(req.metrics))
 
     # S18 disaggregation (pyengine/disagg/): hand a prefilled sequence from one engine to another ----------
     def release_prefilled(self, request_id: str) -> None:
@@ -646,7 +540,7 @@ class LLMEngine:
                 for s in req.seqs:
                     self._seq_owner.pop(s.seq_id, None)
                 self.counters["finished_requests"] += 1
-            return self._make_output(req, {})
+            return self.output_processor.make_output(req, {})
         if not seq.block_table:
             self.abort_request(request_id)
             raise RuntimeError(f"sequence {index} of request {request_id!r} was committed without its KV blocks "

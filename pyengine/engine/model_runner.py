@@ -12,12 +12,10 @@ import numpy as np
 
 from pyengine import tuning
 from pyengine.arena import Arena
+from pyengine.engine.args import DEFAULT_KV_BUDGET_BYTES
 from pyengine.engine.forward_batch import ForwardBatch
 from pyengine.engine.kv_cache import PagedKVCache, check_kv_dtype
 from pyengine.engine.step_plan import plan_step
-
-# Cap of the default num_blocks: SmolLM2's server defaults (64 sequences x 2048 tokens) would need 6 GB of KV.
-DEFAULT_KV_BUDGET_BYTES = 512 << 20
 
 
 class ModelRunner:
@@ -29,18 +27,19 @@ class ModelRunner:
     flash_min_query   sequences with at least this many new tokens use tiled flash attention
     kv_cache_dtype    KV cache storage (S08): "auto" (float32), "fp16", "q8_0", "q4_0" (see kv_cache.py); the
                       default budget then holds 2x / 3.8x / 7.1x the blocks
-    parallel          S17 over MPI: a `pyengine.parallel.mpi.MPIGroup`; this process builds only its rank's part
-                      (its stage's layers, its heads and FFN columns, its KV heads) and ``run`` on rank 0 first
-                      sends the step to the other ranks (which run ``parallel.worker_loop(runner)``)
+    shard             S17 over MPI: a `RankShard` (engine/executor.py; `pyengine.parallel.mpi.MPIGroup`): this process
+                      builds only its rank's part (its stage's layers, its heads and FFN columns, its KV heads),
+                      through ``shard.load_part``; an executor (parallel/executor.py `MPIExecutor`) drives the
+                      ranks' runners, which never call it back
     enforce_eager     S13 off switch (vLLM's name): every step runs plain; by default a step whose queries are
                       all short (decodes, speculative verification) is captured once per shape bucket and
-                      replayed (engine/graph_replay.py); a parallel runner always runs plain
+                      replayed (engine/graph_replay.py); a rank's part always runs plain
     """
 
     def __init__(self, model, max_model_len: int = 2048, num_blocks: int | None = None, block_size: int = 16,
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 64, weights_mode: str = "resident",
                  kv_budget_bytes: int = DEFAULT_KV_BUDGET_BYTES, max_logits: int | None = None,
-                 flash_min_query: int | None = None, parallel=None, kv_cache_dtype: str = "auto",
+                 flash_min_query: int | None = None, shard=None, kv_cache_dtype: str = "auto",
                  enforce_eager: bool = False):
         from pyengine.gguf.reader import GGUFFile
         from pyengine.models import load_config, load_model
@@ -73,13 +72,11 @@ class ModelRunner:
             num_blocks = max(-(-max_model_len // block_size), min(want, kv_budget_bytes // per_block))
         self.num_blocks = int(num_blocks)
 
-        self.parallel = parallel
-        if parallel is not None:
+        self.sharded = shard is not None
+        if shard is not None:
             if weights_mode != "resident":
                 raise ValueError("a parallel runner takes resident weights (lean ones are not split yet)")
-            from pyengine.parallel.shard import load_shard            # lazy: CPython + mpi4py only
-            parallel.setup(c)
-            c, self.weights, self.model = load_shard(self.gguf, parallel.part, parallel, parallel.part.stage == 0)
+            c, self.weights, self.model = shard.load_part(self.gguf, c)
         else:
             _, self.weights, self.model = load_model(self.gguf, weights_mode)
         self.rank_config = c          # this process's part of the model (the whole one without `parallel`)
@@ -96,9 +93,9 @@ class ModelRunner:
         self.arena = Arena.from_specs(specs)
         self.kv_cache = PagedKVCache(self.arena, c.n_layers, self.num_blocks, block_size, c.n_kv_heads,
                                      c.head_dim, kv_cache_dtype)
-        if parallel is not None:      # what this rank holds (float32 weights, KV cache), for the benchmark
-            parallel.held = {"weights_bytes": sum(lin.nbytes for _, lin in self.weights.linears()),
-                             "kv_bytes": self.kv_cache.k.nbytes + self.kv_cache.v.nbytes}
+        # what this rank holds (float32 weights, KV cache), for the parallel benchmark
+        self.held = {"weights_bytes": sum(lin.nbytes for _, lin in self.weights.linears()),
+                     "kv_bytes": self.kv_cache.k.nbytes + self.kv_cache.v.nbytes} if shard is not None else {}
         self.buffers = Buffers.from_arena(self.arena, n_kinds)
         self.weights.bind_scratch(self.buffers.lean)
         self.model.prepare(self.buffers)
@@ -114,7 +111,7 @@ class ModelRunner:
     @enforce_eager.setter
     def enforce_eager(self, value: bool) -> None:
         from pyengine.engine.graph_replay import StepGraphs
-        self.graphs = None if value or self.parallel is not None else (self.graphs or StepGraphs())
+        self.graphs = None if value or self.sharded else (self.graphs or StepGraphs())
 
     @property
     def tokenizer(self):
@@ -123,7 +120,8 @@ class ModelRunner:
             self._tokenizer = Tokenizer.from_gguf(self.gguf)
         return self._tokenizer
 
-    def _check(self, batch: ForwardBatch) -> None:
+    def check(self, batch: ForwardBatch) -> None:
+        """ValueError if ``batch`` does not fit this runner's limits (its blocks, vocab, tokens, context)."""
         batch.validate(self.block_size, self.num_blocks, self.config.vocab_size)
         if batch.num_tokens > self.max_num_batched_tokens:
             raise ValueError(f"batch has {batch.num_tokens} tokens, max_num_batched_tokens is "
@@ -131,27 +129,12 @@ class ModelRunner:
         if batch.context_lens and max(batch.context_lens) > self.max_model_len:
             raise ValueError(f"context length {max(batch.context_lens)} exceeds max_model_len {self.max_model_len}")
 
-    @property
-    def pipeline_groups(self) -> int:
-        """S17: steps of different sequences the engine may keep in flight (``launch`` .. ``finish``): the
-        pipeline stages with cross-step pipelining (parallel/mpi.py), else 1."""
-        return 1 if self.parallel is None else self.parallel.groups
-
-    def launch(self, batch: ForwardBatch) -> None:
-        """S17 cross-step pipelining: start a step and return at once (stage 0 has run its layers)."""
-        self._check(batch)
-        self.parallel.launch(self, batch)
-
-    def finish(self) -> np.ndarray:
-        """S17: the logits of the oldest launched step (as ``run`` returns them)."""
-        return self.parallel.finish(self)
-
     def run(self, batch: ForwardBatch) -> np.ndarray:
-        """(len(logits_indices), V) float32 logits: a view into the arena, valid until the next run."""
-        self._check(batch)
-        if self.parallel is not None:
-            self.parallel.send_step(batch)                          # S17: every rank runs its part of it
-            return self.parallel.step(self, batch)
+        """(len(logits_indices), V) float32 logits: a view into the arena, valid until the next run. A rank's part
+        (``shard``) is run by its executor instead (parallel/executor.py)."""
+        self.check(batch)
+        if self.sharded:
+            raise RuntimeError("a rank's part of the model runs through its executor (MPIExecutor.run)")
         if self.graphs is not None:                # S13: a known bucket replayed without planning the step
             logits = self.graphs.run_batch(batch, self.buffers.logits.shape[0])
             if logits is not None:
@@ -164,11 +147,6 @@ class ModelRunner:
                 return logits
         return self.model.forward(plan, self.kv_cache, self.buffers.rows(plan.num_tokens))
 
-    @property
-    def failure(self) -> str | None:
-        """S17 over MPI: why the parallel group cannot run steps any more (a rank stopped answering), or None."""
-        return None if self.parallel is None else self.parallel.failure
-
     def plan(self, batch: ForwardBatch):
         """The step plan of a (validated) batch."""
         b = self.buffers
@@ -179,11 +157,6 @@ class ModelRunner:
     def max_slots(self) -> int:
         """Padded context slots a batched query group may gather."""
         return min(tuning.DECODE_SLOTS, self.buffers.k_batch.shape[0])
-
-    def close(self) -> None:
-        """S17: rank 0 stops every rank of its parallel group (also done at exit); else nothing to do."""
-        if self.parallel is not None and self.parallel.is_driver:
-            self.parallel.stop()
 
     # --- helpers for tests and benchmarks (the real generation loop is the engine's) -------------------
     def contiguous_batch(self, token_ids, start: int, logits_all: bool = False) -> ForwardBatch:

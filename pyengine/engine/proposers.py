@@ -13,6 +13,8 @@ engine's back-off only probes an expensive proposer now and then). ``release(seq
 """
 from __future__ import annotations
 
+from typing import Callable, Protocol, runtime_checkable
+
 import numpy as np
 
 
@@ -256,3 +258,34 @@ class DraftModelProposer:
         for i, _, _ in live:
             out[i] = (drafts[i], np.stack(probs[i]) if probs[i] else None)
         return out
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    """What the speculative decoder asks of a drafter (see the module docstring)."""
+    free: bool
+
+    def propose(self, seqs, ks, rngs=None) -> list[tuple[list[int], np.ndarray | None]]: ...
+
+    def release(self, seq) -> None: ...
+
+
+def _ngram(cfg, target_runner, max_model_len: int, **draft_kw) -> Proposer:
+    return NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+
+
+def _draft_model(cfg, target_runner, max_model_len: int, **draft_kw) -> Proposer:
+    return DraftModelProposer(cfg.model, target_runner, max_model_len=max_model_len,
+                              num_speculative_tokens=cfg.num_speculative_tokens, **draft_kw)
+
+
+# speculative_config's "method" -> the factory of its proposer (cfg: a SpeculativeConfig)
+PROPOSERS: dict[str, Callable[..., Proposer]] = {"ngram": _ngram, "draft_model": _draft_model}
+
+
+def make_proposer(cfg, target_runner=None, max_model_len: int = 2048, **draft_kw) -> Proposer:
+    """The proposer of ``cfg.method`` from the registry (ValueError naming the known methods)."""
+    factory = PROPOSERS.get(cfg.method)
+    if factory is None:
+        raise ValueError(f"speculative_config method must be one of {tuple(PROPOSERS)}, got {cfg.method!r}")
+    return factory(cfg, target_runner, max_model_len, **draft_kw)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pyengine import tuning
+from pyengine.engine.proposers import make_proposer      # the registry of proposers by method
 
 METHODS = ("ngram", "draft_model")
 # the back-off's measured constants (PRIOR_COST, ALPHA_PRIOR, ALPHA_WEIGHT, TIME_DRIFT, REMEASURE_AFTER,
@@ -283,11 +284,4 @@ def mean_acceptance_length(num_drafts: int, num_accepted: int) -> float:
 def make_speculative_decoder(config, max_model_len: int, target_runner=None, **draft_kw) -> SpeculativeDecoder:
     """The decoder for a ``speculative_config`` dict (or `SpeculativeConfig`)."""
     cfg = SpeculativeConfig.from_dict(config)
-    if cfg.method == "ngram":
-        from pyengine.engine.proposers import NgramProposer
-        proposer = NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
-    else:
-        from pyengine.engine.proposers import DraftModelProposer
-        proposer = DraftModelProposer(cfg.model, target_runner, max_model_len=max_model_len,
-                                      num_speculative_tokens=cfg.num_speculative_tokens, **draft_kw)
-    return SpeculativeDecoder(cfg, proposer, max_model_len)
+    return SpeculativeDecoder(cfg, make_proposer(cfg, target_runner, max_model_len, **draft_kw), max_model_len)

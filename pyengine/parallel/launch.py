@@ -146,14 +146,15 @@ def exit_without_finalize(status: int | None = None) -> None:
 
 def mpi_runner(model: str, tp: int, pp: int, timeout: float | None = None, comm=None, **runner_kw):
     """Inside an MPI job: this rank's ModelRunner over an MPIGroup (of ``comm``, default the whole job). On rank 0
-    it is returned (to drive an LLMEngine); on the other ranks the worker loop runs here until rank 0 stops, then
-    the process exits."""
+    the `MPIExecutor` driving every rank's runner is returned (to drive an LLMEngine); on the other ranks the worker
+    loop runs here until rank 0 stops, then the process exits."""
     from pyengine.engine.model_runner import ModelRunner
+    from pyengine.parallel.executor import MPIExecutor
     from pyengine.parallel.mpi import DEFAULT_TIMEOUT_S, MPIGroup
     group = MPIGroup(tp, pp, DEFAULT_TIMEOUT_S if timeout is None else timeout, comm=comm)
     group.starting = True                  # until every rank has its part (a rank may fail to load it)
     try:
-        runner = ModelRunner(model, parallel=group, **runner_kw)
+        runner = ModelRunner(model, shard=group, **runner_kw)
         group.ready()
     except Exception as exc:
         if group.rank != 0:                # say why, then fail as a process: MPI_Finalize would wait for rank 0,
@@ -176,4 +177,16 @@ def mpi_runner(model: str, tp: int, pp: int, timeout: float | None = None, comm=
             sys.stderr.flush()
             os._exit(0)
         raise SystemExit(0)
-    return runner
+    return MPIExecutor(runner, group)
+
+
+def mpi_executor(engine_args, comm=None):
+    """Inside an MPI job: build this rank's part of ``engine_args``'s model over an MPIGroup (of ``comm``, default the
+    whole job). Rank 0 gets the executor that drives every rank; the other ranks compute here until rank 0 stops."""
+    from pyengine.engine.threads import apply_threads
+    gguf = engine_args.load_model()
+    engine_args.threads = apply_threads(engine_args.threads)     # the ranks' environment says 1 (RANK_ENV)
+    kw = engine_args.runner_kwargs()
+    del kw["weights_mode"], kw["enforce_eager"]                   # resident weights, plain steps (validated)
+    return mpi_runner(gguf, engine_args.tensor_parallel_size, engine_args.pipeline_parallel_size,
+                      engine_args.parallel_timeout, comm=comm, **kw)

@@ -196,6 +196,13 @@ class MPIGroup:
         self.d_model = config.d_model
         self.n_kv_heads = config.n_kv_heads
 
+    def load_part(self, gguf, config):
+        """`ModelRunner`'s shard hook: plan every rank's part (`setup`), then load this rank's: (its config, its
+        weights, its model over this group as the communicator of the parallel layers)."""
+        from pyengine.parallel.shard import load_shard
+        self.setup(config)
+        return load_shard(gguf, self.part, self, self.part.stage == 0)
+
     starting = False                      # launch.mpi_runner: the ranks are still building their parts
 
     def ready(self) -> None:
@@ -625,6 +632,7 @@ class MPIGroup:
 
     def worker_loop(self, runner) -> None:
         """A worker rank: follow rank 0's orders until it says stop."""
+        self.held = runner.held                   # what this rank holds (weights, KV cache), in its stats
         try:
             while True:
                 header = self.recv_step()

@@ -38,7 +38,8 @@ class EngineUnavailable(RuntimeError):
 
 def engine_failure(engine) -> str | None:
     """Why the engine's runner cannot run steps (S17's parallel runner sets it), or None."""
-    return getattr(getattr(engine, "runner", None), "failure", None)
+    executor = getattr(engine, "executor", None)         # LLMEngine: its executor's; the disagg router: its own
+    return getattr(executor if executor is not None else getattr(engine, "runner", None), "failure", None)
 
 
 class EngineLoop:

@@ -1,0 +1,94 @@
+"""The executor seam: how the engine has its steps computed (vLLM v1's `Executor`).
+
+The engine calls, one way: engine -> executor -> runner(s) -> model -> layers. `LocalExecutor` runs one
+`ModelRunner` in this process; `pyengine.parallel.executor.MPIExecutor` drives the ranks of an MPI job (the engine
+layer never imports it: `pyengine.llm.build_engine` hands it in). What an executor must provide is the `Executor`
+protocol below; what a runner must provide is `Runner`.
+"""
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from pyengine.engine.forward_batch import ForwardBatch
+
+
+@runtime_checkable
+class Runner(Protocol):
+    """One rank's model runner as the engine and the executors see it (engine/model_runner.py; tests inject fakes).
+    ``run`` returns (len(logits_indices), V) float32 logits."""
+    num_blocks: int
+    block_size: int
+
+    def run(self, batch: ForwardBatch) -> np.ndarray: ...
+
+
+@runtime_checkable
+class RankShard(Protocol):
+    """What a `ModelRunner` of one rank's part is built with (``shard=``; parallel/mpi.py `MPIGroup`): it loads this
+    rank's part of the model, the parallel layers talking to the other ranks through it."""
+
+    def load_part(self, gguf, config) -> tuple: ...      # (this rank's config, its weights, its model)
+
+
+@runtime_checkable
+class Executor(Protocol):
+    """What `LLMEngine` drives. ``runner``: the runner of this process (its config, tokenizer, KV cache, gguf).
+    ``pipeline_groups`` > 1: steps of different sequences may be in flight at once (``launch`` .. ``finish``, in
+    launch order). ``failure``: why no more steps can run (a rank was lost), or None. KV blocks (S18 disagg):
+    ``read_blocks`` / ``write_blocks`` move whole blocks' K and V of every layer (all ranks' heads). ``group``: the
+    communicator of this executor's ranks (None: one process)."""
+    runner: Runner
+    group: object
+
+    @property
+    def pipeline_groups(self) -> int: ...
+
+    @property
+    def failure(self) -> str | None: ...
+
+    def run(self, batch: ForwardBatch) -> np.ndarray: ...
+
+    def launch(self, batch: ForwardBatch) -> None: ...
+
+    def finish(self) -> np.ndarray: ...
+
+    def read_blocks(self, blocks) -> np.ndarray: ...
+
+    def write_blocks(self, blocks, data: np.ndarray) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class LocalExecutor:
+    """One runner in this process (any object with the `Runner` contract): no pipelining, no other ranks."""
+
+    pipeline_groups = 1
+    failure = None
+    group = None
+
+    def __init__(self, runner):
+        self.runner = runner
+
+    def run(self, batch: ForwardBatch) -> np.ndarray:
+        return self.runner.run(batch)
+
+    def launch(self, batch: ForwardBatch) -> None:
+        raise RuntimeError("a local executor runs one step at a time (pipeline_groups = 1)")
+
+    def finish(self) -> np.ndarray:
+        raise RuntimeError("a local executor runs one step at a time (pipeline_groups = 1)")
+
+    def read_blocks(self, blocks) -> np.ndarray:
+        kv = self.runner.kv_cache
+        out = kv.block_data(len(blocks))
+        for j, b in enumerate(blocks):
+            out[0, j], out[1, j] = kv.k[:, b], kv.v[:, b]
+        return out
+
+    def write_blocks(self, blocks, data: np.ndarray) -> None:
+        self.runner.kv_cache.write_blocks(np.asarray(blocks), data)
+
+    def close(self) -> None:
+        """Nothing to stop: the runner lives in this process."""

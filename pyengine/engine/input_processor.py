@@ -1,0 +1,72 @@
+"""S09/S15/S18: the input processor (vLLM v1's seam) — prompt forms to ids, the refusals, the grammar matchers.
+
+One object decides what a request becomes before any scheduling: `LLMEngine.add_request` and the disagg `Router`
+(which must refuse what its engines would, at once) share it.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def check_prompt(ids: list[int], params, vocab_size: int, max_model_len: int) -> int:
+    """ValueError if the prompt's ids or the params cannot run on this model; else the request's max_tokens."""
+    if not ids:
+        raise ValueError("prompt is empty (no tokens)")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token id {bad[0]} is out of range for vocab size {vocab_size}")
+    params.validate_for_vocab(vocab_size)
+    max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - len(ids)
+    if max_tokens <= 0:
+        raise ValueError(f"prompt ({len(ids)} tokens) leaves no room in max_model_len ({max_model_len})")
+    return max_tokens
+
+
+def stop_token_ids(tok) -> set[int]:
+    """The ids that end a sequence: the tokenizer's stop tokens, else its EOS."""
+    ids = getattr(tok, "stop_token_ids", None)
+    if ids is None:
+        ids = [tok.eos_token_id] if getattr(tok, "eos_token_id", None) is not None else []
+    return {int(t) for t in ids}
+
+
+class InputProcessor:
+    """``encode`` (a str, a list of ids or ``{"prompt_token_ids": [...]}`` -> (text, ids)), ``check`` (ids and
+    params against the vocabulary and the context: the request's max_tokens), ``matchers`` (S15: one grammar
+    matcher per sequence; a schema the compiler refuses raises ValueError here)."""
+
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: set[int] | None = None):
+        self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, int(vocab_size), int(max_model_len)
+        self.eos_token_ids = stop_token_ids(tokenizer) if eos_token_ids is None else eos_token_ids
+        self._structured = None                 # S15: built on the first constrained request
+
+    def encode(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            bos = getattr(self.tokenizer, "bos_token_id", None)
+            # SmolLM2/HF adds no BOS; Gemma does: follow the GGUF's tokenizer.ggml.add_bos_token flag.
+            if getattr(self.tokenizer, "add_bos_token", False) and bos is not None and ids[:1] != [bos]:
+                ids = [bos] + ids
+            return prompt, list(ids)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
+            return None, [int(t) for t in prompt]
+        raise ValueError("prompt must be a str, a list of token ids or {'prompt_token_ids': [...]}, "
+                         f"got {type(prompt).__name__}")
+
+    def check(self, ids: list[int], params) -> int:
+        return check_prompt(ids, params, self.vocab_size, self.max_model_len)
+
+    def structured(self):
+        """S15: the engine's `StructuredOutputs` (compiled grammars cached), built on first use."""
+        if self._structured is None:
+            from pyengine.structured.processor import StructuredOutputs     # lazy: only for constrained requests
+            self._structured = StructuredOutputs(self.tokenizer, self.eos_token_ids, self.vocab_size)
+        return self._structured
+
+    def matchers(self, params, n: int) -> list | None:
+        """One grammar matcher per sequence of a constrained request, else None."""
+        if params.structured_outputs is None:
+            return None
+        return self.structured().matchers(params, n)

@@ -1,0 +1,68 @@
+"""S17: `MPIExecutor`, the executor (engine/executor.py's protocol) of an MPI job's ranks.
+
+Rank 0 holds the engine and this executor; every rank (rank 0 too) holds a `ModelRunner` of its part of the model
+(its stage's layers, its heads and FFN columns, its KV heads), built with the rank's `MPIGroup` as its ``shard``.
+The executor drives the runners: a step's plan goes to every rank (``MPIGroup.send_step``), each runs its part
+(`MPIGroup.step`, which reads the runner's plan, buffers, model and KV cache), rank 0 gets the logits. The runners
+never call back: they only plan, run layers and the head of their part. Calls run engine -> executor -> group ->
+runner -> model -> layers (the layers talk to the other ranks through the group, their communicator).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from pyengine.engine.forward_batch import ForwardBatch
+
+
+class MPIExecutor:
+    """Rank 0's driver of an MPI group's runners (``runner``: rank 0's own part; ``group``: the `MPIGroup`)."""
+
+    def __init__(self, runner, group):
+        self.runner, self.group = runner, group
+        group.held = getattr(runner, "held", {})  # what rank 0 holds (weights, KV cache), in the group's stats
+
+    @property
+    def pipeline_groups(self) -> int:
+        """S17: steps of different sequences the engine may keep in flight: the stages with cross-step pipelining."""
+        return self.group.groups
+
+    @property
+    def failure(self) -> str | None:
+        """Why the group cannot run steps any more (a rank stopped answering), or None."""
+        return self.group.failure
+
+    def run(self, batch: ForwardBatch) -> np.ndarray:
+        """(len(logits_indices), V) float32 logits of one step that every rank runs its part of."""
+        self.runner.check(batch)
+        self.group.send_step(batch)
+        return self.group.step(self.runner, batch)
+
+    def launch(self, batch: ForwardBatch) -> None:
+        """S17 cross-step pipelining: start a step and return at once (stage 0 has run its layers)."""
+        self.runner.check(batch)
+        self.group.launch(self.runner, batch)
+
+    def finish(self) -> np.ndarray:
+        """S17: the logits of the oldest launched step (as ``run`` returns them)."""
+        return self.group.finish(self.runner)
+
+    def read_blocks(self, blocks) -> np.ndarray:
+        """K and V of whole blocks, every layer, all KV heads (the other tensor ranks' heads gathered)."""
+        if self.group.tp > 1:
+            return self.group.kv_gather(self.runner.kv_cache, blocks)
+        kv = self.runner.kv_cache
+        out = kv.block_data(len(blocks))
+        for j, b in enumerate(blocks):
+            out[0, j], out[1, j] = kv.k[:, b], kv.v[:, b]
+        return out
+
+    def write_blocks(self, blocks, data: np.ndarray) -> None:
+        if self.group.tp > 1:
+            self.group.kv_scatter(self.runner.kv_cache, blocks, data)
+        else:
+            self.runner.kv_cache.write_blocks(np.asarray(blocks), data)
+
+    def close(self) -> None:
+        """Rank 0 stops every rank of its group (also done at exit)."""
+        if self.group.is_driver:
+            self.group.stop()

@@ -72,7 +72,7 @@ def test_bench_engine_quick():
     finite_positive(re.findall(rf"memory ratio ({NUMBER})x", out), "flash memory ratio", 1)
     assert re.search(r"growth exponent per step: with cache -?[\d.]+, without -?[\d.]+", out)
     # issue 33: a plan before the sections, and a verdict on the run's own figures after them
-    plan = re.search(r"^plan: prefill ~\S+ s, decode ~\S+ s, batch ~\S+ s, kv ~\S+ s, flash ~\S+ s; expected ~", out,
+    plan = re.search(r"^plan: prefill ~\S+ s, decode ~\S+ s, batch ~\S+ s, kv ~\S+ s, flash ~\S+ s(, threads ~\S+ s)?; expected ~", out,
                      re.M)
     assert plan and plan.start() < out.index("prefill 64 tokens:"), out
     assert re.search(r"^(figures consistent: .*|unreliable: .*Rerun on a quiet machine.*)$", out.splitlines()[-1]), out

@@ -23,20 +23,18 @@ from pyengine.cli.generate import add_model_arguments, add_speculative_argument,
 
 # The web demo's dev-server app factory (the demo owns that module): create_app(model=path, pyodide=None).
 DEMO_MODULE = "pyengine.web_server"
+SERVER_MODULES = ("uvicorn", "starlette", "prometheus_client")
 
 
 def server_extras_hint() -> str:
-    """How to get starlette/uvicorn: from this checkout when pyengine runs from one (PyPI's 'pyengine'
-    is another project), else the packages themselves."""
-    root = Path(__file__).resolve().parents[2]
-    if (root / "pyproject.toml").is_file():
-        return f"pip install -e '{root}[server]'"
-    return "pip install 'starlette>=0.37' 'uvicorn>=0.29' 'prometheus-client>=0.20'"
+    """How to get starlette/uvicorn (model_files.extras_hint: from this checkout when run from one)."""
+    from pyengine.model_files import extras_hint
+    return extras_hint("server")
 
 
 def require_server_extras(command: str) -> bool:
     """True when the server packages import; else prints the fix and returns False."""
-    missing = [m for m in ("uvicorn", "starlette", "prometheus_client") if importlib.util.find_spec(m) is None]
+    missing = [m for m in SERVER_MODULES if importlib.util.find_spec(m) is None]
     if missing:
         print(f"pyengine {command} needs the server extras ({', '.join(missing)} missing): "
               f"{server_extras_hint()}", file=sys.stderr)
@@ -51,8 +49,12 @@ def warn_if_exposed(command: str, host: str, api_key: str | None, what: str = "w
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from pyengine.server.guard import ServerLimits
+    from pyengine.server.limits import ServerLimits     # starlette-free: --help works without the extras
     d = ServerLimits()
+    missing = [m for m in SERVER_MODULES if importlib.util.find_spec(m) is None]
+    if missing:                                      # printed as is (not rewrapped: the command stays whole)
+        p.formatter_class = argparse.RawDescriptionHelpFormatter
+        p.epilog = f"note: serving needs the server extras ({', '.join(missing)} missing): {server_extras_hint()}"
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     add_model_arguments(p)
@@ -99,6 +101,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"idle keep-alive connections are closed after this (default {d.keep_alive_timeout:g} s)")
     p.add_argument("--max-connections", type=int, default=d.max_connections,
                    help=f"connections served at once; requests beyond get 503 (default {d.max_connections})")
+    p.add_argument("--body-first-byte-timeout", type=float, default=d.body_first_byte_timeout,
+                   help=f"seconds for a request body's first byte to arrive (408 otherwise; default "
+                        f"{d.body_first_byte_timeout:g})")
+    p.add_argument("--max-uploads-per-client", type=int, default=d.max_uploads_per_client,
+                   help=f"connections of one client address (IPv6: its /64) whose body is still arriving; one "
+                        f"more gets 429 (default {d.max_uploads_per_client})")
+    p.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
+                   help=f"on SIGTERM / Ctrl-C: seconds running requests may take to finish before their streams "
+                        f"are ended with an error event (default {d.shutdown_timeout:g})")
     p.add_argument("--allowed-hosts", nargs="+", default=[], metavar="NAME",
                    help="extra Host names accepted ('*': any); on loopback only loopback names are by default")
     p.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
@@ -159,7 +170,8 @@ def demo_app(model_path: str):
 
 
 def server_limits(args):
-    from pyengine.server.guard import ServerLimits
+    from pyengine.server.limits import ServerLimits
+    d = ServerLimits()
     return ServerLimits(body_timeout=args.body_timeout, header_timeout=args.header_timeout,
                         keep_alive_timeout=args.keep_alive_timeout, max_connections=args.max_connections,
                         max_waiting=args.max_waiting, max_waiting_tokens=args.max_waiting_tokens,
@@ -167,7 +179,10 @@ def server_limits(args):
                         special_tokens_in_content=args.special_tokens_in_content,
                         tokenizer_process=not args.no_tokenizer_process,
                         allowed_hosts=list(args.allowed_hosts), allowed_origins=list(args.allowed_origins),
-                        bind_host=args.host, stats_interval=args.stats_interval)
+                        bind_host=args.host, stats_interval=args.stats_interval,
+                        body_first_byte_timeout=getattr(args, "body_first_byte_timeout", d.body_first_byte_timeout),
+                        max_uploads_per_client=getattr(args, "max_uploads_per_client", d.max_uploads_per_client),
+                        shutdown_timeout=getattr(args, "shutdown_timeout", d.shutdown_timeout))
 
 
 def make_app(args):
@@ -207,6 +222,8 @@ def run(args) -> int:
             bind_socket(args.host, args.port).close()     # a taken port fails before any rank starts
             n = args.tensor_parallel_size * args.pipeline_parallel_size
             return relaunch(n, ["-m", "pyengine"] + sys.argv[1:])
+        from pyengine.parallel.launch import join_launcher
+        join_launcher()                       # report to the launcher; leave at once if it dies
     # only the HTTP rank listens (rank 0 of an MPI job); before the model loads, so a taken port fails at once
     rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0"))) if uses_mpi(args) else 0
     sock = bind_socket(args.host, args.port) if rank == 0 else None

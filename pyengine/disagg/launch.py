@@ -99,6 +99,8 @@ def run(args) -> int:
                 check_split(args.model, t_, 1)
             bind_socket(args.host, args.port).close()     # a taken port fails before any rank starts
             return relaunch(n, ["-m", "pyengine"] + sys.argv[1:])
+        from pyengine.parallel.launch import join_launcher
+        join_launcher()                               # report to the launcher; leave at once if it dies
         from pyengine.disagg.kv_transfer import MPITransport
         t = MPITransport()
         if t.size != n:

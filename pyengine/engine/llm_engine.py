@@ -124,10 +124,11 @@ class LLMEngine:
                                     kv_cache_dtype=kv_cache_dtype)
                 tensor_parallel_size, pipeline_parallel_size, kv_cache_dtype = 1, 1, "auto"   # the runner has them
             else:
+                from pyengine.model_files import extras_hint
                 raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = "
                                  f"{tensor_parallel_size * pipeline_parallel_size} ranks run over MPI: start this "
-                                 f"program with mpiexec -n {tensor_parallel_size * pipeline_parallel_size} (pip "
-                                 f"install 'pyengine[parallel]'), or use pyengine serve, which starts its ranks")
+                                 f"program with mpiexec -n {tensor_parallel_size * pipeline_parallel_size} "
+                                 f"({extras_hint('parallel')}), or use pyengine serve, which starts its ranks")
         if runner is None:
             from pyengine.engine.model_runner import ModelRunner
             if model is None or isinstance(model, str):

@@ -70,6 +70,7 @@ class ServerState:
         self.admission = S.Admission(limits.max_waiting, limits.max_waiting_tokens or 16 * max_model_len)
         self.loop = EngineLoop(engine, metrics)
         self.created = P.now()
+        self.stopping = False           # a graceful stop began: no new requests
         self.parser = None
         if limits.tokenizer_process:
             from pyengine.server.tokenizer_process import TokenizerProcess
@@ -81,6 +82,19 @@ class ServerState:
         if self.parser is not None:
             return await self.parser.run(fn, body, self.request_limits)
         return await asyncio.to_thread(fn, body, self.tokenizer, self.request_limits)
+
+    # --- a graceful stop (runner.uvicorn_server's Drain) ---------------------------------------------
+    def stop_admissions(self) -> None:
+        self.stopping = True
+
+    def end_streams(self, reason: str) -> int:
+        """End every running request now: streams get an error event and [DONE], others a 503."""
+        return self.loop.abort_all(reason)
+
+    def check_admitting(self) -> None:
+        if self.stopping:
+            raise P.APIError(503, "The server is shutting down; retry on another instance.", type="server_error",
+                             code="shutting_down", headers={"connection": "close", "retry-after": "1"})
 
     # --- checks in the order a client meets them (auth and Host: guard.py): type, size, JSON, model -----
     async def read_json(self, request: Request) -> dict:
@@ -155,6 +169,7 @@ def create_app(engine, *, model_id: str | None = None, aliases=(), api_key: str 
 
     async def complete(request: Request, kind: str) -> Response:
         arrival = time.perf_counter()
+        state.check_admitting()
         body = await state.read_json(request)
         state.check_model(body)
         parse = P.parse_chat if kind == "chat" else P.parse_completion
@@ -162,6 +177,7 @@ def create_app(engine, *, model_id: str | None = None, aliases=(), api_key: str 
             parsed = await state.parse(parse, body)
         except ValueError as exc:   # e.g. the chat template refusing a message sequence
             raise P.APIError(400, str(exc), param="messages" if kind == "chat" else "prompt") from None
+        state.check_admitting()
         gen = S.Generation(state.loop, state.metrics, parsed, P.new_id(kind), arrival, state.admission)
         await gen.start()
         created = P.now()
@@ -204,6 +220,8 @@ def create_app(engine, *, model_id: str | None = None, aliases=(), api_key: str 
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(request: Request) -> Response:
+        if state.stopping:
+            return JSONResponse({"status": "stopping"}, status_code=503)
         reason = engine_failure(state.loop.engine)
         if reason:                                      # S17: a parallel rank stopped answering
             return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
@@ -274,4 +292,5 @@ def create_app(engine, *, model_id: str | None = None, aliases=(), api_key: str 
                     exception_handlers={HTTPException: http_error})
     app.state.server = state
     app.state.limits = limits
+    app.state.drain = state
     return app

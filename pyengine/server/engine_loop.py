@@ -111,6 +111,13 @@ class EngineLoop:
         if self._wake is not None:
             self._wake.set()
 
+    def abort_all(self, reason: str) -> int:
+        """Abort every registered request (a graceful stop's end); how many there were."""
+        ids = list(self._queues)
+        for rid in ids:
+            self.abort(rid, reason)
+        return len(ids)
+
     @property
     def num_active(self) -> int:
         return len(self._queues)

@@ -259,8 +259,8 @@ def check_graceful_stop(srv: ServeProcess, sig_to_group, grace: float) -> None:
     os.killpg(srv.proc.pid, sig_to_group) if sig_to_group else None
     short_events, long_events = finish(short), finish(long)
     took = time.monotonic() - t0
-    assert short_events[-1] == "[DONE]" and short_events[-2]["choices"][0]["finish_reason"] == "length", \
-        short_events[-3:]
+    assert short_events[-1] == "[DONE]" and short_events[-2].get("choices", [{}])[0].get("finish_reason") == "length", \
+        (took, short_events, long_events[-3:])
     assert long_events[-1] == "[DONE]", long_events[-3:]
     err = long_events[-2]
     assert "error" in err and err["error"]["code"] == "aborted" and "shutting down" in err["error"]["message"], err
@@ -273,10 +273,10 @@ def check_graceful_stop(srv: ServeProcess, sig_to_group, grace: float) -> None:
 def test_ctrl_c_on_serve_finishes_streams_without_traceback(tmp_path):
     import signal
     import subprocess
-    srv = ServeProcess(tmp_path, shutdown_timeout=3)
+    srv = ServeProcess(tmp_path, shutdown_timeout=5)
     try:
         srv.wait_ready()
-        check_graceful_stop(srv, signal.SIGINT, 3)
+        check_graceful_stop(srv, signal.SIGINT, 5)
         try:
             code = srv.proc.wait(30)
         except subprocess.TimeoutExpired:
@@ -286,8 +286,24 @@ def test_ctrl_c_on_serve_finishes_streams_without_traceback(tmp_path):
         assert "Traceback" not in text and "CancelledError" not in text, text[-3000:]
         assert "shutting down" in text
         assert not srv.job(), srv.job()                  # the tokenizer worker went with it
+        check_start_lines(text, 1024, "one process")
+
     finally:
         srv.kill()
+
+
+def check_start_lines(text: str, context: int, layout: str) -> None:
+    """33.7: a line as loading starts, and a ready line with the KV capacity and the parallel layout."""
+    import re
+    lines = text.splitlines()
+    loading = next(i for i, ln in enumerate(lines) if ln.startswith("pyengine serve: loading"))
+    ready = next(i for i, ln in enumerate(lines) if ln.startswith("pyengine serve: model "))
+    assert loading < ready and layout in lines[loading] and layout in lines[ready], lines[:ready + 1]
+    m = re.search(r"KV cache (\d+) blocks x (\d+) tokens, (\d+) sequences? at the full (\d+)-token context",
+                  lines[ready])
+    assert m, lines[ready]
+    blocks, size, full, ctx = map(int, m.groups())
+    assert ctx == context and size == 16 and blocks > 0 and full == blocks // -(-context // size)
 
 
 def wait_gone(pids, timeout: float) -> list[int]:
@@ -316,12 +332,12 @@ def test_ctrl_c_on_tensor_parallel_serve_is_graceful_and_logs_have_no_ansi(tmp_p
     import signal
     import subprocess
     pytest.importorskip("mpi4py")
-    srv = ServeProcess(tmp_path, "--tensor-parallel-size", "2", shutdown_timeout=8)
+    srv = ServeProcess(tmp_path, "--tensor-parallel-size", "2", shutdown_timeout=12)
     try:
         srv.wait_ready()
         ranks = srv.ranks()
         assert sorted(ranks) == [0, 1]
-        check_graceful_stop(srv, signal.SIGINT, 8)
+        check_graceful_stop(srv, signal.SIGINT, 12)
         try:
             code = srv.proc.wait(60)
         except subprocess.TimeoutExpired:
@@ -330,6 +346,7 @@ def test_ctrl_c_on_tensor_parallel_serve_is_graceful_and_logs_have_no_ansi(tmp_p
         assert code == 0, text[-3000:]
         assert "Traceback" not in text and "shutting down" in text, text[-3000:]
         assert "\x1b[" not in text, repr(text[-2000:])         # no colour codes in a file
+        check_start_lines(text, 1024, "tensor-parallel 2 over 2 MPI ranks")
         assert not wait_gone(ranks.values(), 10)
     finally:
         srv.kill()
@@ -352,3 +369,98 @@ def test_kill_9_of_the_launcher_leaves_no_process_and_frees_the_port(tmp_path):
         assert port_free(srv.port)
     finally:
         srv.kill()
+
+
+# --- 26.5: the EngineClient contract; /health states ---------------------------------------------------------
+def test_engine_client_contract_and_health_states():
+    from starlette.testclient import TestClient
+
+    from pyengine.disagg.router import Router
+    from pyengine.engine.llm_engine import LLMEngine
+    from pyengine.server.engine_client import EngineClient
+    for cls in (LLMEngine, Router):                     # every method of the contract, by name and signature
+        for name in ("get_tokenizer", "add_request", "abort_request", "has_unfinished_requests", "step", "stats",
+                     "num_used_blocks", "health", "model_metadata"):
+            assert callable(getattr(cls, name, None)), (cls.__name__, name)
+    assert isinstance(FakeEngine(), EngineClient)
+
+    class NoHealth:
+        max_model_len = 64
+    with pytest.raises(TypeError, match="lacks .*health"):
+        create_app(NoHealth())
+
+    class Degraded(FakeEngine):
+        state = ("degraded", "no prefill instance is alive (rank 1: pid 9 dead)")
+
+        def health(self):
+            return self.state
+    engine = Degraded()
+    with TestClient(create_app(engine, model_id="m"), base_url="http://127.0.0.1") as c:
+        h = c.get("/health")
+        assert h.status_code == 503 and h.json() == {"status": "degraded", "reason": engine.state[1]}
+        assert c.post("/v1/completions", json=COMP).status_code == 200      # degraded still serves
+        engine.state = ("unhealthy", "rank 1 dead")
+        r = c.post("/v1/completions", json=COMP)
+        assert r.status_code == 503 and "rank 1 dead" in r.json()["error"]["message"]
+
+
+def test_failed_stream_counts_the_status_its_client_saw():
+    """A lost MPI rank ends a stream with a 503-type error event: the metrics count 503, not 500."""
+    from pyengine.parallel.mpi import ParallelError
+
+    class LosesRank(FakeEngine):
+        def step(self):
+            raise ParallelError("rank 1 (pid 9) dead")
+    from starlette.testclient import TestClient
+    with TestClient(create_app(LosesRank(), model_id="m"), base_url="http://127.0.0.1") as c:
+        with c.stream("POST", "/v1/completions", json={**COMP, "stream": True}) as r:
+            events = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+        assert json.loads(events[-2][6:])["error"]["code"] == "engine_unavailable" and events[-1] == "data: [DONE]"
+        m = c.get("/metrics").text
+        assert 'errors_total{status="503"} 1.0' in m and 'status="500"' not in m, m
+
+
+@pytest.mark.slow
+def test_disaggregated_serve_degraded_health_graceful_ctrl_c_and_non_zero_exit_after_a_lost_rank(tmp_path):
+    """`serve --prefill-instances 1 --decode-instances 1`: with its prefill instance killed /health says degraded
+    (503, naming the rank) while the decode instance serves whole requests; Ctrl-C then stops it as gracefully as
+    SIGTERM (streams finished or ended with an error event and [DONE]); the launcher exits non-zero, naming the
+    rank that died."""
+    import os
+    import signal
+    import subprocess
+    pytest.importorskip("mpi4py")
+    srv = ServeProcess(tmp_path, "--prefill-instances", "1", "--decode-instances", "1", shutdown_timeout=12)
+    try:
+        srv.wait_ready()
+        ranks = srv.ranks()
+        assert sorted(ranks) == [0, 1, 2]
+        os.kill(ranks[1], signal.SIGKILL)                        # the prefill instance
+        deadline = time.monotonic() + 30
+        while (h := httpx.get(srv.url + "/health", timeout=5)).status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert h.status_code == 503 and h.json()["status"] == "degraded" and "rank 1" in h.json()["reason"], h.text
+        check_graceful_stop(srv, signal.SIGINT, 12)
+        try:
+            code = srv.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            code = None
+        text = srv.text()
+        assert code == 1 and "MPI rank 1 ended without shutting down" in text, text[-3000:]
+        assert "Traceback" not in text, text[-3000:]
+        assert not wait_gone(ranks.values(), 10)
+    finally:
+        srv.kill()
+
+
+def test_route_table_is_what_is_routed_and_what_the_404_lists():
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    from pyengine.server.app import ROUTE_TABLE
+    app = create_app(FakeEngine(), model_id="m")
+    routed = {(m, r.path) for r in app.routes if isinstance(r, Route) for m in r.methods if m != "HEAD"}
+    assert routed == {(m, p) for m, p, _ in ROUTE_TABLE}
+    with TestClient(app, base_url="http://127.0.0.1") as c:
+        text = c.get("/nope").json()["error"]["message"]
+    assert all(f"{m} {p}" in text for m, p, _ in ROUTE_TABLE), text

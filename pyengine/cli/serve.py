@@ -169,6 +169,18 @@ def demo_app(model_path: str):
     return module.create_app(model=model_path)
 
 
+def parallel_layout(args) -> str:
+    tp, pp = getattr(args, "tensor_parallel_size", 1), getattr(args, "pipeline_parallel_size", 1)
+    if tp * pp == 1:
+        return "one process"
+    parts = [f"tensor-parallel {tp}"] * (tp > 1) + [f"pipeline-parallel {pp}"] * (pp > 1)
+    return " x ".join(parts) + f" over {tp * pp} MPI ranks"
+
+
+def say(text: str) -> None:
+    print(f"pyengine serve: {text}", file=sys.stderr, flush=True)
+
+
 def server_limits(args):
     from pyengine.server.limits import ServerLimits
     d = ServerLimits()
@@ -205,6 +217,7 @@ def run(args) -> int:
         return 1
     from pyengine.server.runner import bind_socket, uvicorn_server
 
+    from pyengine.server.metrics import kv_capacity
     warn_if_exposed("serve", args.host, args.api_key)
     from pyengine.disagg.launch import uses_disagg
     if uses_disagg(args):                     # S18: router + prefill and decode instances as MPI ranks
@@ -221,13 +234,20 @@ def run(args) -> int:
                 return 2
             bind_socket(args.host, args.port).close()     # a taken port fails before any rank starts
             n = args.tensor_parallel_size * args.pipeline_parallel_size
-            return relaunch(n, ["-m", "pyengine"] + sys.argv[1:])
+            return relaunch(n, ["-m", "pyengine"] + sys.argv[1:], grace=getattr(args, "shutdown_timeout", 30.0) + 30)
         from pyengine.parallel.launch import join_launcher
         join_launcher()                       # report to the launcher; leave at once if it dies
     # only the HTTP rank listens (rank 0 of an MPI job); before the model loads, so a taken port fails at once
     rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0"))) if uses_mpi(args) else 0
     sock = bind_socket(args.host, args.port) if rank == 0 else None
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if rank == 0:                             # loading takes seconds: say so at once (after the checks that are quick)
+        from pyengine.cli.generate import check_target_itl
+        from pyengine.engine.spec_decode import parse_speculative_config
+        from pyengine.model_files import resolve_model
+        parse_speculative_config(getattr(args, "speculative_config", None))
+        check_target_itl(args)
+        say(f"loading {os.path.basename(resolve_model(args.model))} ({parallel_layout(args)}) ...")
     try:
         app, engine, model_id = make_app(args)
     except ValueError as exc:                 # e.g. an mpiexec -n that is not N x M: say what to change
@@ -235,9 +255,11 @@ def run(args) -> int:
             raise
         print(f"pyengine serve: {exc}", file=sys.stderr)
         return 2
-    print(f"pyengine serve: model {model_id} on http://{args.host}:{args.port} "
-          f"(context {args.max_model_len}, prefix cache {'off' if args.no_prefix_cache else 'on'}, chunked prefill "
-          f"{'off' if args.no_chunked_prefill else 'on'}, max waiting {args.max_waiting} sequences)", file=sys.stderr)
+    kv = kv_capacity(engine.block_manager.num_blocks, engine.block_manager.block_size, args.max_model_len)
+    say(f"model {model_id} on http://{args.host}:{args.port} "
+        f"(context {args.max_model_len}, prefix cache {'off' if args.no_prefix_cache else 'on'}, chunked prefill "
+        f"{'off' if args.no_chunked_prefill else 'on'}, max waiting {args.max_waiting} sequences; "
+        f"{kv}; {parallel_layout(args)})")
     if uses_mpi(args):
         from pyengine.parallel.launch import exit_normally_on_signals
         exit_normally_on_signals()

@@ -14,6 +14,7 @@ import os
 import sys
 import time
 
+from pyengine.parallel.launcher_link import CONTROL_ENV, join_launcher, say_exit  # noqa: F401 (join_launcher: API)
 from pyengine.parallel.mpi import mpiexec_path
 
 RANK_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
@@ -67,10 +68,6 @@ def exit_normally_on_signals() -> None:
         signal.signal(sig, lambda *_: sys.exit(0))
 
 
-CONTROL_ENV = "PYENGINE_MPI_CONTROL"      # the launcher's control socket (Linux abstract namespace), for its ranks
-PARENT_POLL_S = 0.5
-
-
 def _die_with_parent() -> None:
     """In the child, before exec (Linux): SIGKILL when the launcher dies, however it dies (kill -9 included)."""
     try:
@@ -94,6 +91,8 @@ class RankWatch:
         self.sock.bind(self.name)
         self.sock.listen(64)
         self.ranks: dict[int, str] = {}            # rank -> "up" | "exit" | "died"
+        self.died_at: dict[int, float] = {}
+        self.abort_at: float | None = None         # a rank announced a deliberate MPI_Abort (it ends every rank)
         self._lock = threading.Lock()
         threading.Thread(target=self._accept, name="pyengine-rank-watch", daemon=True).start()
 
@@ -126,64 +125,23 @@ class RankWatch:
                             self.ranks[rank] = "up"
                         elif word == "exit" and rank is not None:
                             self.ranks[rank] = "exit"
+                        elif word == "abort" and rank is not None:
+                            self.ranks[rank] = "exit"
+                            self.abort_at = self.abort_at or time.monotonic()
         if rank is not None:
             with self._lock:
                 if self.ranks.get(rank) != "exit":
                     self.ranks[rank] = "died"
+                    self.died_at[rank] = time.monotonic()
 
     def died(self) -> list[int]:
+        """Ranks that ended without saying so, before any deliberate abort (which ends the others)."""
         with self._lock:
-            return sorted(r for r, st in self.ranks.items() if st != "exit")
+            return sorted(r for r, st in self.ranks.items() if st != "exit"
+                          and (self.abort_at is None or self.died_at.get(r, 0.0) < self.abort_at))
 
     def close(self) -> None:
         self.sock.close()
-
-
-_CONTROL: dict = {}
-
-
-def join_launcher() -> None:
-    """In a rank started by ``relaunch``: report to the launcher, and end this process at once when the
-    launcher is gone (kill -9 of it, or of its terminal): a rank re-parented to PID 1 would otherwise keep
-    serving the port. Without a launcher (mpiexec run by hand) it does nothing."""
-    import socket
-    import threading
-    name = os.environ.get(CONTROL_ENV)
-    if not name or "sock" in _CONTROL:
-        return
-    rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.connect("\0" + name.lstrip("@"))
-        sock.sendall(f"rank {rank}\n".encode())
-    except OSError:                      # the launcher is already gone
-        os._exit(1)
-    _CONTROL["sock"] = sock
-
-    def watch():
-        while True:
-            try:
-                if not sock.recv(64):
-                    break
-            except OSError:
-                break
-        if not _CONTROL.get("leaving"):
-            os._exit(1)                  # the launcher died: leave now (no finalize: the job is over)
-    threading.Thread(target=watch, name="pyengine-launcher-watch", daemon=True).start()
-    import atexit
-    atexit.register(say_exit)
-
-
-def say_exit() -> None:
-    """Tell the launcher this rank ends normally (idempotent; no launcher: nothing)."""
-    sock = _CONTROL.get("sock")
-    if sock is None or _CONTROL.get("leaving"):
-        return
-    _CONTROL["leaving"] = True
-    try:
-        sock.sendall(b"exit\n")
-    except OSError:
-        pass
 
 
 def relaunch(n: int, argv: list[str], grace: float = 30.0) -> int:
@@ -192,7 +150,7 @@ def relaunch(n: int, argv: list[str], grace: float = 30.0) -> int:
     by themselves (exit code 0). Open MPI's mpiexec, signalled itself, would kill every rank at once, rank 0
     without its shutdown, so it runs in a session of its own (a terminal's Ctrl-C, sent to the foreground process
     group, reaches this launcher alone); it gets the signal only if rank 0 is not found or not done within
-    ``grace`` s (rank 0's shutdown takes its --shutdown-timeout, then STOP's deadlines). If this launcher dies
+    ``grace`` s (rank 0's shutdown takes its --shutdown-timeout, then STOP's deadlines: callers give more). If this launcher dies
     (kill -9), mpiexec is killed with it (PDEATHSIG) and every rank leaves at once (`join_launcher`). The exit
     status is non-zero when a rank died, even if mpiexec (under ULFM) says 0."""
     import signal

@@ -97,7 +97,8 @@ def _guarded_protocol(limits):
     - a request body's first byte must arrive within `body_first_byte_timeout` (408), apart from the app's
       whole-body timeout, so a stalled upload does not hold its connection for the whole body timeout;
     - one client address (an IPv6 /64) may have at most `max_uploads_per_client` connections whose body is
-      still arriving `upload_grace` s after its headers; one more is answered 429 and closed. Stalled uploads
+      still arriving `upload_grace` s after its headers (at once when half the connection cap is taken); one more
+      is answered 429 and closed. Stalled uploads
       from one address then cannot fill the server's connection cap and starve /health and every other client,
       while a burst of ordinary requests (whose bodies follow their headers within milliseconds) is not
       counted at all."""
@@ -106,6 +107,7 @@ def _guarded_protocol(limits):
 
     header_timeout, first_byte, grace = limits.header_timeout, limits.body_first_byte_timeout, limits.upload_grace
     uploads = Uploads(max(1, limits.max_uploads_per_client))
+    pressure = max(1, limits.max_connections // 2)
 
     class GuardedH11Protocol(H11Protocol):
         _header_timer = None
@@ -173,8 +175,8 @@ def _guarded_protocol(limits):
                 return
             self._end_upload()                            # a new request's body begins
             self._uploading = self.cycle
-            if uploads.count(self._key) >= uploads.per_client:   # this client's stalled ones fill its share
-                self._count_upload()
+            if uploads.count(self._key) >= uploads.per_client or len(self.connections) >= pressure:
+                self._count_upload()     # its stalled ones fill its share, or the server is half full: no grace
                 return
             self._grace_timer = self.loop.call_later(grace, self._count_upload)
             if not self.cycle.body:                       # headers only so far: the body's first byte is due

@@ -448,6 +448,7 @@ def test_disaggregated_serve_degraded_health_graceful_ctrl_c_and_non_zero_exit_a
             code = None
         text = srv.text()
         assert code == 1 and "MPI rank 1 ended without shutting down" in text, text[-3000:]
+        assert "pyengine serve: loading SmolLM2" in text and "decode rank 2: KV cache" in text, text[:2000]
         assert "Traceback" not in text, text[-3000:]
         assert not wait_gone(ranks.values(), 10)
     finally:

@@ -164,9 +164,9 @@ def serve_router(args, t, pre: list[int], dec: list[int]) -> int:
     from pyengine.tokenizer import Tokenizer
 
     sock = bind_socket(args.host, args.port)
-    print(f"pyengine serve: loading {args.model or 'the default model'} (router on rank 0; prefill ranks {pre}, "
-          f"decode ranks {dec}) ...", file=sys.stderr, flush=True)
     path = resolve_model(args.model)
+    print(f"pyengine serve: loading {os.path.basename(path)} (router on rank 0; prefill ranks {pre}, "
+          f"decode ranks {dec}) ...", file=sys.stderr, flush=True)
     gguf = GGUFFile(path)
     if getattr(args, "max_model_len", None) is None:
         args.max_model_len = default_max_model_len(gguf)

@@ -90,6 +90,10 @@ def test_first_byte_of_a_body_has_its_own_deadline():
         out = answer(silent, 20)
         assert out.startswith(b"HTTP/1.1 408") and b'"request_timeout"' in out, out
         assert time.monotonic() - t0 < 10                  # the first-byte deadline, not the 60 s body timeout
+        crowd = ServerLimits(body_timeout=60, body_first_byte_timeout=0.5, max_connections=2)
+        with ServerThread(create_app(FakeEngine(), model_id="m", limits=crowd)) as full:   # counted at once
+            out = answer(stalled_upload(full.port), 20)
+            assert out.startswith(b"HTTP/1.1 408"), out
         slow = stalled_upload(srv.port, first=b'{"prompt": "hel')   # started: only the whole-body timeout holds it
         time.sleep(1.0)
         slow.sendall(b'lo", "max_tokens": 4}'.ljust(100 - 15))

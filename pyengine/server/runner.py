@@ -98,10 +98,9 @@ def _guarded_protocol(limits):
       whole-body timeout, so a stalled upload does not hold its connection for the whole body timeout;
     - one client address (an IPv6 /64) may have at most `max_uploads_per_client` connections whose body is
       still arriving `upload_grace` s after its headers (at once when half the connection cap is taken); one more
-      is answered 429 and closed. Stalled uploads
-      from one address then cannot fill the server's connection cap and starve /health and every other client,
-      while a burst of ordinary requests (whose bodies follow their headers within milliseconds) is not
-      counted at all."""
+      is answered 429 and closed. Stalled uploads from one address then cannot fill the server's connection cap
+      and starve /health and every other client, while a burst of ordinary requests (whose bodies follow their
+      headers within milliseconds) is not counted at all on a server that is not crowded."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -175,12 +174,12 @@ def _guarded_protocol(limits):
                 return
             self._end_upload()                            # a new request's body begins
             self._uploading = self.cycle
-            if uploads.count(self._key) >= uploads.per_client or len(self.connections) >= pressure:
-                self._count_upload()     # its stalled ones fill its share, or the server is half full: no grace
-                return
-            self._grace_timer = self.loop.call_later(grace, self._count_upload)
             if not self.cycle.body:                       # headers only so far: the body's first byte is due
                 self._body_timer = self.loop.call_later(first_byte, self._first_byte_deadline)
+            if uploads.count(self._key) >= uploads.per_client or len(self.connections) >= pressure:
+                self._count_upload()     # its stalled ones fill its share, or the server is half full: no grace
+            else:
+                self._grace_timer = self.loop.call_later(grace, self._count_upload)
 
         def _count_upload(self) -> None:
             """The body is still arriving after the grace: it counts against its client's cap."""

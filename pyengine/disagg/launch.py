@@ -100,7 +100,10 @@ def run(args) -> int:
             for t_ in sorted(set(tp)):
                 check_split(args.model, t_, 1)
             bind_socket(args.host, args.port).close()     # a taken port fails before any rank starts
-            return relaunch(n, ["-m", "pyengine"] + sys.argv[1:])
+            return relaunch(n, ["-m", "pyengine"] + sys.argv[1:],
+                            grace=getattr(args, "shutdown_timeout", 30.0) + 30)
+        from pyengine.parallel.launch import join_launcher
+        join_launcher()                               # report to the launcher; leave at once if it dies
         from pyengine.disagg.kv_transfer import MPITransport
         t = MPITransport()
         if t.size != n:
@@ -156,11 +159,14 @@ def serve_router(args, t, pre: list[int], dec: list[int]) -> int:
     from pyengine.parallel.launch import exit_normally_on_signals
     from pyengine.server.app import create_app, served_names
     from pyengine.server.guard import limits_from_args
+    from pyengine.server.metrics import kv_capacity
     from pyengine.server.runner import bind_socket, uvicorn_server
     from pyengine.tokenizer import Tokenizer
 
     sock = bind_socket(args.host, args.port)
     path = resolve_model(args.model)
+    print(f"pyengine serve: loading {os.path.basename(path)} (router on rank 0; prefill ranks {pre}, "
+          f"decode ranks {dec}) ...", file=sys.stderr, flush=True)
     gguf = GGUFFile(path)
     if getattr(args, "max_model_len", None) is None:
         args.max_model_len = default_max_model_len(gguf)
@@ -175,8 +181,11 @@ def serve_router(args, t, pre: list[int], dec: list[int]) -> int:
         app = create_app(router, model_id=model_id, aliases=aliases, api_key=args.api_key,
                          max_model_len=args.max_model_len, max_body_bytes=args.max_body_bytes,
                          metrics=DisaggMetrics(model_name=model_id), limits=limits_from_args(args))
+        kv = "; ".join(f"{i.role} rank {r}: "
+                       + kv_capacity(i.info["num_blocks"], i.info["block_size"], args.max_model_len)
+                       for r, i in router.instances.items())
         print(f"pyengine serve: model {model_id} on http://{args.host}:{args.port} (disaggregated: prefill ranks "
-              f"{pre}, decode ranks {dec}; context {args.max_model_len})", file=sys.stderr)
+              f"{pre}, decode ranks {dec}; context {args.max_model_len}; {kv})", file=sys.stderr, flush=True)
         exit_normally_on_signals()
         uvicorn_server(app, args.host, args.port, args.log_level).run(sockets=[sock])
     finally:

@@ -1,6 +1,6 @@
 """S18: the router on rank 0 — an `LLMEngine`-shaped front for P prefill and D decode instances.
 
-The OpenAI server (pyengine/server/) drives it exactly like one engine: ``add_request``, ``step``, ``abort_request``,
+The OpenAI server (pyengine/server/) drives it exactly like one engine (server/engine_client.py's EngineClient): ``add_request``, ``step``, ``abort_request``,
 ``stats``. Nothing is computed here; ``step`` waits briefly for the instances' messages and turns them into the
 `RequestOutput`s the server streams:
 
@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pyengine.disagg.instance import HEARTBEAT_S
 from pyengine.engine.input_processor import InputProcessor
 from pyengine.engine.llm_engine import EngineOverloaded
+from pyengine.parallel.launcher_link import say_abort
 from pyengine.parallel.mpi import ParallelError, proc_state
 from pyengine.server.engine_loop import EngineFailure
 
@@ -73,20 +74,6 @@ class RequestFailed(EngineFailure):
     finished = True
 
 
-class RouterRunner:
-    """What the server reads of ``engine.runner``: the GGUF (sampling defaults) and ``failure`` (/health)."""
-
-    def __init__(self, router, gguf):
-        self.router, self.gguf = router, gguf
-
-    @property
-    def failure(self) -> str | None:
-        return self.router.failure()
-
-    def close(self) -> None:
-        self.router.close()
-
-
 class Router:
     def __init__(self, transport, tokenizer, gguf, prefill_ranks, decode_ranks, max_model_len: int,
                  max_waiting: int | None = None, timeout: float = 60.0, wait_s: float = STEP_WAIT_S):
@@ -94,7 +81,7 @@ class Router:
         self.max_waiting, self.timeout, self.wait_s = max_waiting, timeout, wait_s
         self.instances = {r: InstanceState(r, "prefill") for r in prefill_ranks}
         self.instances.update({r: InstanceState(r, "decode") for r in decode_ranks})
-        self.runner = RouterRunner(self, gguf)
+        self.gguf = gguf
         self.vocab_size = int(getattr(tokenizer, "vocab_size", 0) or 0)
         self.requests: dict[str, Routed] = {}
         self.by_xid: dict[int, Routed] = {}
@@ -133,6 +120,29 @@ class Router:
             return None
         dead = "; ".join(f"rank {i.rank}: {i.dead}" for i in self.instances.values() if i.role == "decode")
         return f"no decode instance is alive ({dead})"
+
+    def health(self) -> tuple[str, str | None]:
+        """The server's /health: unhealthy without a decode instance (nothing can run), degraded without a
+        prefill instance (decode instances run whole requests: slower first tokens, less capacity)."""
+        import socket
+        failure = self.failure()
+        if failure:
+            return "unhealthy", failure
+        # an idle router steps no more and so notices no death: look (read-only: a step may be running) now
+        host = socket.gethostname()
+        why = {i.rank: i.dead or (self._local_death(i, host) if i.info else None)
+               for i in self.instances.values()}
+        if all(why[i.rank] for i in self.instances.values() if i.role == "decode"):
+            return "unhealthy", "no decode instance is alive (" + "; ".join(
+                f"rank {r}: {w}" for r, w in why.items() if self.instances[r].role == "decode") + ")"
+        if all(why[i.rank] for i in self.instances.values() if i.role == "prefill"):
+            return "degraded", "no prefill instance is alive (" + "; ".join(
+                f"rank {r}: {w}" for r, w in why.items() if self.instances[r].role == "prefill") + \
+                "); decode instances run whole requests"
+        return "ok", None
+
+    def model_metadata(self) -> dict | None:
+        return self.gguf.metadata
 
     def _check(self, request_id: str, ids: list[int], params) -> None:
         """The refusals LLMEngine.add_request would give, decided here so that the client gets them at once."""
@@ -229,6 +239,7 @@ class Router:
             self.t.send(r, {"op": "stop"})
         comm = getattr(self.t, "comm", None)
         if comm is not None and any(i.dead for i in self.instances.values()):
+            say_abort()                              # the launcher: the ranks this ends did not fail by themselves
             comm.Abort(0)
         t0 = time.monotonic()
         while self.t.pending() and time.monotonic() - t0 < 5.0:
@@ -314,17 +325,22 @@ class Router:
         for inst in self.instances.values():
             if inst.dead is not None or not inst.info:
                 continue
-            why = None
-            # a tensor-parallel instance: its leader and each follower rank (their leader reports a lost one too)
-            for h, pid in [(inst.info.get("host"), inst.info["pid"])] + list(inst.info.get("followers", ())):
-                state = proc_state(pid) if h == host else None
-                if why is None and state in ("gone", "Z", "X", "T", "t"):
-                    why = f"pid {pid} {'stopped' if state in 'Tt' else 'dead'}"
+            why = self._local_death(inst, host)
             owes = any(inst.rank in (r.prefill, r.decode) for r in self.requests.values())
             if why is None and owes and now - inst.last_seen > max(self.timeout, 4 * HEARTBEAT_S):
                 why = f"silent for {now - inst.last_seen:.0f} s"
             if why is not None:
                 self._declare_dead(inst, why, outputs)
+
+    @staticmethod
+    def _local_death(inst: InstanceState, host: str) -> str | None:
+        """Why an instance on this host is dead (a process gone, a zombie or stopped), or None; reads only."""
+        # a tensor-parallel instance: its leader and each follower rank (their leader reports a lost one too)
+        for h, pid in [(inst.info.get("host"), inst.info["pid"])] + list(inst.info.get("followers", ())):
+            state = proc_state(pid) if h == host else None
+            if state in ("gone", "Z", "X", "T", "t"):
+                return f"pid {pid} {'stopped' if state in 'Tt' else 'dead'}"
+        return None
 
     def _declare_dead(self, inst: InstanceState, why: str, outputs: list) -> None:
         inst.dead = why

@@ -201,9 +201,10 @@ class EngineArgs:
                 runner.enforce_eager = True
             return LocalExecutor(runner)
         if self.num_ranks > 1:
+            from pyengine.model_files import extras_hint
             raise ValueError(
                 f"tensor_parallel_size x pipeline_parallel_size = {self.num_ranks} ranks run over MPI: start this "
-                f"program with mpiexec -n {self.num_ranks} (pip install 'pyengine[parallel]'), or use pyengine "
+                f"program with mpiexec -n {self.num_ranks} ({extras_hint('parallel')}), or use pyengine "
                 f"serve, which starts its ranks")
         self.threads = apply_threads(self.threads)
         return LocalExecutor(self.create_runner())

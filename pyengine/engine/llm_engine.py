@@ -206,6 +206,15 @@ class LLMEngine:
     def num_unfinished_requests(self) -> int:
         return len(self.requests)
 
+    def health(self) -> tuple[str, str | None]:
+        """("ok", None), or ("unhealthy", why) when the runner cannot run steps (S17: a lost parallel rank)."""
+        failure = self.executor.failure
+        return ("unhealthy", failure) if failure else ("ok", None)
+
+    def model_metadata(self) -> dict | None:
+        """The model GGUF's metadata (the server reads its general.sampling.* defaults)."""
+        return self.runner.gguf.metadata
+
     def num_used_blocks(self) -> int:
         return self.block_manager.num_used_blocks()
 

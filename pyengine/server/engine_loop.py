@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from pyengine.server.engine_client import EngineClient
+
 log = logging.getLogger("pyengine.server")
 
 
@@ -36,14 +38,14 @@ class EngineUnavailable(RuntimeError):
     """The engine cannot run steps any more (S17: a parallel rank stopped answering): 503 until restarted."""
 
 
-def engine_failure(engine) -> str | None:
-    """Why the engine's runner cannot run steps (S17's parallel runner sets it), or None."""
-    executor = getattr(engine, "executor", None)         # LLMEngine: its executor's; the disagg router: its own
-    return getattr(executor if executor is not None else getattr(engine, "runner", None), "failure", None)
+def engine_failure(engine: EngineClient) -> str | None:
+    """Why the engine cannot run requests (S17: a lost parallel rank), or None."""
+    status, reason = engine.health()
+    return reason if status == "unhealthy" else None
 
 
 class EngineLoop:
-    def __init__(self, engine, metrics=None):
+    def __init__(self, engine: EngineClient, metrics=None):
         self.engine = engine
         self.metrics = metrics
         self._queues: dict[str, asyncio.Queue] = {}
@@ -111,6 +113,13 @@ class EngineLoop:
         queue.put_nowait(Aborted(request_id, reason))
         if self._wake is not None:
             self._wake.set()
+
+    def abort_all(self, reason: str) -> int:
+        """Abort every registered request (a graceful stop's end); how many there were."""
+        ids = list(self._queues)
+        for rid in ids:
+            self.abort(rid, reason)
+        return len(ids)
 
     @property
     def num_active(self) -> int:

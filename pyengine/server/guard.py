@@ -15,8 +15,8 @@ which the page may read the answers. The defences, outermost first:
 
 The API handlers themselves require `Content-Type: application/json` on POST bodies (415), which turns
 the preflight-free text/plain POST into a request browsers must ask permission for. Connection-level
-limits (body and header timeouts, idle keep-alive, a connection cap) are `ServerLimits`, applied by
-`runner.uvicorn_server`.
+limits (body and header timeouts, idle keep-alive, a connection cap) are `ServerLimits` (limits.py, free of
+starlette so the CLI can describe them without the extras), applied by `runner.uvicorn_server`.
 """
 from __future__ import annotations
 
@@ -25,40 +25,14 @@ import binascii
 import hmac
 import ipaddress
 import logging
-from dataclasses import dataclass, field
 
 from starlette.responses import JSONResponse
+
+from pyengine.server.limits import ServerLimits, is_loopback  # noqa: F401 (ServerLimits: re-exported)
 
 log = logging.getLogger("pyengine.server")
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
-
-
-@dataclass
-class ServerLimits:
-    """Operator limits of one server (`pyengine serve` options of the same names)."""
-    body_timeout: float = 30.0          # seconds for a request body to arrive in full (408 otherwise)
-    header_timeout: float = 10.0        # seconds for a connection to send a request's headers
-    keep_alive_timeout: float = 5.0     # idle keep-alive connections are closed after this
-    max_connections: int = 256          # open connections served at once; requests beyond get 503
-    max_waiting: int = 64               # sequences (n counts) waiting for the engine; more get 429
-    max_waiting_tokens: int | None = None   # prompt tokens waiting (None: 16 x max_model_len)
-    max_tokens_per_request: int | None = 8192   # n x max_tokens of one request (None: unlimited)
-    special_tokens_in_content: bool = False     # chat messages may contain control tokens (unsafe)
-    tokenizer_process: bool = False     # parse prompts in a worker process (pyengine serve: on)
-    allowed_hosts: list[str] = field(default_factory=list)
-    allowed_origins: list[str] = field(default_factory=list)
-    bind_host: str = "127.0.0.1"
-    stats_interval: float = 10.0        # seconds between stats log lines (0: none)
-
-
-def is_loopback(host: str | None) -> bool:
-    if host is None or host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def host_name(header: str) -> str:
@@ -199,6 +173,7 @@ def middleware(limits: ServerLimits, api_key: str | None) -> list:
 
 def limits_from_args(args) -> ServerLimits:
     """The `ServerLimits` of a parsed ``pyengine serve`` command line (the CLI and disagg's router share it)."""
+    d = ServerLimits()
     return ServerLimits(body_timeout=args.body_timeout, header_timeout=args.header_timeout,
                         keep_alive_timeout=args.keep_alive_timeout, max_connections=args.max_connections,
                         max_waiting=args.max_waiting, max_waiting_tokens=args.max_waiting_tokens,
@@ -206,4 +181,7 @@ def limits_from_args(args) -> ServerLimits:
                         special_tokens_in_content=args.special_tokens_in_content,
                         tokenizer_process=not args.no_tokenizer_process,
                         allowed_hosts=list(args.allowed_hosts), allowed_origins=list(args.allowed_origins),
-                        bind_host=args.host, stats_interval=args.stats_interval)
+                        bind_host=args.host, stats_interval=args.stats_interval,
+                        body_first_byte_timeout=getattr(args, "body_first_byte_timeout", d.body_first_byte_timeout),
+                        max_uploads_per_client=getattr(args, "max_uploads_per_client", d.max_uploads_per_client),
+                        shutdown_timeout=getattr(args, "shutdown_timeout", d.shutdown_timeout))

@@ -200,3 +200,10 @@ def stats_line(stats: dict, last: dict, seconds: float) -> str:
             f"Avg generation throughput: {rate('generation_tokens'):.1f} tokens/s, "
             f"Running: {stats.get('running', 0)} reqs, Waiting: {stats.get('waiting', 0)} reqs, "
             f"KV cache usage: {100 * (usage or 0):.1f}%, Prefix cache hit rate: {100 * (hit or 0):.1f}%")
+
+
+def kv_capacity(num_blocks: int, block_size: int, max_model_len: int) -> str:
+    """The ready line's KV part: blocks, block size, and sequences that fit at the full context at once."""
+    full = num_blocks // -(-max_model_len // block_size)
+    return (f"KV cache {num_blocks} blocks x {block_size} tokens, {full} sequence{'s' if full != 1 else ''} at the "
+            f"full {max_model_len}-token context at once")

@@ -170,9 +170,7 @@ class Generation:
                 if self.finish[c] is not None:
                     continue
                 new_ids = list(comp.token_ids[self.tokens[c]:])
-                delta = getattr(comp, "delta_text", None)
-                if delta is None:
-                    delta = comp.text[len(self.texts[c]):]
+                delta = comp.delta_text                 # CompletionOutput: the text this step released
                 if not new_ids and not delta and comp.finish_reason is None:
                     continue  # a sibling choice moved, not this one
                 self.texts[c] += delta
@@ -212,8 +210,8 @@ class Generation:
         normal = self.failure is None and all(r not in (None, "abort") for r in self.finish)
         m.observe_finished(time.perf_counter() - self.arrival if normal else None, self.prompt_tokens,
                            self.completion_tokens, [reason or "abort" for reason in self.finish])
-        if self.failure is not None:
-            m.errors.labels(status="500").inc()
+        if self.failure is not None:     # the status the client saw (503 for a lost MPI rank, else 500)
+            m.errors.labels(status=str(_failure_error(self).status)).inc()
 
 
 def _failure_error(gen: Generation) -> P.APIError | None:

@@ -13,6 +13,7 @@ import asyncio
 import multiprocessing
 import os
 import pickle
+import signal
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
@@ -22,6 +23,9 @@ PARENT_POLL_S = 0.5  # how often a worker checks that the server process is stil
 
 def _load(blob: bytes, parent: int) -> None:
     global _TOKENIZER
+    # a terminal's Ctrl-C reaches the whole process group: the server decides how to stop (gracefully) and
+    # shuts this worker down; a KeyboardInterrupt here would only print its traceback
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _TOKENIZER = pickle.loads(blob)
     _exit_with_parent(parent)
 

@@ -102,6 +102,7 @@ class FakeRunner:
         self.config = FakeConfig()
         self.config.vocab_size = self.tokenizer.vocab_size
         self.logits_fn = logits_fn or context_logits
+        self.gguf = None                   # no model file (the engine's model_metadata() is then None)
         self.max_num_batched_tokens = max_num_batched_tokens
         n = num_blocks * block_size
         self.kv_tok = np.full(n, -1, dtype=np.int64)

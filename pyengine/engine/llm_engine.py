@@ -212,8 +212,8 @@ class LLMEngine:
         return ("unhealthy", failure) if failure else ("ok", None)
 
     def model_metadata(self) -> dict | None:
-        """The model GGUF's metadata (the server reads its general.sampling.* defaults)."""
-        return self.runner.gguf.metadata
+        """The model GGUF's metadata (the server reads its general.sampling.* defaults); None without a file."""
+        return self.runner.gguf.metadata if self.runner.gguf is not None else None
 
     def num_used_blocks(self) -> int:
         return self.block_manager.num_used_blocks()

@@ -59,15 +59,23 @@ _EXP_COEFS = tuple(1.0 / math.factorial(n) for n in range(13, -1, -1))   # 1/13!
 
 def law_exp(d: np.ndarray) -> np.ndarray:
     """exp(d) for d <= 0 (float64), bit-identical in NumPy, Pyodide and ts-mini's `lawExp`; d < -700 -> 0."""
-    d = np.asarray(d, dtype=np.float64)
-    live = d >= LAW_EXP_FLOOR
-    dd = np.where(live, d, 0.0)
-    k = np.floor(dd * INV_LN2 + 0.5)
-    r = (dd - k * LN2_HI) - k * LN2_LO
-    p = np.full_like(r, _EXP_COEFS[0])
+    d = np.array(d, dtype=np.float64)                  # a copy: worked on in place
+    dead = ~(d >= LAW_EXP_FLOOR)                       # NaN and -inf included
+    d[dead] = 0.0
+    k = d * INV_LN2
+    k += 0.5
+    np.floor(k, out=k)
+    t = k * LN2_HI
+    np.subtract(d, t, out=d)                           # r = (d - k * LN2_HI) - k * LN2_LO
+    np.multiply(k, LN2_LO, out=t)
+    d -= t
+    p = np.full_like(d, _EXP_COEFS[0])
     for c in _EXP_COEFS[1:]:
-        p = p * r + c
-    return np.where(live, np.ldexp(p, k.astype(np.int64)), 0.0)
+        p *= d
+        p += c
+    p = np.ldexp(p, k.astype(np.int32), out=p)
+    p[dead] = 0.0
+    return p
 
 
 def law_weights(x: np.ndarray) -> np.ndarray:

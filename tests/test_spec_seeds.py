@@ -1,0 +1,71 @@
+"""Issue 27 item 6: seeds hold under speculation. On a `pyengine serve --speculative-config` server (n-gram, adaptive
+draft lengths: they follow measured step times) the same seeded request gives the same text alone, beside other
+requests, and again later -- and that text is the plain server's: the hand-done reference of the plain server's
+determinism test (tests/test_server_openai.py `reference_choices`: unbatched, uncached, no speculation). The law:
+docs/sampling.md section 5 (one double of the sequence's stream per emitted token, drafts accepted iff they are
+the token the row draws)."""
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from pyengine.server.runner import ServerThread
+from pyengine.sampling_params import SamplingParams
+from test_server_openai import reference_choices
+
+MESSAGES = [{"role": "user", "content": "Copy this list twice: red apple, green pear, yellow banana, red apple, "
+                                        "green pear, yellow banana."}]
+KW = dict(max_tokens=24, temperature=0.6, seed=4321, n=2, top_p=0.95, presence_penalty=0.2,
+          extra_body={"top_k": 40, "min_p": 0.02, "ignore_eos": True})
+OTHERS = ["Count from one to twenty in words.", "Name three rivers.", "Say hello in five languages."]
+
+
+@pytest.fixture(scope="module")
+def spec_server():
+    import argparse
+
+    from pyengine.cli.serve import add_arguments, make_app
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--max-model-len", "512", "--max-num-seqs", "8", "--no-tokenizer-process",
+                         "--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 4,
+                                                             "prompt_lookup_min": 1})])
+    app, engine, model_id = make_app(args)
+    with ServerThread(app) as srv:
+        srv.model_id, srv.engine = model_id, engine
+        yield srv
+
+
+def test_seeded_text_is_the_same_alone_batched_and_again_and_equals_plain_sampling(spec_server):
+    client = openai.OpenAI(base_url=spec_server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+    def ask(**extra):
+        r = client.chat.completions.create(model=spec_server.model_id, messages=MESSAGES, logprobs=True, **KW, **extra)
+        return [[e.bytes for e in c.logprobs.content] for c in r.choices], [c.message.content for c in r.choices]
+
+    before = spec_server.engine.stats()
+    alone = ask()
+    with ThreadPoolExecutor(4) as pool:         # beside three other (unseeded, sampled) requests
+        others = [pool.submit(client.chat.completions.create, model=spec_server.model_id, max_tokens=24,
+                              messages=[{"role": "user", "content": o}], temperature=0.9) for o in OTHERS]
+        batched = pool.submit(ask).result()
+        for f in others:
+            f.result()
+    again = ask()
+    assert alone[1] == batched[1] == again[1]
+    st = spec_server.engine.stats()
+    assert st["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"] >= 10, st
+    # ... and it is what plain decoding gives, token for token (the plain server's determinism reference)
+    eng = spec_server.engine
+    tok = eng.get_tokenizer()
+    prompt_ids = tok.encode(tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False),
+                            add_special_tokens=False)
+    params = SamplingParams(n=2, max_tokens=24, temperature=0.6, seed=4321, top_p=0.95, top_k=40, min_p=0.02,
+                            presence_penalty=0.2, ignore_eos=True)
+    ref = reference_choices(prompt_ids, params, 24)
+    for got, r in zip(alone[0], ref):
+        assert got == [list(tok.token_bytes(t)) for t, _ in r]
+    assert alone[1][0] != alone[1][1]          # two choices, two streams

@@ -69,3 +69,43 @@ def test_seeded_text_is_the_same_alone_batched_and_again_and_equals_plain_sampli
     for got, r in zip(alone[0], ref):
         assert got == [list(tok.token_bytes(t)) for t, _ in r]
     assert alone[1][0] != alone[1][1]          # two choices, two streams
+
+
+# --- over the fake runner: every drafter and draft length gives plain sampling's seeded text -------------------
+@pytest.mark.parametrize("method", ["one_hot", "draft_model"])
+def test_seeded_text_ignores_drafter_draft_length_and_batch(method):
+    """A one-hot drafter (the fake model's greedy guesses, some wrong) and a draft model (perturbed logits, its
+    guesses drawn with the peeked double): 1, 3 or 4 drafts, adaptive or not, alone or batched -- plain's text."""
+    from engine_fakes import make_engine, run_all
+    from test_spec_draft_model import PerturbedRunner
+    from test_spec_engine import OracleProposer, prompts
+
+    ps = prompts(6, seed=27)
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m, presence_penalty=0.3, seed=60 + i, n=2,
+                             max_tokens=24, ignore_eos=True)
+              for i, (t, k, p, m) in enumerate([(0.7, 0, 1.0, 0.0), (1.0, 8, 0.9, 0.0), (0.5, 0, 0.8, 0.05),
+                                                (1.3, 20, 1.0, 0.1), (0.9, 0, 0.95, 0.0), (0.6, 5, 1.0, 0.0)])]
+
+    def run(spec, together):
+        kw = {"draft_runner": PerturbedRunner(num_blocks=256, block_size=4)} if spec and method == "draft_model" else {}
+        out, accepted = {}, 0
+        groups = [range(len(ps))] if together else [[i] for i in range(len(ps))]
+        for g in groups:
+            eng = make_engine(num_blocks=256, max_num_seqs=12, max_num_batched_tokens=64, speculative_config=spec, **kw)
+            if spec and method == "one_hot":
+                eng.spec.proposer = OracleProposer(0.3)
+            for i in g:
+                eng.add_request(f"r{i}", {"prompt_token_ids": ps[i]}, params[i])
+            final = run_all(eng)
+            out.update({r: [c.token_ids for c in o.outputs] for r, o in final.items()})
+            accepted += eng.stats()["spec_decode_num_accepted_tokens"]
+        assert accepted > 0 or not spec
+        return out
+
+    plain = run(None, True)
+    spec = {"method": "ngram" if method == "one_hot" else method, "num_speculative_tokens": 3}
+    if method == "draft_model":
+        spec["model"] = "fake"
+    for k, adaptive, together in ((1, False, True), (4, False, False), (3, True, True)):
+        assert run({**spec, "num_speculative_tokens": k, "adaptive": adaptive}, together) == plain, (k, adaptive)
+    assert len({tuple(t) for v in plain.values() for t in v}) == 2 * len(ps)

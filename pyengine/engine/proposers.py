@@ -189,8 +189,8 @@ class DraftModelProposer:
         return toks[n:]
 
     def propose(self, seqs, ks, rngs=None):
-        from pyengine.layers.rejection_sampler import target_distribution
-        from pyengine.layers.sampler import apply_allowed_mask, process_logits
+        from pyengine.layers.rejection_sampler import peek_uniform, target_distribution
+        from pyengine.layers.sampler import apply_allowed_mask, law_draw, process_logits
 
         rngs = rngs or [None] * len(seqs)
         out: list = [([], None)] * len(seqs)
@@ -225,8 +225,14 @@ class DraftModelProposer:
                 t = int(np.argmax(x))
             else:
                 q = target_distribution(row, p, seq.prompt_token_ids, output)
-                t = int(rng.choice(len(q), p=q / q.sum()))
-                probs[i].append(q)
+                if p.seed is not None:
+                    # the sampling law: guess with the uniform the target's row will draw with, walking q in
+                    # id order, and hand the guess over without q (coupled verification, docs/sampling.md);
+                    # the stream is not consumed, so the seeded text never depends on the drafts
+                    t = law_draw(q, peek_uniform(rng, len(drafts[i])))
+                else:
+                    t = int(rng.choice(len(q), p=q / q.sum()))
+                    probs[i].append(q)
             drafts[i].append(t)
             return t
 

@@ -10,9 +10,15 @@ the one HF transformers uses:
 `Sampler.sample` runs that pipeline over a batch where every row has its own `SamplingParams` and
 its own `np.random.Generator`. Logprobs reported back are those of the *raw* model distribution
 (log-softmax of the unprocessed logits), as vLLM does by default.
+
+The sampled path follows the sampling law of `docs/sampling.md`, which `ts-mini/src/17_sampler.ts`
+implements too: weights come from `law_exp` (only +, -, *, floor and exact scaling by powers of two,
+so every IEEE-754 runtime gets the same bits), every sum is sequential in float64 (`np.cumsum`, never
+the pairwise `np.sum`), and one uniform double per token walks the kept tokens in ascending id order.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,6 +43,50 @@ def softmax(logits: np.ndarray) -> np.ndarray:
     x = np.asarray(logits, dtype=np.float64)
     e = np.exp(x - np.max(x, axis=-1, keepdims=True))
     return e / np.sum(e, axis=-1, keepdims=True)
+
+
+# --- the law's exponential -----------------------------------------------------------------------
+# exp(d) for d <= 0 from IEEE-754 +, -, * and floor only (no libm: np.exp and JS Math.exp differ in the
+# last bit now and then). d = k ln2 + r with |r| <= ln2/2 (ln2 split in a high part with trailing zero
+# bits, so k * LN2_HI is exact), e^r by Horner over the Taylor series to r^13 (relative error < 1e-16),
+# then scaled by 2^k exactly. Below LAW_EXP_FLOOR the weight is 0 (e^-700 is 1e-304 of the top token).
+LN2_HI = 6.93147180369123816490e-01
+LN2_LO = 1.90821492927058770002e-10
+INV_LN2 = 1.44269504088896338700e+00
+LAW_EXP_FLOOR = -700.0
+_EXP_COEFS = tuple(1.0 / math.factorial(n) for n in range(13, -1, -1))   # 1/13! ... 1/1!, 1/0!
+
+
+def law_exp(d: np.ndarray) -> np.ndarray:
+    """exp(d) for d <= 0 (float64), bit-identical in NumPy, Pyodide and ts-mini's `lawExp`; d < -700 -> 0."""
+    d = np.array(d, dtype=np.float64)                  # a copy: worked on in place
+    dead = ~(d >= LAW_EXP_FLOOR)                       # NaN and -inf included
+    d[dead] = 0.0
+    k = d * INV_LN2
+    k += 0.5
+    np.floor(k, out=k)
+    t = k * LN2_HI
+    np.subtract(d, t, out=d)                           # r = (d - k * LN2_HI) - k * LN2_LO
+    np.multiply(k, LN2_LO, out=t)
+    d -= t
+    p = np.full_like(d, _EXP_COEFS[0])
+    for c in _EXP_COEFS[1:]:
+        p *= d
+        p += c
+    p = np.ldexp(p, k.astype(np.int32), out=p)
+    p[dead] = 0.0
+    return p
+
+
+def law_weights(x: np.ndarray) -> np.ndarray:
+    """Unnormalised probabilities of one row of scores: law_exp(x - max x); the top token weighs exactly 1."""
+    x = np.asarray(x, dtype=np.float64)
+    return law_exp(x - np.max(x))
+
+
+def seq_sum(w: np.ndarray) -> float:
+    """The law's sum: left to right in float64 (np.sum is pairwise and would round differently)."""
+    return float(np.cumsum(w)[-1]) if len(w) else 0.0
 
 
 # --- logits processors --------------------------------------------------------------------------
@@ -96,35 +146,43 @@ def apply_top_p(logits: np.ndarray, p: float) -> np.ndarray:
 
     A token is kept when the mass of the strictly more likely tokens is still < p, so the top
     token always survives and the token that crosses p is included. Tokens tied with the last kept
-    one are kept too (the set does not depend on how a sort breaks ties).
+    one are kept too (the set does not depend on how a sort breaks ties). The law's arithmetic
+    (docs/sampling.md): weights w = law_exp(x - max), target p * (sum of w in id order), the mass
+    before each token summed left to right over w sorted descending.
     """
     x = np.asarray(logits, dtype=np.float64)
     if p >= 1.0:
         return x.copy()
-    probs = softmax(x)
-    V = probs.shape[-1]
-    desc = None
-    if V > 4 * TOP_P_CANDIDATES:
-        # The nucleus is usually far smaller than V: if the largest m probabilities already reach p,
-        # sorting just those gives the same cutoff (every token beyond them has mass_before >= p).
-        top = np.partition(probs, V - TOP_P_CANDIDATES, axis=-1)[..., V - TOP_P_CANDIDATES:]
-        if np.all(np.sum(top, axis=-1) >= p):
-            desc = -np.sort(-top, axis=-1)
-    if desc is None:
-        desc = -np.sort(-probs, axis=-1)
-    mass_before = np.cumsum(desc, axis=-1) - desc
-    n_keep = np.maximum(np.sum(mass_before < p, axis=-1, keepdims=True), 1)
-    cutoff = np.take_along_axis(desc, n_keep - 1, axis=-1)
-    return np.where(probs >= cutoff, x, NEG_INF)
+    if x.ndim > 1:
+        return np.stack([apply_top_p(row, p) for row in x])
+    w = law_weights(x)
+    return np.where(w >= top_p_cutoff(w, p), x, NEG_INF)
+
+
+def top_p_cutoff(w: np.ndarray, p: float) -> float:
+    """The weight of the last token the nucleus keeps (every w >= it is kept), for weights ``w`` (1-D)."""
+    target = p * seq_sum(w)
+    V = len(w)
+    m = TOP_P_CANDIDATES
+    while True:
+        # The nucleus is usually far smaller than V: the m largest weights sorted give the same exclusive
+        # prefix sums as a full sort, so when the crossing lies inside them the cutoff is the full sort's.
+        top = w if 4 * m >= V else np.partition(w, V - m)[V - m:]
+        desc = -np.sort(-top)
+        before = np.concatenate(([0.0], np.cumsum(desc)[:-1]))
+        n_keep = int(np.count_nonzero(before < target))
+        if n_keep < len(desc) or len(top) == V:
+            return float(desc[max(n_keep, 1) - 1])
+        m *= 8
 
 
 def apply_min_p(logits: np.ndarray, min_p: float) -> np.ndarray:
-    """Keep tokens with p >= min_p * p_max, i.e. logit >= max_logit + log(min_p)."""
+    """Keep tokens with p >= min_p * p_max (vLLM's rule, in probability space): law_exp(x - max) >= min_p,
+    the top token's weight being exactly 1."""
     x = np.asarray(logits, dtype=np.float64)
     if min_p <= 0.0:
         return x.copy()
-    floor = np.max(x, axis=-1, keepdims=True) + np.log(min_p)
-    return np.where(x >= floor, x, NEG_INF)
+    return np.where(law_exp(x - np.max(x, axis=-1, keepdims=True)) >= min_p, x, NEG_INF)
 
 
 def apply_allowed_mask(logits: np.ndarray, allowed: np.ndarray) -> np.ndarray:
@@ -138,12 +196,19 @@ def apply_allowed_mask(logits: np.ndarray, allowed: np.ndarray) -> np.ndarray:
 
 
 def sample_from_logits(logits: np.ndarray, rng: np.random.Generator) -> int:
-    """Draw one index of a 1-D logits vector by inverting the CDF with a single uniform number."""
-    probs = softmax(logits)
-    cdf = np.cumsum(probs)
-    idx = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
-    if idx >= len(probs) or probs[idx] == 0.0:    # u * total rounded up to total: take the last live token
-        idx = int(np.flatnonzero(probs)[-1])
+    """Draw one index of a 1-D logits vector by inverting the CDF with a single uniform number (the law:
+    weights law_exp(x - max), cumulated left to right in float64, the first index whose running sum
+    exceeds u * total)."""
+    return law_draw(law_weights(logits), rng.random())
+
+
+def law_draw(w: np.ndarray, u: float) -> int:
+    """The law's walk: the first index whose running (left-to-right, float64) sum of ``w`` exceeds
+    ``u * total``; if rounding put u * total on the total, the last index of positive weight."""
+    cdf = np.cumsum(w)
+    idx = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+    if idx >= len(w) or w[idx] <= 0.0:
+        idx = int(np.flatnonzero(w > 0)[-1])
     return idx
 
 

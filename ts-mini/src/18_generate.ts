@@ -19,7 +19,7 @@ import { MatScratch, checkSupported, matmul } from "./13_matmul.js";
 import { KVCache, attend, storeKV } from "./14_attention.js";
 import { addInPlace, swiglu } from "./15_swiglu.js";
 import { computeLogits } from "./16_logits.js";
-import { Rng, SamplerScratch, SamplingOptions, checkSamplingOptions, sample } from "./17_sampler.js";
+import { Pcg64, SamplerScratch, SamplingOptions, checkSamplingOptions, sample, streamFor } from "./17_sampler.js";
 
 // ---- configuration (pyengine/config.py) ----
 
@@ -149,7 +149,7 @@ export class LlamaModel {
       .add("logits", "f32", V)
       .add("mat_xs", "f64", maxIn).add("mat_xsum", "f64", Math.ceil(maxIn / 32)).add("mat_row", "f32", 2 * maxIn)
       .add("scores", "f64", this.maxSeq).add("acc", "f64", c.headDim)
-      .add("sample_probs", "f64", V).add("sample_idx", "i32", V);
+      .add("sample_probs", "f64", V).add("sample_idx", "i32", V).add("sample_vals", "f64", V);
     const a = (this.arena = new Arena(L));
 
     this.w = makeWeightViews(g.buffer, fillHalfTable(a.f32("half")));
@@ -163,7 +163,7 @@ export class LlamaModel {
     this.logits = a.f32("logits");
     this.mat = { xs: a.f64("mat_xs"), xsum: a.f64("mat_xsum"), row: a.f32("mat_row") };
     this.scores = a.f64("scores"); this.acc = a.f64("acc");
-    this.samplerScratch = { probs: a.f64("sample_probs"), idx: a.i32("sample_idx") };
+    this.samplerScratch = { probs: a.f64("sample_probs"), idx: a.i32("sample_idx"), vals: a.f64("sample_vals") };
   }
 
   /**
@@ -223,7 +223,7 @@ export class LlamaModel {
 
 export interface GenerateOptions extends Partial<SamplingOptions> {
   maxTokens?: number; // default 64
-  seed?: number; // default: random
+  seed?: number; // default: random. The stream of docs/sampling.md: np.random.default_rng(seed)
   stopTokenIds?: number[]; // extra ids that end generation
   ignoreEos?: boolean; // keep going past end-of-sequence tokens (used to compare against golden greedy runs)
 }
@@ -236,7 +236,7 @@ export class Generation {
   finishReason: FinishReason | null = null;
   private readonly model: LlamaModel;
   private readonly opts: SamplingOptions;
-  private readonly rng: Rng;
+  private readonly rng: Pcg64;
   private readonly maxTokens: number;
   private readonly stopIds: Set<number>;
   private pos: number;
@@ -245,16 +245,20 @@ export class Generation {
 
   constructor(model: LlamaModel, promptIds: number[], o: GenerateOptions, eosIds: Set<number>) {
     this.model = model;
-    this.opts = { temperature: o.temperature ?? 0, topK: o.topK ?? 0, topP: o.topP ?? 1 };
-    checkSamplingOptions(this.opts);
+    this.opts = {
+      temperature: o.temperature ?? 0, topK: o.topK ?? 0, topP: o.topP ?? 1, minP: o.minP ?? 0,
+      repetitionPenalty: o.repetitionPenalty ?? 1, presencePenalty: o.presencePenalty ?? 0,
+      frequencyPenalty: o.frequencyPenalty ?? 0, logitBias: o.logitBias ?? null,
+    };
+    checkSamplingOptions(this.opts, model.config.vocabSize);
     this.maxTokens = o.maxTokens ?? 64;
     if (!Number.isInteger(this.maxTokens) || this.maxTokens < 0) throw new RangeError(`maxTokens must be an integer >= 0, got ${o.maxTokens}`);
     if (promptIds.length === 0) throw new RangeError("prompt is empty: need at least one token");
     const V = model.config.vocabSize;
     for (const id of promptIds) if (!Number.isInteger(id) || id < 0 || id >= V) throw new RangeError(`prompt token id ${id} out of range 0..${V - 1}`);
     if (promptIds.length >= model.maxSeq) throw new RangeError(`prompt has ${promptIds.length} tokens; maxSeqLen is ${model.maxSeq}`);
-    if (o.seed != null && !Number.isSafeInteger(o.seed)) throw new RangeError(`seed must be an integer, got ${o.seed}`);
-    this.rng = new Rng(o.seed ?? Math.floor(Math.random() * 2 ** 32));
+    if (o.seed != null && !(Number.isSafeInteger(o.seed) && o.seed >= 0)) throw new RangeError(`seed must be a non-negative integer, got ${o.seed}`);
+    this.rng = streamFor(o.seed ?? Math.floor(Math.random() * 2 ** 53));
     this.stopIds = new Set([...(o.ignoreEos ? [] : eosIds), ...(o.stopTokenIds ?? [])]);
     this.prompt = promptIds;
     this.pos = 0;
@@ -277,7 +281,8 @@ export class Generation {
       this.logits = this.model.forward(this.tokenIds, last, 1, this.pos);
       this.pos++;
     }
-    const id = sample(this.logits, this.model.config.vocabSize, this.opts, this.rng, this.model.samplerScratch);
+    const id = sample(this.logits, this.model.config.vocabSize, this.opts, this.rng, this.model.samplerScratch,
+      this.prompt, this.tokenIds);
     this.tokenIds.push(id);
     if (this.stopIds.has(id)) this.finishReason = "stop";
     else if (this.tokenIds.length >= this.maxTokens) this.finishReason = "length";

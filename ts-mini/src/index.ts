@@ -18,6 +18,8 @@ export { parseGGUF } from "./04_tensor_table.js";
 export type { GGUFFile, TensorInfo } from "./04_tensor_table.js";
 export { Utf8Stream } from "./10_utf8_stream.js";
 export { LlamaModel, Generation } from "./18_generate.js";
+export { Pcg64, lawExp, sample, streamFor, checkSamplingOptions } from "./17_sampler.js";
+export type { SamplingOptions, SamplerScratch } from "./17_sampler.js";
 export type { GenerateOptions, FinishReason, LlamaConfig, ModelOptions } from "./18_generate.js";
 export type { ChatMessage } from "./09_bpe_encode.js";
 

@@ -1,6 +1,8 @@
 // Web worker front end (the same protocol as the Pyodide worker, docs/architecture.md):
 //   main -> worker  {type:"load", model: ArrayBuffer, maxSeqLen?}   (maxSeqLen: KV cache length, default 2048)
-//                   {type:"generate", id, prompt, maxTokens, temperature, topP, topK, seed, chat}
+//                   {type:"generate", id, prompt, maxTokens, temperature, topP, topK, minP, repetitionPenalty,
+//                    presencePenalty, frequencyPenalty, logitBias, seed, chat}   (the sampling law: docs/sampling.md;
+//                    the same seed and settings give the same tokens as the Python engine)
 //                   {type:"cancel", id}
 //   worker -> main  {type:"progress", stage, loaded, total}  {type:"ready", info}
 //                   {type:"token", id, tokenId, text, ms}     {type:"done", id, tokenIds, text, tokensPerSecond,
@@ -25,6 +27,11 @@ interface GenerateMsg {
   temperature?: number | null;
   topP?: number | null;
   topK?: number | null;
+  minP?: number | null;
+  repetitionPenalty?: number | null;
+  presencePenalty?: number | null;
+  frequencyPenalty?: number | null;
+  logitBias?: Record<number, number> | null;
   seed?: number | null;
   chat?: boolean;
 }
@@ -80,7 +87,8 @@ export function createHandler(post: Post): (msg: unknown) => void {
     const t0 = performance.now();
     const gen = engine.start(req.prompt, {
       maxTokens: opt(req.maxTokens), temperature: opt(req.temperature), topP: opt(req.topP), topK: opt(req.topK),
-      seed: opt(req.seed), chat: !!req.chat,
+      minP: opt(req.minP), repetitionPenalty: opt(req.repetitionPenalty), presencePenalty: opt(req.presencePenalty),
+      frequencyPenalty: opt(req.frequencyPenalty), logitBias: req.logitBias ?? null, seed: opt(req.seed), chat: !!req.chat,
     });
     const stream = new Utf8Stream();
     let text = "", tFirst = 0, tPrev = t0;

@@ -1,9 +1,11 @@
 // Sampling: checked against independent definitions (softmax, sorted cumulative mass) and statistics.
 import { test } from "node:test";
 import assert from "node:assert/strict";
-import { Rng, sample, checkSamplingOptions, selectTopK, selectTopP } from "../dist/17_sampler.js";
+import { Pcg64, lawExp, sample, checkSamplingOptions } from "../dist/17_sampler.js";
 
-const scratch = (n) => ({ probs: new Float64Array(n), idx: new Int32Array(n) });
+class Rng { constructor(seed) { this.g = new Pcg64(seed); } next() { return this.g.random(); } random() { return this.g.random(); } }
+
+const scratch = (n) => ({ probs: new Float64Array(n), idx: new Int32Array(n), vals: new Float64Array(n) });
 
 function softmax(logits, T) {
   const m = Math.max(...logits);
@@ -12,15 +14,17 @@ function softmax(logits, T) {
   return e.map((v) => v / z);
 }
 
-/** Reference top-k/top-p support: sort by probability, keep k, then the shortest prefix reaching top_p. */
+/** Reference top-k/top-p support (docs/sampling.md, vLLM's semantics): sort by probability, keep the k largest
+ * and every token tied with the k-th, then the shortest prefix reaching top_p and every token tied with its last. */
 function referenceSupport(logits, { temperature, topK, topP }) {
   const p = softmax(logits, temperature);
   let order = p.map((v, i) => [v, i]).sort((a, b) => b[0] - a[0] || a[1] - b[1]);
-  if (topK > 0) order = order.slice(0, topK);
+  if (topK > 0 && topK < order.length) { const kth = order[topK - 1][0]; order = order.filter(([v]) => v >= kth); }
   const mass = order.reduce((a, [v]) => a + v, 0);
   const kept = [];
-  let cum = 0;
-  for (const [v, i] of order) { kept.push(i); cum += v; if (cum >= topP * mass) break; }
+  let cum = 0, last = 0;
+  for (const [v, i] of order) { kept.push(i); cum += v; last = v; if (cum >= topP * mass) break; }
+  for (const [v, i] of order) if (v === last && !kept.includes(i)) kept.push(i);
   const km = kept.reduce((a, i) => a + p[i], 0);
   return new Map(kept.map((i) => [i, p[i] / km]));
 }
@@ -113,23 +117,28 @@ test("same seed, same tokens; invalid options are rejected by name", () => {
   assert.throws(() => checkSamplingOptions({ temperature: 1, topK: 0, topP: 1.5 }), /topP/);
 });
 
-test("selectTopK / selectTopP pick exactly the reference sets, ties broken toward lower ids", () => {
-  for (let trial = 0; trial < 40; trial++) {
-    const n = 200 + trial * 37;
-    // few distinct values -> many ties
-    const r = new Rng(trial);
-    const probs = Float64Array.from({ length: n }, () => Math.floor(r.next() * 6) / 6 + 0.01);
-    const order = Array.from(probs, (v, i) => [v, i]).sort((a, b) => b[0] - a[0] || a[1] - b[1]).map(([, i]) => i);
-    const k = 1 + (trial * 13) % n;
-    const idx = Int32Array.from({ length: n }, (_, i) => i);
-    assert.equal(selectTopK(idx, probs, n, k), k);
-    assert.deepEqual([...idx.subarray(0, k)].sort((a, b) => a - b), order.slice(0, k).sort((a, b) => a - b), `top-k trial ${trial}`);
-    const total = probs.reduce((a, b) => a + b, 0), target = ((trial % 9) + 1) / 10 * total;
-    let cum = 0, m = 0;
-    while (m < n) { cum += probs[order[m++]]; if (cum >= target) break; }
-    const idx2 = Int32Array.from({ length: n }, (_, i) => i);
-    const got = selectTopP(idx2, probs, n, target);
-    assert.equal(got, m, `top-p size trial ${trial}`);
-    assert.deepEqual([...idx2.subarray(0, got)].sort((a, b) => a - b), order.slice(0, m).sort((a, b) => a - b), `top-p trial ${trial}`);
+test("ties at the top-k and top-p cuts keep every tied token (Python's and vLLM's rule)", () => {
+  // logits with few distinct values: the k-th largest and the token crossing top_p sit inside tie groups
+  for (let trial = 0; trial < 12; trial++) {
+    const n = 60 + trial * 7, r = new Rng(trial);
+    const logits = Array.from({ length: n }, () => Math.floor(r.next() * 5) * 0.75);
+    const o = { temperature: 1, topK: trial % 2 ? 1 + (trial * 5) % n : 0, topP: trial % 3 ? 0.35 + 0.1 * (trial % 5) : 1 };
+    const support = referenceSupport(logits, o), f32 = Float32Array.from(logits), sc = scratch(n), seen = new Set();
+    for (let i = 0; i < 4000; i++) seen.add(sample(f32, n, o, r, sc));
+    for (const id of seen) assert.ok(support.has(id), `trial ${trial}: ${id} outside the support`);
+    for (const id of support.keys()) assert.ok(seen.has(id), `trial ${trial}: tied token ${id} never drawn`);
+  }
+});
+
+test("lawExp: close to Math.exp, exactly 1 at 0, monotone, 0 below the floor", () => {
+  assert.equal(lawExp(0), 1);
+  assert.equal(lawExp(-701), 0);
+  assert.equal(lawExp(-Infinity), 0);
+  let prev = 0;
+  for (let d = -700; d <= 0; d += 0.0137) {
+    const v = lawExp(d);
+    assert.ok(Math.abs(v - Math.exp(d)) <= 4e-16 * Math.exp(d), `lawExp(${d})`);
+    assert.ok(v >= prev);
+    prev = v;
   }
 });

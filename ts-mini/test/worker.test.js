@@ -2,6 +2,7 @@
 import { test } from "node:test";
 import assert from "node:assert/strict";
 import { createHandler } from "../dist/worker.js";
+import { loadModel } from "../dist/index.js";
 import { NO_MODEL, golden, modelBuffer } from "./helpers.js";
 
 const FRANCE = golden("generation_smollm2.json").cases[0];
@@ -74,6 +75,23 @@ test("load -> progress + ready; generate streams tokens then done; cancel aborts
   assert.deepEqual(c1.tokenIds, c2.tokenIds);
   assert.ok(["stop", "length"].includes(c1.finishReason));
   assert.ok(!c1.text.includes("<|im_end|>"));
+
+  // every option of the sampling law reaches the sampler: the worker's tokens are Engine.start's with the same
+  // options, and a different min-p / penalty changes them; a bad value is an error naming the option
+  const law = { temperature: 1.3, topK: 60, topP: 0.95, minP: 0.02, repetitionPenalty: 1.3, presencePenalty: 0.5,
+    frequencyPenalty: 0.4, logitBias: { 504: 3 }, seed: 2028 };
+  const viaWorker = async (id, o) => {
+    h.handle({ type: "generate", id, prompt: FRANCE.prompt, maxTokens: 8, ...o });
+    return (await h.until((m) => (m.type === "done" || m.type === "error") && m.id === id));
+  };
+  const direct = (o) => { const g = engine.start(FRANCE.prompt, { maxTokens: 8, ...o }); while (g.step() !== null); return g.tokenIds; };
+  const engine = loadModel(modelBuffer());
+  const w1 = await viaWorker("law1", law);
+  assert.deepEqual(w1.tokenIds, direct(law));
+  assert.notDeepEqual(direct({ ...law, logitBias: null, repetitionPenalty: 1 }), w1.tokenIds);
+  const bad = await viaWorker("law2", { ...law, minP: 2 });
+  assert.equal(bad.type, "error");
+  assert.match(bad.message, /minP/);
 
   // a queued request cancelled before it starts is reported as aborted with nothing generated
   h.handle({ type: "generate", id: "d1", prompt: [504], maxTokens: 3 });

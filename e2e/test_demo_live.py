@@ -272,3 +272,57 @@ def test_ts_arena_map_matches_the_model(page, model_path):
     assert page.locator("#arena-map .region").count() == len(regions)
     assert "k_cache" in page.inner_text("#arena-list")
     shot(page, "08-live-panel-arena")
+
+
+@pytest.fixture(scope="module")
+def gemma_page(browser, web_assets):
+    """A fresh page on a second dev server whose default model is Gemma 3 270M."""
+    import subprocess
+
+    from e2e_support import free_port, stop_process, wait_http
+    from model_paths import gemma_gguf
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "pyengine", "web", "--host", "127.0.0.1", "--port", str(port),
+                             "--model", gemma_gguf()], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    context = None
+    try:
+        wait_http(f"http://127.0.0.1:{port}/config.js", proc)
+        context = browser.new_context()
+        page = context.new_page()
+        page.set_default_timeout(600_000)
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(f"http://127.0.0.1:{port}/")
+        page.evaluate("() => window.pyengineDemo.ready")
+        yield page, errors
+    finally:
+        if context is not None:
+            context.close()
+        stop_process(proc)
+
+
+def test_gemma3_loaded_by_python_refused_by_ts(gemma_page):
+    """Python loads Gemma 3 and matches HF's greedy tokens; TypeScript refuses it with a readable reason and sits
+    it out; the model is not called "not loaded", and the page says which engine runs alone."""
+    from golden_checks import check_greedy
+    page, errors = gemma_page
+    infos = _js(page, "() => window.pyengineDemo.loadModel('./model/default.gguf')")
+    assert set(infos) == {"python", "refused"} and infos["python"]["arch"] == "gemma3", infos
+    assert set(infos["refused"]) == {"ts"} and "gemma3" in infos["refused"]["ts"], infos
+    loads = _js(page, "() => window.pyengineDemo.loads()")
+    assert loads["python"]["ok"] and not loads["ts"]["ok"] and "gemma3" in loads["ts"]["error"], loads
+    label = page.inner_text("#model-label")
+    assert "not loaded" not in label and "loaded by Python" in label and "TypeScript refused it" in label, label
+    assert page.is_hidden("#error")
+    assert "gemma3" in page.inner_text("#engine-ts [data-role=error]")
+    assert "runs alone" in page.inner_text("#run-note")
+    gold = json.loads((ROOT / "tests" / "golden" / "generation_gemma3.json").read_text())
+    case = gold["cases"][0]
+    r = _js(page, "(o) => window.pyengineDemo.run(o)", {"prompt": case["prompt"], "maxTokens": 3, "temperature": 0})
+    assert "ts" not in r and set(r["alone"]) == {"ts"}, r
+    assert not check_greedy(r["python"]["tokenIds"], case, 3), r["python"]
+    assert "Python runs alone: TypeScript refused the model" in page.inner_text("#run-note")
+    assert r["agreement"]["state"] == "alone" and "only one engine ran" in page.inner_text("#agreement")
+    shot(page, "09-gemma3-python-alone")
+    assert not errors, errors

@@ -45,17 +45,28 @@ def main() -> None:
                 {engine: 'python', prompt, maxTokens: n, temperature: 0, live})).tokensPerSecond"""
             page.evaluate(run, [args.prompt, 4, True])               # warm-up
             rates = {False: [], True: []}
+            shares = []          # the snapshot's own cost in the worker / that step's time
             for k in range(args.rounds):
                 for live in ((False, True) if k % 2 == 0 else (True, False)):
                     tps = page.evaluate(run, [args.prompt, args.tokens, live])
                     rates[live].append(tps)
-                    print(f"round {k} live={'on ' if live else 'off'} {tps:.3f} tok/s", flush=True)
+                    note = ""
+                    if live:
+                        c = page.evaluate("() => window.pyengineDemo.liveCost()")
+                        shares.append(c["liveMs"] / c["stepMs"])
+                        note = (f" ({c['steps']} snapshots, {c['liveMs']:.1f} ms in all beside {c['stepMs']:.0f} ms "
+                                f"of steps)")
+                    print(f"round {k} live={'on ' if live else 'off'} {tps:.3f} tok/s{note}", flush=True)
             browser.close()
     finally:
         stop_process(proc)
     off, on = statistics.median(rates[False]), statistics.median(rates[True])
-    print(f"median tok/s: panel off {off:.3f}, on {on:.3f}; on/off = {on / off:.3f} "
-          f"(decode {100 * (1 - on / off):+.1f}% slower with the panel)")
+    paired = [a / b for a, b in zip(rates[True], rates[False])]
+    geo = statistics.geometric_mean(paired)
+    print(f"median tok/s: panel off {off:.3f}, on {on:.3f}; on/off = {on / off:.3f}; paired rounds on/off: "
+          f"{', '.join(f'{r:.3f}' for r in paired)} (geometric mean {geo:.3f})")
+    print(f"the snapshots' own time in the worker: median {100 * statistics.median(shares):.3f}% of the steps' "
+          f"(max {100 * max(shares):.3f}%; performance.now() in a worker may be coarsened to 0.1 ms)")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@
 //                            kept) -> as run(); clearChat(); conversation() -> {python: [...], ts: [...]}
 //   agreement()              the latest comparison {state: "identical"|"diverged"|..., index, tokens}
 //   live()                   the latest live snapshot of the Python engine (see pyworker.WorkerSession.live)
+//   liveCost()               {steps, liveMs, stepMs}: the snapshots' time in the worker over the latest live request
 //   cancel(engine)           stops that engine's running generation (its promise resolves, finishReason "abort")
 //   state()                  {python: {status, info, error, running, load}, ts: {...}}
 //   stats(engine)            Python worker only: {wasmBytes, wasmPeakBytes, jsHeapBytes} (null for others)
@@ -308,6 +309,7 @@ const livePanel = {
   },
   start(rid, opts) {
     this.current = rid;
+    this.cost = { steps: 0, liveMs: 0, stepMs: 0 };
     this.jsonOn = opts.jsonSchema != null;
     this.spec = !!opts.speculative;
     $("prefix-this").textContent = "this request: waiting for its first step…";
@@ -316,8 +318,12 @@ const livePanel = {
     $("grammar-stats").dataset.size = "";
     $("spec-stats").textContent = this.spec ? "on (n-gram, up to 4 drafts a step)" : "off for this request";
   },
+  cost: { steps: 0, liveMs: 0, stepMs: 0 },   // the snapshots' own cost in the worker, since start()
   update(msg) {
     this.last = msg;
+    if (msg.liveMs != null) {
+      this.cost.steps++; this.cost.liveMs += msg.liveMs; this.cost.stepMs += msg.stepWallMs;
+    }
     // Drawing waits for the next frame; at most one draw per frame, however many steps arrived.
     if (!this.pending) { this.pending = true; requestAnimationFrame(() => { this.pending = false; this.draw(); }); }
   },
@@ -711,6 +717,7 @@ window.pyengineDemo = {
   conversation: () => JSON.parse(JSON.stringify(conversation)),
   agreement: () => lastAgreement,
   live: () => livePanel.last,
+  liveCost: () => Object.assign({}, livePanel.cost),   // {steps, liveMs, stepMs} of the latest live request
   cancel: (engine) => {
     if (!engine) stopRequested = true;
     (engine ? [engines[engine]] : Object.values(engines)).forEach((e) => e && e.cancel());

@@ -133,9 +133,13 @@ async function pump() {
       wasmBytes();
       // The live panel (generate.live): the engine's state after this step, posted before its tokens.
       if (liveIds.size) {
+        const t0 = performance.now();
         const snap = session.live();
-        post(Object.assign(snap.toJs({ dict_converter: Object.fromEntries }), { stepWallMs: ms }));
+        const m = snap.toJs({ dict_converter: Object.fromEntries });
         snap.destroy();
+        m.stepWallMs = ms;
+        m.liveMs = performance.now() - t0;     // what the panel costs this worker per step
+        post(m);
       }
       for (const ev of events) {
         if (ev.type === "token") ev.ms = ms;

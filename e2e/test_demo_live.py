@@ -62,7 +62,7 @@ def tokenizer(model_path):
 
 def test_badge_identical_on_greedy_runs(page, golden):
     from golden_checks import check_greedy
-    n = 12
+    n = 8
     r = _js(page, "(o) => window.pyengineDemo.run(o)", {"prompt": PROMPT, "maxTokens": n, "temperature": 0,
                                                         "live": True})
     assert r["python"]["tokenIds"] == r["ts"]["tokenIds"] and len(r["python"]["tokenIds"]) == n
@@ -82,7 +82,7 @@ def test_badge_on_a_forced_divergence(page):
     """TypeScript samples (seed 3, temperature 1) while Python decodes greedily: the badge must name the first
     index where the token ids differ (computed here) and both tokens, highlighted in both outputs."""
     r = _js(page, "(o) => window.pyengineDemo.run(o)",
-            {"prompt": "Once upon a time", "maxTokens": 16, "temperature": 0, "seed": 3,
+            {"prompt": "Once upon a time", "maxTokens": 10, "temperature": 0, "seed": 3,
              "ts": {"temperature": 1.0, "topK": 40}})
     py, ts = r["python"]["tokenIds"], r["ts"]["tokenIds"]
     i = first_divergence(py, ts)
@@ -130,7 +130,7 @@ def test_two_turn_chat_hits_the_prefix_cache(page, tokenizer):
     whole blocks its prompt shares with the first turn's computed tokens; Stop keeps a turn out; Clear empties."""
     _js(page, "() => window.pyengineDemo.clearChat()")
     page.check("#chat")
-    page.fill("#max-tokens", "10")
+    page.fill("#max-tokens", "7")
     assert page.inner_text("#generate") == "Send" and page.is_visible("#clear-chat")
     turns = ["What is the capital of France?", "And of Italy?"]
     for k, text in enumerate(turns):
@@ -158,7 +158,7 @@ def test_two_turn_chat_hits_the_prefix_cache(page, tokenizer):
     assert f"{expected} of {len(p2)} prompt tokens reused" in page.inner_text("#prefix-this")
     shot(page, "04-chat-two-turns-prefix-hit")
     # Stop: the partial turn stays out of the history and the message goes back into the box
-    page.fill("#max-tokens", "200")
+    page.fill("#max-tokens", "100")
     page.fill("#prompt", "Tell me a long story about Paris.")
     page.click("#generate")
     page.wait_for_function("() => document.querySelector('#engine-python [data-role=output]').textContent.length > 4")
@@ -176,12 +176,30 @@ def test_two_turn_chat_hits_the_prefix_cache(page, tokenizer):
 
 
 def test_live_panel_blocks_and_step_split(page):
+    _js(page, """() => { window._liveRun = window.pyengineDemo.generate({engine: 'python', maxTokens: 8,
+                         prompt: 'The capital of France is Paris. The capital of Italy is', temperature: 0, live: true}); }""")
+    # mid-generation: the request's blocks are drawn in its colour, one square per block it holds
+    page.wait_for_function("() => { const l = window.pyengineDemo.live(); return l && l.usedBlocks > 0 && "
+                           "Object.keys(l.owners).length === 1 && "
+                           "document.querySelectorAll('#kv-blocks .kv-block[data-owner]:not([data-owner=\"\"])').length > 0; }")
+    mid = _js(page, """async () => {
+        const grid = document.querySelector('#kv-blocks');
+        for (;;) {      // read the squares and the snapshot they show together
+            const live = window.pyengineDemo.live();
+            if (grid.dataset.step === String(live.step))
+                return {live, drawn: [...grid.querySelectorAll('.kv-block')].map((b) => [b.dataset.state, b.dataset.owner])};
+            await new Promise((res) => requestAnimationFrame(res));
+        }
+    }""")
+    (rid, held), = mid["live"]["owners"].items()
+    assert sorted(i for i, (_, o) in enumerate(mid["drawn"]) if o == rid) == sorted(held)
+    assert all(mid["drawn"][b][0] in ("1", "2") for b in held)
+    assert mid["live"]["running"] == 1 and mid["live"]["requests"][rid]["promptTokens"] > 0
+    shot(page, "08a-live-panel-mid-generation")
+    _js(page, "() => window._liveRun")
     r = _js(page, """async () => {
-        const d = window.pyengineDemo;
-        const out = await d.generate({engine: 'python', prompt: 'The capital of France is', maxTokens: 6,
-                                      temperature: 0, live: true});
         await new Promise((res) => requestAnimationFrame(() => requestAnimationFrame(res)));
-        return {out, live: d.live()};
+        return {live: window.pyengineDemo.live()};
     }""")
     live = r["live"]
     assert live["totalBlocks"] == _js(page, "() => window.pyengineDemo.state().python.info.kvBlocks")
@@ -203,13 +221,12 @@ def test_speculative_panel(page):
     page.check("#speculative")
     r = _js(page, """async (prompt) => {
         const d = window.pyengineDemo;
-        const off = await d.generate({engine: 'python', prompt, maxTokens: 16, temperature: 0, live: true});
-        const on = await d.generate({engine: 'python', prompt, maxTokens: 16, temperature: 0, live: true,
+        const off = await d.generate({engine: 'python', prompt, maxTokens: 12, temperature: 0, live: true});
+        const on = await d.generate({engine: 'python', prompt, maxTokens: 12, temperature: 0, live: true,
                                      speculative: true});
         await new Promise((res) => requestAnimationFrame(() => requestAnimationFrame(res)));
         return {off, on};
     }""", prompt)
-    page.uncheck("#speculative")
     off, on = r["off"], r["on"]
     assert on["tokenIds"] == off["tokenIds"]           # greedy: drafting never changes the tokens
     assert off["numDraftTokens"] == 0 and on["numDraftTokens"] > 0 and on["numAcceptedTokens"] > 0
@@ -219,6 +236,7 @@ def test_speculative_panel(page):
     rate = round(100 * on["numAcceptedTokens"] / on["numDraftTokens"])
     assert f"acceptance rate {rate}%" in el.inner_text()
     shot(page, "06-speculative-panel")
+    page.uncheck("#speculative")
 
 
 def test_json_panel_shows_the_grammar_mask(page):
@@ -238,7 +256,6 @@ def test_json_panel_shows_the_grammar_mask(page):
         }
         return {seen, out: await p};
     }""", json.dumps(schema))
-    page.uncheck("#json-mode")
     out = sizes["out"]
     assert out["json"] == "valid", out
     jsonschema.validate(json.loads(out["text"]), schema)
@@ -248,6 +265,7 @@ def test_json_panel_shows_the_grammar_mask(page):
     assert min(sizes["seen"]) < vocab // 100
     assert "allowed by the JSON grammar" in page.inner_text("#grammar-stats")
     shot(page, "07-json-panel")
+    page.uncheck("#json-mode")
 
 
 def test_ts_arena_map_matches_the_model(page, model_path):

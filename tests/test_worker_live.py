@@ -123,14 +123,14 @@ def test_speculative_switch_per_request_and_step_split():
     s.load(Path(default_model_path()).read_bytes(), max_model_len=256,
            speculative={"method": "ngram", "num_speculative_tokens": 3})
     prompt = "1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4,"
-    s.start("off", prompt, max_tokens=16, temperature=0.0, speculative=False)
+    s.start("off", prompt, max_tokens=12, temperature=0.0, speculative=False)
     ev_off, snaps = run(s)
     off = done_of(ev_off, "off")
     assert off["numDraftTokens"] == 0 and all(sn["specDraftTokens"] == 0 for sn in snaps)
     for sn in snaps:
         ms = sn["stepMs"]
         assert set(ms) == {"plan", "forward", "sample"} and min(ms.values()) >= 0 and ms["forward"] > 0
-    s.start("on", prompt, max_tokens=16, temperature=0.0, speculative=True)
+    s.start("on", prompt, max_tokens=12, temperature=0.0, speculative=True)
     ev_on, snaps = run(s)
     on = done_of(ev_on, "on")
     assert on["tokenIds"] == off["tokenIds"]                  # greedy: drafts never change the tokens

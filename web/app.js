@@ -357,6 +357,7 @@ const livePanel = {
         grid.appendChild(d);
       }
     }
+    grid.dataset.step = String(m.step);      // which engine step the squares show
     const owner = {};
     for (const [rid, bl] of Object.entries(m.owners)) for (const b of bl) owner[b] = rid;
     m.blocks.forEach((state, b) => {

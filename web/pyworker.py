@@ -176,7 +176,7 @@ class WorkerSession:
         request's reuse / drafts / grammar mask size, and the latest step's time split."""
         snap = self.engine.snapshot()
         return {
-            "type": "live", "mode": self.info.get("mode"), "kvCacheDtype": self.info.get("kvCacheDtype"),
+            "type": "live", "step": snap["steps"], "mode": self.info.get("mode"), "kvCacheDtype": self.info.get("kvCacheDtype"),
             "running": snap["running"], "waiting": snap["waiting"],
             "blockSize": snap["block_size"], "blocks": snap["blocks"], "owners": snap["owners"],
             "usedBlocks": snap["used_blocks"], "freeBlocks": snap["free_blocks"],

@@ -164,6 +164,9 @@ def test_two_turn_chat_hits_the_prefix_cache(page, tokenizer):
     page.wait_for_function("() => document.querySelector('#engine-python [data-role=output]').textContent.length > 4")
     page.click("#stop")
     _wait_idle(page)
+    # the stopped request's blocks went back to the pool, and the panel says so
+    page.wait_for_function("() => { const l = window.pyengineDemo.live(); return l && l.usedBlocks === 0 && "
+                           "Object.keys(l.owners).length === 0; }")
     page.wait_for_function("() => document.querySelector('#prompt').value.length > 0")
     assert page.input_value("#prompt") == "Tell me a long story about Paris."
     assert len(_js(page, "() => window.pyengineDemo.conversation()")["python"]) == 4
@@ -179,9 +182,9 @@ def test_live_panel_blocks_and_step_split(page):
     _js(page, """() => { window._liveRun = window.pyengineDemo.generate({engine: 'python', maxTokens: 8,
                          prompt: 'The capital of France is Paris. The capital of Italy is', temperature: 0, live: true}); }""")
     # mid-generation: the request's blocks are drawn in its colour, one square per block it holds
-    page.wait_for_function("() => { const l = window.pyengineDemo.live(); return l && l.usedBlocks > 0 && "
-                           "Object.keys(l.owners).length === 1 && "
-                           "document.querySelectorAll('#kv-blocks .kv-block[data-owner]:not([data-owner=\"\"])').length > 0; }")
+    rid = _js(page, "() => window.pyengineDemo.liveRequest()")
+    page.wait_for_function("(rid) => { const l = window.pyengineDemo.live(); return l && l.usedBlocks > 0 && "
+                           "Object.keys(l.owners).length === 1 && rid in l.owners; }", arg=rid)
     mid = _js(page, """async () => {
         const grid = document.querySelector('#kv-blocks');
         for (;;) {      // read the squares and the snapshot they show together
@@ -191,7 +194,8 @@ def test_live_panel_blocks_and_step_split(page):
             await new Promise((res) => requestAnimationFrame(res));
         }
     }""")
-    (rid, held), = mid["live"]["owners"].items()
+    held = mid["live"]["owners"][rid]
+    assert list(mid["live"]["owners"]) == [rid]
     assert sorted(i for i, (_, o) in enumerate(mid["drawn"]) if o == rid) == sorted(held)
     assert all(mid["drawn"][b][0] in ("1", "2") for b in held)
     assert mid["live"]["running"] == 1 and mid["live"]["requests"][rid]["promptTokens"] > 0

@@ -387,7 +387,7 @@ const livePanel = {
     }
     const s = m.stepMs || {};
     const total = (s.plan || 0) + (s.forward || 0) + (s.sample || 0);
-    if (total > 0) {
+    if (total > 0 && m.stepWallMs > 0) {      // (a snapshot after a cancel has no step of its own)
       for (const part of ["plan", "forward", "sample"]) {
         $("step-bar").querySelector(`[data-part=${part}]`).style.flexGrow = String(s[part] / total);
       }
@@ -718,6 +718,7 @@ window.pyengineDemo = {
   conversation: () => JSON.parse(JSON.stringify(conversation)),
   agreement: () => lastAgreement,
   live: () => livePanel.last,
+  liveRequest: () => livePanel.current,                // the request id the panel's "this request" follows
   liveCost: () => Object.assign({}, livePanel.cost),   // {steps, liveMs, stepMs} of the latest live request
   cancel: (engine) => {
     if (!engine) stopRequested = true;

@@ -108,6 +108,17 @@ async function load(msg) {
   post({ type: "ready", info: out });
 }
 
+// The live panel's message: the engine's state now (after a step of stepWallMs, or after a cancel).
+function postLive(stepWallMs) {
+  const t0 = performance.now();
+  const snap = session.live();
+  const m = snap.toJs({ dict_converter: Object.fromEntries });
+  snap.destroy();
+  m.stepWallMs = stepWallMs;
+  m.liveMs = performance.now() - t0;     // what the panel costs this worker per step
+  post(m);
+}
+
 // Run engine steps while requests are pending; yield to the event loop between steps so `cancel`
 // (and new `generate`) messages are handled mid-generation.
 async function pump() {
@@ -132,15 +143,7 @@ async function pump() {
       const ms = performance.now() - t;
       wasmBytes();
       // The live panel (generate.live): the engine's state after this step, posted before its tokens.
-      if (liveIds.size) {
-        const t0 = performance.now();
-        const snap = session.live();
-        const m = snap.toJs({ dict_converter: Object.fromEntries });
-        snap.destroy();
-        m.stepWallMs = ms;
-        m.liveMs = performance.now() - t0;     // what the panel costs this worker per step
-        post(m);
-      }
+      if (liveIds.size) postLive(ms);
       for (const ev of events) {
         if (ev.type === "token") ev.ms = ms;
         else if (ev.type === "done") liveIds.delete(ev.id);
@@ -167,9 +170,10 @@ async function generate(msg) {
 
 function cancel(msg) {
   if (!session) return;
-  liveIds.delete(String(msg.id));
+  const wasLive = liveIds.delete(String(msg.id));
   const done = session.cancel(String(msg.id));
   if (done) {
+    if (wasLive) postLive(0);            // its blocks are back in the pool: the panel shows it
     post(done.toJs({ dict_converter: Object.fromEntries }));
     done.destroy();
   }

@@ -2,21 +2,34 @@
 // worker protocol of docs/architecture.md. Also the scripting API `window.pyengineDemo` used by e2e tests:
 //   ready                    resolves once the page is wired and both workers are started (it does NOT wait
 //                            for Pyodide to boot or for a model; loadModel() and generate() wait as needed)
-//   loadModel(src)           src: URL string | ArrayBuffer | Blob/File -> {python: info, ts: info}; rejects with
-//                            a readable Error if an available engine refuses the file (the page keeps working)
-//   generate({engine, prompt, maxTokens, temperature, topP, topK, seed, chat})
-//                            -> {tokenIds, text, tokensPerSecond, finishReason, ttftMs, tokenMs}
+//   loadModel(src)           src: URL string | ArrayBuffer | Blob/File -> {python: info, ts: info} of the engines
+//                            that loaded it, plus `refused: {engine: message}` when one engine refused it (the
+//                            other keeps serving); rejects with a readable Error only if no engine loaded it
+//   loads()                  per-engine result of the latest load: {python: {ok, info?, error?}, ts: {...}}
+//   generate({engine, prompt, messages, maxTokens, temperature, topP, topK, seed, chat, jsonSchema,
+//             speculative, live})
+//                            one engine -> {tokenIds, text, tokensPerSecond, finishReason, ttftMs, tokenMs, ...}
+//   run(opts)                what the Generate button does: every engine with a model (waiting for one that is
+//                            still loading), one after the other unless opts.sideBySide; per-engine overrides in
+//                            opts.python / opts.ts -> {python, ts, agreement, alone}
+//   chat(text, opts)         one chat turn in both engines (each keeps its own history; a stopped turn is not
+//                            kept) -> as run(); clearChat(); conversation() -> {python: [...], ts: [...]}
+//   agreement()              the latest comparison {state: "identical"|"diverged"|..., index, tokens}
+//   live()                   the latest live snapshot of the Python engine (see pyworker.WorkerSession.live)
+//   liveCost()               {steps, liveMs, stepMs}: the snapshots' time in the worker over the latest live request
 //   cancel(engine)           stops that engine's running generation (its promise resolves, finishReason "abort")
-//   state()                  {python: {status, info, error}, ts: {...}}
+//   state()                  {python: {status, info, error, running, load}, ts: {...}}
 //   stats(engine)            Python worker only: {wasmBytes, wasmPeakBytes, jsHeapBytes} (null for others)
-const cfg = Object.assign({ defaultModel: null, pyodide: null, vendor: "./vendor/", tsWorker: "./ts-mini/worker.js" },
-                          window.PYENGINE_CONFIG || {});
+const cfg = Object.assign({ defaultModel: null, pyodide: null, vendor: "./vendor/", tsWorker: "./ts-mini/worker.js",
+                            sourceBase: null }, window.PYENGINE_CONFIG || {});
 const query = new URLSearchParams(location.search);
 if (query.get("pyodide")) cfg.pyodide = query.get("pyodide");
 const abs = (u) => new URL(u, location.href).href;
 const $ = (id) => document.getElementById(id);
 
 const ENGINES = { python: { label: "Python", color: "#3572A5" }, ts: { label: "TypeScript", color: "#d9822b" } };
+// S14 for the Python engine: loaded with an n-gram proposer; each request opts in with the page's switch.
+const SPECULATIVE = { method: "ngram", num_speculative_tokens: 4 };
 
 class EngineClient {
   constructor(name, url) {
@@ -25,8 +38,10 @@ class EngineClient {
     this.status = "starting";
     this.info = null;
     this.error = null;
+    this.load = null;              // result of the latest load: {ok, info} | {ok: false, error}
+    this.sittingOut = false;       // refused the page's current model while the other engine took it
     this.loadWaiter = null;
-    this.running = new Map();      // request id -> {resolve, reject, tokens, ms}
+    this.running = new Map();      // request id -> {resolve, reject, tokens, ms, spans}
     this.nextId = 0;
     this.modelReady = null;        // promise of the latest load
     try {
@@ -44,6 +59,8 @@ class EngineClient {
   }
 
   get available() { return this.status !== "unavailable"; }
+
+  get label() { return ENGINES[this.name].label; }
 
   role(r) { return this.pane.querySelector(`[data-role="${r}"]`); }
 
@@ -83,8 +100,10 @@ class EngineClient {
         this.status = "ready";
         this.info = msg.info || {};
         this.error = null;
+        this.load = { ok: true, info: this.info };
         this.showError("");
         this.setStatus(describeInfo(this.info));
+        if (this.name === "ts") livePanel.arena(this.info);
         if (this.loadWaiter) { this.loadWaiter.resolve(this.info); this.loadWaiter = null; }
         updateButtons();
         break;
@@ -93,22 +112,39 @@ class EngineClient {
         if (!r) break;
         r.tokens.push(msg.tokenId);
         r.ms.push(msg.ms);
-        this.role("output").textContent += msg.text || "";
+        // one span per token (S22's agreement badge highlights the first divergent one)
+        const span = document.createElement("span");
+        span.dataset.i = String(r.tokens.length - 1);
+        span.dataset.token = String(msg.tokenId);
+        span.textContent = msg.text || "";
+        this.role("output").appendChild(span);
         plot.add(this.name, msg.ms);
         this.role("stats").textContent = `${r.tokens.length} tokens, last ${msg.ms.toFixed(0)} ms`;
         break;
       }
+      case "live":
+        livePanel.update(msg);
+        break;
       case "done": {
         const r = this.running.get(msg.id);
         if (!r) break;
         this.running.delete(msg.id);
-        this.role("output").textContent = msg.text;
+        // The streamed spans stay when they spell the final text (stop strings can cut it); else plain text.
+        const out = this.role("output");
+        const spans = [...out.querySelectorAll("span[data-i]")];
+        if (spans.length !== msg.tokenIds.length || spans.map((s) => s.textContent).join("") !== msg.text) {
+          out.textContent = msg.text;
+        }
         const tps = msg.tokensPerSecond || 0;
+        const spec = msg.numDraftTokens ? `, drafts ${msg.numAcceptedTokens}/${msg.numDraftTokens} accepted` : "";
         this.role("stats").textContent = `${msg.tokenIds.length} tokens, ${tps.toFixed(2)} tok/s` +
-          (msg.ttftMs != null ? `, first token ${msg.ttftMs.toFixed(0)} ms` : "") + ` (${msg.finishReason})` +
+          (msg.ttftMs != null ? `, first token ${msg.ttftMs.toFixed(0)} ms` : "") + ` (${msg.finishReason})` + spec +
           (msg.json ? ` — JSON ${msg.json === "valid" ? "valid \u2713" : msg.json}` : "");
+        if (this.name === "python") livePanel.done(msg);
         r.resolve({ tokenIds: msg.tokenIds, text: msg.text, tokensPerSecond: tps, finishReason: msg.finishReason,
-                    ttftMs: msg.ttftMs ?? null, tokenMs: r.ms, json: msg.json ?? null });
+                    ttftMs: msg.ttftMs ?? null, tokenMs: r.ms, json: msg.json ?? null,
+                    promptTokens: msg.promptTokens ?? null, cachedTokens: msg.cachedTokens ?? null,
+                    numDraftTokens: msg.numDraftTokens ?? 0, numAcceptedTokens: msg.numAcceptedTokens ?? 0 });
         updateButtons();
         break;
       }
@@ -116,7 +152,7 @@ class EngineClient {
         if (this.statsWaiter) { this.statsWaiter(msg); this.statsWaiter = null; }
         break;
       case "error": {
-        const message = `${ENGINES[this.name].label}: ${msg.message}`;
+        const message = `${this.label}: ${msg.message}`;
         if (msg.id != null && this.running.has(msg.id)) {
           const r = this.running.get(msg.id);
           this.running.delete(msg.id);
@@ -126,6 +162,7 @@ class EngineClient {
           this.loadWaiter = null;
           // Only a worker that says so (modelKept) still has its previous model; otherwise it has none.
           if (!msg.modelKept) this.info = null;
+          this.load = { ok: false, error: msg.message, modelKept: !!msg.modelKept };
           this.setStatus(this.info ? `${describeInfo(this.info)} (previous model kept)` : "no model loaded");
           this.status = this.info ? "ready" : "idle";
         } else if (this.status === "starting") {
@@ -139,7 +176,7 @@ class EngineClient {
     }
   }
 
-  load(buffer, transfer) {
+  loadModel(buffer, transfer) {
     if (!this.available) return Promise.reject(new Error(this.error));
     if (this.loadWaiter) this.loadWaiter.reject(new Error("superseded by a newer load"));
     this.status = "loading";
@@ -153,6 +190,7 @@ class EngineClient {
       if (mode) msg.mode = mode;
       const kv = query.get("pykv");            // KV cache storage: fp16 | q8_0 | q4_0 (default float32)
       if (kv) msg.kvCacheDtype = kv;
+      msg.speculative = SPECULATIVE;           // S14: requests opt in (generate.speculative)
     }
     this.modelReady = new Promise((resolve, reject) => { this.loadWaiter = { resolve, reject }; });
     this.worker.postMessage(msg, transfer ? [buffer] : []);
@@ -162,8 +200,8 @@ class EngineClient {
 
   async generate(opts) {
     if (!this.available) throw new Error(this.error);
-    if (this.status === "loading" && this.modelReady) await this.modelReady;
-    if (this.status !== "ready") throw new Error(`${ENGINES[this.name].label}: no model loaded`);
+    if (this.status === "loading" && this.modelReady) await this.modelReady.catch(() => {});
+    if (this.status !== "ready") throw new Error(`${this.label}: no model loaded`);
     const id = `${this.name}-${++this.nextId}`;
     this.role("output").textContent = "";
     this.role("stats").textContent = "";
@@ -175,7 +213,12 @@ class EngineClient {
       temperature: opts.temperature ?? 0, topP: opts.topP ?? 1, topK: opts.topK ?? -1, chat: !!opts.chat,
     };
     if (opts.seed != null) msg.seed = opts.seed;     // no seed: leave the field out (engines pick one)
-    if (opts.jsonSchema != null && this.name === "python") msg.jsonSchema = opts.jsonSchema;  // S15 JSON mode
+    if (opts.messages) msg.messages = opts.messages;  // multi-turn chat: the whole conversation
+    if (this.name === "python") {
+      if (opts.jsonSchema != null) msg.jsonSchema = opts.jsonSchema;  // S15 JSON mode
+      msg.speculative = !!opts.speculative;                           // S14, per request
+      if (opts.live) { msg.live = true; livePanel.start(id, opts); }
+    }
     this.worker.postMessage(msg);
     updateButtons();
     return done;
@@ -197,6 +240,15 @@ function describeInfo(info) {
                  info.loadMs ? `loaded in ${(info.loadMs / 1000).toFixed(1)} s` : "",
                  info.wasmBytes ? `wasm memory ${mb(info.wasmBytes)}` : ""];
   return "ready: " + parts.filter(Boolean).join(", ");
+}
+
+function sourceLinks() {
+  // Captions name the chapter and the file implementing it; linked when config.js says where sources live.
+  for (const a of document.querySelectorAll("a.caption[data-src]")) {
+    a.title = a.dataset.src;
+    a.insertAdjacentHTML("beforeend", ` — <code>${a.dataset.src}</code>`);
+    if (cfg.sourceBase) a.href = new URL(a.dataset.src, new URL(cfg.sourceBase, location.href)).href;
+  }
 }
 
 // ---- latency plot: one line per engine, x = token index, y = ms (no libraries) ----
@@ -242,9 +294,167 @@ const plot = {
   },
 };
 
+// ---- the live panel: the Python engine's snapshot after every step ----
+const OWNER_COLORS = ["#3572A5", "#2e9d5b", "#b04fb0", "#c7512d", "#7a6f1d", "#1d7a78"];
+const livePanel = {
+  last: null,          // latest live message
+  current: null,       // request id whose figures "this request" shows
+  jsonOn: false,
+  reused: {},          // request id -> prompt tokens reused from the prefix cache
+  colors: {},
+  pending: false,
+  color(rid) {
+    if (!(rid in this.colors)) this.colors[rid] = OWNER_COLORS[Object.keys(this.colors).length % OWNER_COLORS.length];
+    return this.colors[rid];
+  },
+  start(rid, opts) {
+    this.current = rid;
+    this.cost = { steps: 0, liveMs: 0, stepMs: 0 };
+    this.jsonOn = opts.jsonSchema != null;
+    this.spec = !!opts.speculative;
+    $("prefix-this").textContent = "this request: waiting for its first step…";
+    $("prefix-this").dataset.reused = "";
+    $("grammar-stats").textContent = this.jsonOn ? "JSON mode on: waiting for the first step…" : "JSON mode off";
+    $("grammar-stats").dataset.size = "";
+    $("spec-stats").textContent = this.spec ? "on (n-gram, up to 4 drafts a step)" : "off for this request";
+  },
+  cost: { steps: 0, liveMs: 0, stepMs: 0 },   // the snapshots' own cost in the worker, since start()
+  update(msg) {
+    this.last = msg;
+    if (msg.liveMs != null) {
+      this.cost.steps++; this.cost.liveMs += msg.liveMs; this.cost.stepMs += msg.stepWallMs;
+    }
+    // Drawing waits for the next frame; at most one draw per frame, however many steps arrived.
+    if (!this.pending) { this.pending = true; requestAnimationFrame(() => { this.pending = false; this.draw(); }); }
+  },
+  done(msg) {
+    if (msg.cachedTokens != null) this.reused[msg.id] = msg.cachedTokens;
+    if (msg.id === this.current) this.showReuse(msg.cachedTokens, msg.promptTokens);
+    if (msg.id === this.current && this.spec) this.showSpec(msg.numDraftTokens, msg.numAcceptedTokens, true);
+  },
+  showReuse(reused, prompt) {
+    const el = $("prefix-this");
+    el.dataset.reused = String(reused);
+    el.textContent = `this request: ${reused} of ${prompt} prompt tokens reused from the prefix cache` +
+      (reused ? ` (${reused / (this.last ? this.last.blockSize : 16)} blocks, not recomputed)` : "");
+  },
+  showSpec(drafted, accepted, final) {
+    const el = $("spec-stats");
+    el.dataset.drafted = String(drafted);
+    el.dataset.accepted = String(accepted);
+    const rate = drafted ? ((100 * accepted) / drafted).toFixed(0) + "%" : "—";
+    el.textContent = `${final ? "this request" : "so far"}: ${drafted} drafted, ${accepted} accepted, acceptance rate ${rate}`;
+  },
+  draw() {
+    const m = this.last;
+    if (!m) return;
+    const grid = $("kv-blocks");
+    if (grid.children.length !== m.blocks.length) {
+      grid.textContent = "";
+      for (let b = 0; b < m.blocks.length; b++) {
+        const d = document.createElement("span");
+        d.className = "kv-block";
+        grid.appendChild(d);
+      }
+    }
+    grid.dataset.step = String(m.step);      // which engine step the squares show
+    const owner = {};
+    for (const [rid, bl] of Object.entries(m.owners)) for (const b of bl) owner[b] = rid;
+    m.blocks.forEach((state, b) => {
+      const d = grid.children[b];
+      d.dataset.state = String(state);
+      d.dataset.owner = owner[b] || "";
+      d.style.background = owner[b] ? this.color(owner[b]) : "";
+      d.title = `block ${b}: ${["free", "in use", "in use, in the prefix cache", "free, holds a cached prefix"][state]}` +
+        (owner[b] ? ` (${owner[b]})` : "");
+    });
+    $("kv-summary").textContent = `${m.usedBlocks} used, ${m.freeBlocks} free of ${m.totalBlocks} blocks ` +
+      `(${m.blockSize} tokens each); ${m.cachedBlocks} hold a cached prefix`;
+    $("kv-owners").innerHTML = Object.entries(m.owners).map(([rid, bl]) =>
+      `<span class="owner"><span class="kv-block" style="background:${this.color(rid)}"></span>${rid}: ${bl.length} blocks</span>`).join(" ");
+    $("sched-counts").textContent = `running ${m.running}, waiting ${m.waiting}`;
+    $("mode-line").textContent = `weights ${m.mode === "lean" ? "lean (dequantized per layer per step)" : "resident (float32)"}` +
+      `, KV cache ${m.kvCacheDtype}`;
+    $("prefix-total").textContent = `engine total: ${m.prefixHitTokens} of ${m.prefixQueryTokens} looked-up prompt tokens were hits`;
+    const r = m.requests[this.current];
+    if (r && r.admitted) this.showReuse(r.cachedTokens, r.promptTokens);
+    if (r && this.spec) this.showSpec(r.draftTokens, r.acceptedTokens, false);
+    if (r && this.jsonOn && r.grammarMaskSize != null) {
+      const el = $("grammar-stats");
+      el.dataset.size = String(r.grammarMaskSize);
+      el.textContent = `next token: ${r.grammarMaskSize} of ${m.vocabSize} tokens allowed by the JSON grammar ` +
+        `(${((100 * r.grammarMaskSize) / m.vocabSize).toFixed(2)}%)`;
+    }
+    const s = m.stepMs || {};
+    const total = (s.plan || 0) + (s.forward || 0) + (s.sample || 0);
+    if (total > 0 && m.stepWallMs > 0) {      // (a snapshot after a cancel has no step of its own)
+      for (const part of ["plan", "forward", "sample"]) {
+        $("step-bar").querySelector(`[data-part=${part}]`).style.flexGrow = String(s[part] / total);
+      }
+      $("step-stats").textContent = `plan ${s.plan.toFixed(1)} ms, forward ${s.forward.toFixed(1)} ms, ` +
+        `sample ${s.sample.toFixed(1)} ms (worker step ${m.stepWallMs.toFixed(1)} ms)`;
+    }
+  },
+  arena(info) {
+    const regions = info.arena || [];
+    const total = info.arenaBytes || regions.reduce((a, r) => Math.max(a, r.offset + r.bytes), 0);
+    const mb = (n) => (n >= 1048576 ? `${(n / 1048576).toFixed(1)} MB` : `${(n / 1024).toFixed(1)} KB`);
+    $("arena-map").innerHTML = regions.map((r, i) =>
+      `<span class="region" data-name="${r.name}" style="left:${(100 * r.offset) / total}%;width:${Math.max(0.15, (100 * r.bytes) / total)}%;` +
+      `background:${OWNER_COLORS[i % OWNER_COLORS.length]}" title="${r.name} (${r.kind}): ${mb(r.bytes)} at ${r.offset}"></span>`).join("");
+    $("arena-list").textContent = `${mb(total)} in one ArrayBuffer, ${regions.length} regions: ` +
+      [...regions].sort((a, b) => b.bytes - a.bytes).map((r) => `${r.name} ${mb(r.bytes)}`).join(", ");
+  },
+};
+
+// ---- agreement badge: the first token where the two engines' ids differ ----
+let lastAgreement = null;
+
+function compareRuns(results, opts) {
+  const a = results.python, b = results.ts;
+  const mode = (opts.temperature ?? 0) > 0 ? `seeded (seed ${opts.seed}, temperature ${opts.temperature})` : "greedy";
+  if (!a || !b) return { state: "alone", mode };
+  const n = Math.min(a.tokenIds.length, b.tokenIds.length);
+  let i = 0;
+  while (i < n && a.tokenIds[i] === b.tokenIds[i]) i++;
+  if (i === n && a.tokenIds.length === b.tokenIds.length) return { state: "identical", mode, count: n };
+  if (i === n) return { state: "prefix", mode, count: n, longer: a.tokenIds.length > n ? "python" : "ts" };
+  const tokenText = (name, k) => {
+    const span = engines[name].role("output").querySelector(`span[data-i="${k}"]`);
+    return span ? span.textContent : null;
+  };
+  return { state: "diverged", mode, index: i,
+           tokens: { python: { id: a.tokenIds[i], text: tokenText("python", i) },
+                     ts: { id: b.tokenIds[i], text: tokenText("ts", i) } } };
+}
+
+function showAgreement(cmp, stopped) {
+  lastAgreement = cmp;
+  const el = $("agreement");
+  el.dataset.state = cmp.state;
+  el.dataset.index = cmp.index ?? "";
+  for (const e of Object.values(engines)) {
+    for (const s of e.role("output").querySelectorAll("span.diverge")) s.classList.remove("diverge");
+  }
+  const q = (t) => (t.text == null ? "" : JSON.stringify(t.text));
+  const note = stopped ? " (stopped early)" : "";
+  if (cmp.state === "identical") el.textContent = `\u2713 identical: all ${cmp.count} tokens agree (${cmp.mode})${note}`;
+  else if (cmp.state === "prefix") {
+    el.textContent = `\u2713 the first ${cmp.count} tokens agree; ${ENGINES[cmp.longer].label} went on (${cmp.mode})${note}`;
+  } else if (cmp.state === "diverged") {
+    el.textContent = `\u2717 first divergence at token ${cmp.index}: Python ${q(cmp.tokens.python)} (id ${cmp.tokens.python.id})` +
+      ` vs TypeScript ${q(cmp.tokens.ts)} (id ${cmp.tokens.ts.id}) (${cmp.mode})${note}`;
+    for (const e of Object.values(engines)) {
+      const span = e.role("output").querySelector(`span[data-i="${cmp.index}"]`);
+      if (span) { span.classList.add("diverge"); span.title = `first divergence (token ${cmp.index}, id ${span.dataset.token})`; }
+    }
+  } else el.textContent = "only one engine ran: nothing to compare";
+}
+
 // ---- page-level state and controls ----
 const engines = {};
-let modelLoad = null;
+const conversation = { python: [], ts: [] };     // each engine's chat history ({role, content})
+let runNote = "";
 
 function showError(message) {
   const el = $("error");
@@ -252,11 +462,18 @@ function showError(message) {
   el.hidden = !message;
 }
 
+function setNote(text) {
+  runNote = text || "";
+  $("run-note").textContent = runNote;
+}
+
 function updateButtons() {
-  const anyReady = Object.values(engines).some((e) => e.status === "ready");
-  const anyRunning = Object.values(engines).some((e) => e.running.size > 0);
-  $("generate").disabled = !anyReady || anyRunning;
+  const anyUsable = Object.values(engines).some((e) => e.status === "ready" || e.status === "loading");
+  const anyRunning = Object.values(engines).some((e) => e.running.size > 0) || running;
+  $("generate").disabled = !anyUsable || anyRunning;
   $("stop").disabled = !anyRunning;
+  $("generate").textContent = $("chat").checked ? "Send" : "Generate";
+  $("clear-chat").hidden = !$("chat").checked;
 }
 
 async function fetchModel(url) {
@@ -288,23 +505,40 @@ async function loadModel(source, name) {
   else if (source instanceof ArrayBuffer) buffer = source;
   else if (source && typeof source.arrayBuffer === "function") { name = name || source.name; buffer = await source.arrayBuffer(); }
   else throw new Error("loadModel: expected a URL, an ArrayBuffer or a File");
-  $("model-label").textContent = `${name || "model"} (${(buffer.byteLength / 1048576).toFixed(1)} MB): loading…`;
+  name = name || "model";
+  $("model-label").textContent = `${name} (${(buffer.byteLength / 1048576).toFixed(1)} MB): loading…`;
   const live = Object.values(engines).filter((e) => e.available);
   // Each worker gets its own copy; the last one takes the original by transfer (no copy).
   const results = await Promise.allSettled(live.map((e, i) =>
-    e.load(i === live.length - 1 ? buffer : buffer.slice(0), i === live.length - 1)));
+    e.loadModel(i === live.length - 1 ? buffer : buffer.slice(0), i === live.length - 1)));
   const out = {};
-  const errors = [];
+  const refused = {};
   live.forEach((e, i) => {
     if (results[i].status === "fulfilled") out[e.name] = results[i].value;
-    else errors.push(results[i].reason.message);
+    else refused[e.name] = results[i].reason.message;
   });
-  $("model-label").textContent = errors.length ? `${name || "model"}: not loaded` : `${name || "model"}: loaded`;
-  if (errors.length) {
-    const message = errors.join("; ");
+  const ok = Object.keys(out), bad = Object.keys(refused);
+  if (!ok.length) {
+    $("model-label").textContent = `${name}: not loaded`;
+    const message = Object.values(refused).join("; ");
     showError(message);
-    throw new Error(message);
+    throw Object.assign(new Error(message), { refused });
   }
+  // One engine refusing the file does not make it "not loaded": the other one serves it.
+  $("model-label").textContent = bad.length
+    ? `${name}: loaded by ${ok.map((k) => ENGINES[k].label).join(", ")}; ` +
+      bad.map((k) => `${ENGINES[k].label} refused it (${refused[k].replace(/^\w+: /, "")})`).join("; ")
+    : `${name}: loaded`;
+  showError("");
+  if (bad.length) out.refused = refused;
+  // An engine that refused a model the other took sits it out (a model it kept would be a different one).
+  for (const e of live) e.sittingOut = e.name in refused;
+  for (const k of bad) {
+    engines[k].showError(`${refused[k]} — this engine sits this model out`);
+    engines[k].setStatus("sits this model out (refused it)");
+  }
+  setNote(aloneNote());
+  updateButtons();
   return out;
 }
 
@@ -317,7 +551,110 @@ function sampling() {
   const num = (id) => Number($(id).value);
   return { prompt: $("prompt").value, maxTokens: num("max-tokens"), temperature: num("temperature"),
            topP: num("top-p"), topK: num("top-k"), seed: $("seed").value === "" ? null : num("seed"),
-           chat: $("chat").checked, jsonSchema: $("json-mode").checked ? $("json-schema").value : null };
+           jsonSchema: $("json-mode").checked ? $("json-schema").value : null,
+           speculative: $("speculative").checked, live: $("live").checked, sideBySide: $("side-by-side").checked };
+}
+
+// Which engines a run uses and why an engine sits out (honest states).
+function participants() {
+  const use = [], out = {};
+  for (const e of Object.values(engines)) {
+    if (e.sittingOut && e.status !== "loading") out[e.name] = `refused the model (${e.load ? e.load.error : "?"})`;
+    else if (e.status === "ready" || e.status === "loading") use.push(e);
+    else if (e.status === "unavailable") out[e.name] = e.error || "unavailable";
+    else if (e.load && !e.load.ok) out[e.name] = `refused the model: ${e.load.error}`;
+    else out[e.name] = e.status === "starting" ? "still starting, no model" : "no model loaded";
+  }
+  return { use, out };
+}
+
+function aloneNote() {
+  const { use, out } = participants();
+  if (use.length === 1) {
+    const [k, why] = Object.entries(out)[0];
+    return `${use[0].label} runs alone: ${ENGINES[k].label} ${why}.`;
+  }
+  return "";
+}
+
+let running = false;
+
+async function run(opts) {
+  const { use, out } = participants();
+  if (!use.length) throw new Error("no engine has a model: load a GGUF file first");
+  running = true;
+  updateButtons();
+  const results = {};
+  const errors = [];
+  try {
+    const loading = use.filter((e) => e.status === "loading");
+    if (loading.length) {
+      setNote(`waiting for ${loading.map((e) => e.label).join(" and ")} to finish loading the model…`);
+      await Promise.all(loading.map((e) => e.modelReady.catch(() => {})));
+    }
+    const ready = use.filter((e) => e.status === "ready");
+    const alone = ready.length === 1 ? aloneNote() || `${ready[0].label} runs alone.` : "";
+    const mode = opts.sideBySide ? "both engines at once: they compete for the CPU, so their tok/s are not comparable"
+                                 : "one engine after the other, so each has the CPU to itself while timed";
+    setNote(alone || `Running ${mode}.`);
+    const one = async (e) => {
+      try { results[e.name] = await e.generate(Object.assign({}, opts, opts[e.name] || {}, { live: e.name === "python" && opts.live })); }
+      catch (err) { errors.push(err.message); }
+    };
+    if (opts.sideBySide) await Promise.all(ready.map(one));
+    else for (const e of ready) { if (!stopRequested) await one(e); }
+  } finally {
+    running = false;
+    updateButtons();
+  }
+  const stopped = Object.values(results).some((r) => r.finishReason === "abort");
+  const cmp = compareRuns(results, opts);
+  if (cmp.state !== "alone" || Object.keys(results).length) showAgreement(cmp, stopped);
+  if (errors.length) showError(errors.join("; "));
+  return { ...results, agreement: cmp, alone: Object.keys(out).length ? out : null, errors };
+}
+
+let stopRequested = false;
+
+function renderHistory() {
+  for (const e of Object.values(engines)) {
+    const h = e.role("history");
+    h.textContent = "";
+    for (const m of conversation[e.name]) {
+      const d = document.createElement("div");
+      d.className = `turn ${m.role}`;
+      d.textContent = m.content;
+      h.appendChild(d);
+    }
+  }
+}
+
+async function chatTurn(text, opts) {
+  if (!text.trim()) throw new Error("type a message first");
+  const perEngine = {};
+  for (const name of Object.keys(engines)) {
+    perEngine[name] = { messages: [...conversation[name], { role: "user", content: text }] };
+  }
+  const result = await run(Object.assign({}, opts, { chat: true }, ...Object.keys(perEngine).map((k) =>
+    ({ [k]: Object.assign({}, opts[k] || {}, perEngine[k]) }))));
+  let kept = 0;
+  for (const name of Object.keys(engines)) {
+    const r = result[name];
+    // A stopped (or failed) turn stays out of the history: the next turn starts from the last whole one.
+    if (r && r.finishReason !== "abort") {
+      conversation[name].push({ role: "user", content: text }, { role: "assistant", content: r.text });
+      kept++;
+    }
+  }
+  renderHistory();
+  return Object.assign(result, { kept });
+}
+
+function clearChat() {
+  conversation.python = [];
+  conversation.ts = [];
+  renderHistory();
+  for (const e of Object.values(engines)) { e.role("output").textContent = ""; e.role("stats").textContent = ""; }
 }
 
 function init() {
@@ -346,11 +683,19 @@ function init() {
   }
   $("generate").addEventListener("click", () => {
     showError("");
+    stopRequested = false;
     const opts = sampling();
-    for (const e of Object.values(engines)) if (e.status === "ready") guarded(e.generate(opts));
+    if ($("chat").checked) {
+      const text = opts.prompt;
+      $("prompt").value = "";
+      guarded(chatTurn(text, opts).then((r) => { if (!r.kept) $("prompt").value = text; }));
+    } else guarded(run(opts));
   });
-  $("stop").addEventListener("click", () => Object.values(engines).forEach((e) => e.cancel()));
+  $("stop").addEventListener("click", () => { stopRequested = true; Object.values(engines).forEach((e) => e.cancel()); });
+  $("chat").addEventListener("change", updateButtons);
+  $("clear-chat").addEventListener("click", clearChat);
   $("json-mode").addEventListener("change", () => { $("json-schema-row").hidden = !$("json-mode").checked; });
+  sourceLinks();
   plot.draw();
   updateButtons();
   if (query.get("model")) guarded(loadModel(abs(query.get("model"))));
@@ -361,13 +706,25 @@ window.pyengineDemo = {
   ready: Promise.resolve(),
   config: cfg,
   loadModel: (src, name) => loadModel(src, name),
+  loads: () => Object.fromEntries(Object.entries(engines).map(([k, e]) => [k, e.load])),
   generate: (opts) => {
     const e = engines[opts.engine || "python"];
     if (!e) return Promise.reject(new Error(`unknown engine ${opts.engine}`));
     return e.generate(opts);
   },
-  cancel: (engine) => { (engine ? [engines[engine]] : Object.values(engines)).forEach((e) => e && e.cancel()); },
+  run: (opts) => { stopRequested = false; return run(opts || {}); },
+  chat: (text, opts) => { stopRequested = false; return chatTurn(text, opts || {}); },
+  clearChat,
+  conversation: () => JSON.parse(JSON.stringify(conversation)),
+  agreement: () => lastAgreement,
+  live: () => livePanel.last,
+  liveRequest: () => livePanel.current,                // the request id the panel's "this request" follows
+  liveCost: () => Object.assign({}, livePanel.cost),   // {steps, liveMs, stepMs} of the latest live request
+  cancel: (engine) => {
+    if (!engine) stopRequested = true;
+    (engine ? [engines[engine]] : Object.values(engines)).forEach((e) => e && e.cancel());
+  },
   stats: (engine) => (engines[engine || "python"] ? engines[engine || "python"].stats() : Promise.resolve(null)),
   state: () => Object.fromEntries(Object.entries(engines).map(([k, e]) =>
-    [k, { status: e.status, info: e.info, error: e.error, running: e.running.size }])),
+    [k, { status: e.status, info: e.info, error: e.error, running: e.running.size, load: e.load }])),
 };

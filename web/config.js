@@ -6,4 +6,5 @@ window.PYENGINE_CONFIG = window.PYENGINE_CONFIG || {
   pyodide: null,               // base URL of pyodide.mjs; null = <vendor>/pyodide/
   vendor: "./vendor/",         // manifest.json, wheels
   tsWorker: "../ts-mini/dist/worker.js",
+  sourceBase: "../",           // where the repository's files are (the live panel's captions link to them); null: no links
 };

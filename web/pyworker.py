@@ -33,6 +33,19 @@ def choose_mode(gguf, mode: str | None) -> str:
     return DEFAULT_WEIGHTS_MODE if float32_bytes <= RESIDENT_MAX_BYTES else "lean"
 
 
+def check_messages(messages) -> list[dict]:
+    """A conversation from the page: a non-empty list of {"role": "system"|"user"|"assistant", "content": str}."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {role, content}")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") \
+                or not isinstance(m.get("content"), str):
+            raise ValueError(f"messages[{i}] must be {{role: system|user|assistant, content: string}}")
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
 class WorkerSession:
     def __init__(self):
         self.engine = None
@@ -75,16 +88,24 @@ class WorkerSession:
 
     # generate ---------------------------------------------------------------------------------------
     def start(self, req_id: str, prompt: str, max_tokens: int = 64, temperature: float = 1.0,
-              top_p: float = 1.0, top_k: int = -1, seed=None, chat: bool = False, json_schema=None) -> int:
+              top_p: float = 1.0, top_k: int = -1, seed=None, chat: bool = False, json_schema=None,
+              messages=None, speculative=None) -> int:
         """Queue a request; returns its prompt length in tokens. ValueError for bad parameters.
         ``json_schema`` (S15, the page's JSON toggle): a JSON Schema as JSON text (or a dict) constrains the
         output to it; "" or "{}" means any JSON object; None leaves the output free. A schema the grammar
-        compiler refuses is a ValueError naming the keyword."""
+        compiler refuses is a ValueError naming the keyword. ``messages`` (the page's multi-turn chat): the
+        whole conversation as [{"role", "content"}, ...] (JSON text or a list), rendered with the model's chat
+        template in place of ``prompt``. ``speculative`` (S14): False opts this request out of the engine's
+        speculative decoding, True (or None) lets it draft when the engine was loaded with a speculative config."""
         from pyengine import SamplingParams, StructuredOutputsParams
 
         if self.engine is None:
             raise ValueError("no model loaded: load a GGUF file first")
-        if chat:                              # the message's text is plain text: no forged turn (S02)
+        if messages is not None:
+            messages = check_messages(json.loads(messages) if isinstance(messages, str) else messages)
+            text, ids = self.engine.get_tokenizer().encode_chat(messages)
+            prompt = {"prompt": text, "prompt_token_ids": ids}
+        elif chat:                            # the message's text is plain text: no forged turn (S02)
             text, ids = self.engine.get_tokenizer().encode_chat([{"role": "user", "content": prompt}])
             prompt = {"prompt": text, "prompt_token_ids": ids}
         structured = None
@@ -100,7 +121,8 @@ class WorkerSession:
                 structured = StructuredOutputsParams(json=json_schema)
         params = SamplingParams(max_tokens=int(max_tokens), temperature=float(temperature), top_p=float(top_p),
                                 top_k=int(top_k), seed=None if seed is None else int(seed),
-                                structured_outputs=structured)
+                                structured_outputs=structured,
+                                speculative=True if speculative is None else bool(speculative))
         self.engine.add_request(req_id, prompt, params)
         self.requests[req_id] = {"t0": time.perf_counter(), "t_first": None, "n": 0, "json": structured is not None}
         return len(self.engine.requests[req_id].prompt_token_ids)
@@ -145,6 +167,28 @@ class WorkerSession:
         """The engine's counters (spec_decode_* among them), for the page's status line."""
         return self.engine.stats() if self.engine is not None else {}
 
+    def live(self) -> dict:
+        """The engine as the page's live panel draws it, once per step (LLMEngine.snapshot in the page's
+        words): KV blocks by state and owner, scheduler queues, prefix-cache and speculative counters, each
+        request's reuse / drafts / grammar mask size, and the latest step's time split."""
+        snap = self.engine.snapshot()
+        return {
+            "type": "live", "step": snap["steps"], "mode": self.info.get("mode"), "kvCacheDtype": self.info.get("kvCacheDtype"),
+            "running": snap["running"], "waiting": snap["waiting"],
+            "blockSize": snap["block_size"], "blocks": snap["blocks"], "owners": snap["owners"],
+            "usedBlocks": snap["used_blocks"], "freeBlocks": snap["free_blocks"],
+            "cachedBlocks": snap["cached_blocks"], "totalBlocks": snap["total_blocks"],
+            "prefixHitTokens": snap["prefix_cache_hit_tokens"], "prefixQueryTokens": snap["prefix_cache_query_tokens"],
+            "specDraftTokens": snap["spec_decode_num_draft_tokens"],
+            "specAcceptedTokens": snap["spec_decode_num_accepted_tokens"],
+            "requests": {rid: {"promptTokens": r["prompt_tokens"], "cachedTokens": r["cached_tokens"],
+                               "admitted": r["admitted"], "draftTokens": r["draft_tokens"],
+                               "acceptedTokens": r["accepted_tokens"], "grammarMaskSize": r["grammar_mask_size"]}
+                         for rid, r in snap["requests"].items()},
+            "vocabSize": self.info.get("vocabSize"),
+            "stepMs": snap["step_ms"],
+        }
+
     def _done(self, out) -> dict:
         """tokensPerSecond is the decode rate (tokens after the first / time since the first), the figure
         comparable across engines; ttftMs holds the prompt's cost."""
@@ -158,6 +202,7 @@ class WorkerSession:
                 "tokensPerSecond": (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
                 "ttftMs": None if state["t_first"] is None else (state["t_first"] - state["t0"]) * 1e3,
                 "promptTokens": len(out.prompt_token_ids or []),
+                "cachedTokens": out.metrics.num_cached_tokens if out.metrics else 0,
                 "numDraftTokens": out.metrics.num_draft_tokens if out.metrics else 0,
                 "numAcceptedTokens": out.metrics.num_accepted_tokens if out.metrics else 0}
         if state.get("json"):

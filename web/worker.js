@@ -8,7 +8,11 @@
 //        {type:"done", id, tokenIds, text, tokensPerSecond, finishReason}  {type:"error", id?, message}
 // Worker URL parameters: pyodide=<base URL of pyodide.mjs> (default ./vendor/pyodide/, or e.g. the jsDelivr
 // CDN; numpy and micropip come from that Pyodide's package index), vendor=<base of manifest.json and wheels/>.
-// Extension: `ready` info carries wasm memory figures; `done` carries ttftMs and promptTokens.
+// Extension: `ready` info carries wasm memory figures; `done` carries ttftMs, promptTokens and cachedTokens.
+// Extensions for the page's chat and live panel: generate.messages ([{role, content}], the whole conversation
+// in the model's chat template, in place of prompt), generate.speculative (false: no S14 drafts for it),
+// generate.live (true: a {type:"live", ...} message with the engine's state after every step, see
+// pyworker.WorkerSession.live).
 
 const params = new URL(self.location.href).searchParams;
 const vendorBase = new URL(params.get("vendor") || "./vendor/", self.location.href).href;
@@ -19,6 +23,7 @@ let py = null;          // the Pyodide instance
 let session = null;     // PyProxy of pyworker.WorkerSession
 let pumping = false;
 let peakWasm = 0;
+const liveIds = new Set();  // requests whose page asked for the live panel (generate.live)
 const STAGES = ["pyodide", "numpy", "pyengine", "worker"];   // progress: stage k of 4 is starting
 
 const post = (msg) => self.postMessage(msg);
@@ -103,6 +108,17 @@ async function load(msg) {
   post({ type: "ready", info: out });
 }
 
+// The live panel's message: the engine's state now (after a step of stepWallMs, or after a cancel).
+function postLive(stepWallMs) {
+  const t0 = performance.now();
+  const snap = session.live();
+  const m = snap.toJs({ dict_converter: Object.fromEntries });
+  snap.destroy();
+  m.stepWallMs = stepWallMs;
+  m.liveMs = performance.now() - t0;     // what the panel costs this worker per step
+  post(m);
+}
+
 // Run engine steps while requests are pending; yield to the event loop between steps so `cancel`
 // (and new `generate`) messages are handled mid-generation.
 async function pump() {
@@ -121,12 +137,16 @@ async function pump() {
         const ids = session.requests.toJs ? [...session.requests.toJs().keys()] : [];
         for (const id of ids) post({ type: "error", id, message: readable(err) });
         session.abort_all();
+        liveIds.clear();
         break;
       }
       const ms = performance.now() - t;
       wasmBytes();
+      // The live panel (generate.live): the engine's state after this step, posted before its tokens.
+      if (liveIds.size) postLive(ms);
       for (const ev of events) {
         if (ev.type === "token") ev.ms = ms;
+        else if (ev.type === "done") liveIds.delete(ev.id);
         post(ev);
       }
       await new Promise((r) => setTimeout(r, 0));
@@ -138,16 +158,22 @@ async function pump() {
 
 async function generate(msg) {
   await booting;
-  session.start(String(msg.id), String(msg.prompt ?? ""), msg.maxTokens ?? 64, msg.temperature ?? 1.0,
+  // messages (multi-turn chat) cross as JSON text; speculative: false opts the request out of S14 drafting
+  session.start.callKwargs(String(msg.id), String(msg.prompt ?? ""), msg.maxTokens ?? 64, msg.temperature ?? 1.0,
                 msg.topP ?? 1.0, msg.topK ?? -1, msg.seed ?? undefined, !!msg.chat,
-                msg.jsonSchema ?? undefined);  // undefined -> None (null is JsNull)
+                msg.jsonSchema ?? undefined,  // undefined -> None (null is JsNull)
+                { messages: msg.messages ? JSON.stringify(msg.messages) : undefined,
+                  speculative: msg.speculative ?? undefined });
+  if (msg.live) liveIds.add(String(msg.id));
   pump();
 }
 
 function cancel(msg) {
   if (!session) return;
+  const wasLive = liveIds.delete(String(msg.id));
   const done = session.cancel(String(msg.id));
   if (done) {
+    if (wasLive) postLive(0);            // its blocks are back in the pool: the panel shows it
     post(done.toJs({ dict_converter: Object.fromEntries }));
     done.destroy();
   }

@@ -128,6 +128,8 @@ class LLMEngine:
         # parks it in ``prefilled`` with its blocks, until its KV cache is shipped (``release_prefilled``)
         self.prefill_only = False
         self.prefilled: list[Sequence] = []
+        # the latest step's wall time split (ms): plan (drafts, scheduling, batch), forward, sample (+ outputs)
+        self.last_step_ms: dict[str, float] = {}
         self.counters = {"prompt_tokens": 0, "computed_prompt_tokens": 0, "generation_tokens": 0,
                          "finished_requests": 0, "aborted_requests": 0, "steps": 0,
                          "spec_decode_num_grammar_cut_tokens": 0}     # S15: draft tokens the grammar forbade
@@ -286,10 +288,15 @@ class LLMEngine:
         if flight is None:
             return []
         captures = self._captures()
+        t_plan = self.clock()
         logits = self.executor.run(flight.batch) if flight.batch.token_ids.size else None
         # S13: a step captured now costs more than its replays will; it would price its draft length too high
         flight.decode_only = flight.decode_only and self._captures() == captures
-        return self._complete(flight, logits)
+        t_forward = self.clock()
+        outputs = self._complete(flight, logits)
+        self.last_step_ms = {"plan": (t_plan - t_step) * 1e3, "forward": (t_forward - t_plan) * 1e3,
+                             "sample": (self.clock() - t_forward) * 1e3}
+        return outputs
 
     def _pipelined_step(self) -> list[RequestOutput]:
         """S17 cross-step pipelining: launch the next step of every group not in flight, then finish the
@@ -577,3 +584,29 @@ class LLMEngine:
             **({"pipeline_groups": self.pipeline_groups, "max_groups_in_flight": self.max_groups_in_flight}
                if self.pipeline_groups > 1 else {}),
         }
+
+    def snapshot(self) -> dict:
+        """stats() plus what a live view of the engine draws (the browser demo's panel, once per step):
+        ``blocks``, each KV block's state (0 free, 1 in use, 2 in use and in the prefix cache, 3 free but
+        holding a cached prefix, S06/S07); ``owners``, request id -> the blocks its sequences hold;
+        ``requests``, request id -> prompt tokens, prompt tokens reused from the prefix cache, drafted and
+        accepted tokens (S14) and the size of the grammar's token mask for its next token (S15, else None);
+        ``step_ms``, the latest step's time split."""
+        bm = self.block_manager
+        blocks = [(2 if h is not None else 1) if r > 0 else (3 if h is not None else 0)
+                  for r, h in zip(bm.ref_counts, bm.block_hash)]
+        owners: dict[str, list[int]] = {}
+        requests = {}
+        for rid, req in self.requests.items():
+            held = owners.setdefault(rid, [])
+            for seq in req.seqs:
+                held.extend(b for b in seq.block_table if b not in held)
+            m = req.metrics
+            mask = None
+            if req.matchers is not None and not req.finished:
+                mask = int(req.matchers[0].allowed_mask().sum())
+            requests[rid] = {"prompt_tokens": m.num_prompt_tokens, "cached_tokens": m.num_cached_tokens,
+                             "admitted": req.admitted, "draft_tokens": m.num_draft_tokens,
+                             "accepted_tokens": m.num_accepted_tokens, "grammar_mask_size": mask}
+        return {**self.stats(), "block_size": bm.block_size, "blocks": blocks, "owners": owners,
+                "requests": requests, "step_ms": dict(self.last_step_ms)}

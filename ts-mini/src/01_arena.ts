@@ -42,6 +42,11 @@ export class Arena {
     return this.buffer.byteLength;
   }
 
+  /** The layout, in address order: each view's name, kind, byte offset and byte size (the demo's arena map). */
+  regions(): { name: string; kind: ViewKind; offset: number; bytes: number }[] {
+    return [...this.layout.slots].map(([name, s]) => ({ name, kind: s.kind, offset: s.offset, bytes: s.length * BYTES[s.kind] }));
+  }
+
   private slot(name: string, kind: ViewKind): Slot {
     const s = this.layout.slots.get(name);
     if (!s) throw new Error(`arena: no view named "${name}"`);

@@ -1,8 +1,9 @@
 // Web worker front end (the same protocol as the Pyodide worker, docs/architecture.md):
 //   main -> worker  {type:"load", model: ArrayBuffer, maxSeqLen?}   (maxSeqLen: KV cache length, default 2048)
 //                   {type:"generate", id, prompt, maxTokens, temperature, topP, topK, minP, repetitionPenalty,
-//                    presencePenalty, frequencyPenalty, logitBias, seed, chat}   (the sampling law: docs/sampling.md;
-//                    the same seed and settings give the same tokens as the Python engine)
+//                    presencePenalty, frequencyPenalty, logitBias, seed, chat, messages?}   (the sampling law:
+//                    docs/sampling.md; the same seed and settings give the same tokens as the Python engine;
+//                    messages: [{role, content}], the whole conversation in the chat template, replaces prompt)
 //                   {type:"cancel", id}
 //   worker -> main  {type:"progress", stage, loaded, total}  {type:"ready", info}
 //                   {type:"token", id, tokenId, text, ms}     {type:"done", id, tokenIds, text, tokensPerSecond,
@@ -13,7 +14,7 @@
 // Generation runs one token per turn of the event loop, so a "cancel" posted meanwhile is seen before the
 // next token. Requests are served one at a time, in arrival order.
 
-import { Engine, loadModel } from "./index.js";
+import { ChatMessage, Engine, loadModel } from "./index.js";
 import { tokenBytes } from "./08_vocab.js";
 import { Utf8Stream } from "./10_utf8_stream.js";
 
@@ -34,6 +35,7 @@ interface GenerateMsg {
   logitBias?: Record<number, number> | null;
   seed?: number | null;
   chat?: boolean;
+  messages?: ChatMessage[]; // extension: the whole conversation in the chat template, in place of prompt
 }
 
 /** Resolve on a fresh macrotask (MessageChannel: no 4 ms clamp like nested setTimeout). */
@@ -50,6 +52,16 @@ function nextTurn(): Promise<void> {
 
 function message(e: unknown): string {
   return e instanceof Error ? e.message : String(e);
+}
+
+/** A conversation from the page: a non-empty list of {role: system|user|assistant, content: string}. */
+function checkMessages(m: unknown): ChatMessage[] {
+  if (!Array.isArray(m) || m.length === 0) throw new Error("messages must be a non-empty list of {role, content}");
+  m.forEach((x, i) => {
+    if (!x || !["system", "user", "assistant"].includes(x.role) || typeof x.content !== "string")
+      throw new Error(`messages[${i}] must be {role: system|user|assistant, content: string}`);
+  });
+  return m as ChatMessage[];
 }
 
 /** The protocol state machine, independent of the worker global (so Node tests can drive it). */
@@ -85,10 +97,12 @@ export function createHandler(post: Post): (msg: unknown) => void {
     if (typeof req.prompt !== "string" && !Array.isArray(req.prompt)) throw new Error("prompt must be a string or an array of token ids");
     const opt = (v: number | null | undefined) => (v === null ? undefined : v); // pages send null for "unset"
     const t0 = performance.now();
-    const gen = engine.start(req.prompt, {
+    const prompt = req.messages ? engine.applyChatTemplate(checkMessages(req.messages)) : req.prompt;
+    const gen = engine.start(prompt, {
       maxTokens: opt(req.maxTokens), temperature: opt(req.temperature), topP: opt(req.topP), topK: opt(req.topK),
       minP: opt(req.minP), repetitionPenalty: opt(req.repetitionPenalty), presencePenalty: opt(req.presencePenalty),
-      frequencyPenalty: opt(req.frequencyPenalty), logitBias: req.logitBias ?? null, seed: opt(req.seed), chat: !!req.chat,
+      frequencyPenalty: opt(req.frequencyPenalty), logitBias: req.logitBias ?? null, seed: opt(req.seed),
+      chat: !req.messages && !!req.chat,
     });
     const stream = new Utf8Stream();
     let text = "", tFirst = 0, tPrev = t0;
@@ -138,6 +152,7 @@ export function createHandler(post: Post): (msg: unknown) => void {
             info: {
               engine: "ts-mini", arch: c.arch, layers: c.nLayers, dModel: c.dModel, heads: c.nHeads, kvHeads: c.nKvHeads,
               vocabSize: c.vocabSize, maxSeqLen: e.model.maxSeq, arenaBytes: e.model.arena.byteLength,
+              arena: e.model.arena.regions(),
               name: e.gguf.metadata.get("general.name") ?? null, loadMs: performance.now() - t0,
             },
           });

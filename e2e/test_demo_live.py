@@ -101,17 +101,7 @@ def test_badge_on_a_forced_divergence(page):
     shot(page, "02-badge-diverged")
 
 
-def _shared_law_present() -> bool:
-    """Issue 28 item 1 (another change): TypeScript and Python draw from one PRNG. Before it, TS draws from
-    xoshiro128** and Python from NumPy's PCG64."""
-    ts = (ROOT / "ts-mini" / "src" / "17_sampler.ts").read_text()
-    py = (ROOT / "pyengine" / "layers" / "sampler.py").read_text()
-    return not ("xoshiro" in ts.lower() and "xoshiro" not in py.lower())
-
-
 def test_badge_identical_on_seeded_runs(page):
-    if not _shared_law_present():
-        pytest.skip("the shared sampling law (issue 28 item 1) is not in this tree: TS still draws from xoshiro128**")
     r = _js(page, "(o) => window.pyengineDemo.run(o)", {"prompt": "Once upon a time", "maxTokens": 16,
                                                         "temperature": 0.8, "topP": 0.9, "seed": 7})
     assert r["python"]["tokenIds"] == r["ts"]["tokenIds"], r

@@ -117,6 +117,42 @@ def dequant_q6_k(b: np.ndarray, out: np.ndarray) -> None:
     np.multiply(q.reshape(n, 16, 16), dl[:, :, None], out=out.reshape(n, 16, 16))
 
 
+
+# ---------------------------------------------------------------------------------------------------------
+# S21 folded unpacking (the lean products): a row's weights as w = scale[g] * q + bias[g] per group g, the
+# raw q written straight into float32 (one cast per nibble, no scale pass), the scales and biases returned
+# per group so a product folds them into its activations (layers/linear.py LeanLinear).
+# ---------------------------------------------------------------------------------------------------------
+
+def unpack_q4_k(b: np.ndarray, out: np.ndarray):
+    """(n blocks) -> out (n, 256) float32 nibbles, scale (n, 8) = d * sc, bias (n, 8) = -dmin * m; groups of 32."""
+    n = b.shape[0]
+    g = b["qs"].reshape(n, 4, 32)
+    o = out.reshape(n, 4, 2, 32)
+    np.bitwise_and(g, 15, out=o[:, :, 0], casting="unsafe")
+    np.right_shift(g, 4, out=o[:, :, 1], casting="unsafe")
+    sc, mn = _scale_min_k4(b["scales"])
+    scale = b["d"].astype(np.float32)[:, None] * _f32(sc)
+    bias = b["dmin"].astype(np.float32)[:, None] * _f32(mn)
+    np.negative(bias, out=bias)
+    return scale, bias, 32
+
+
+def unpack_q6_k(b: np.ndarray, out: np.ndarray):
+    """(n blocks) -> out (n, 256) float32 q in 0..63, scale (n, 16) = d * sc, bias = -32 * scale; groups of 16."""
+    n = b.shape[0]
+    ql = b["ql"].reshape(n, 2, 64)
+    q = np.empty((n, 2, 2, 64), np.uint8)
+    np.bitwise_and(ql, 15, out=q[:, :, 0])
+    np.right_shift(ql, 4, out=q[:, :, 1])
+    q = q.reshape(n, 2, 4, 32)
+    qh = b["qh"].reshape(n, 2, 1, 32) >> _SHIFT_2BIT
+    qh &= 3
+    qh <<= 4
+    np.bitwise_or(q, qh, out=out.reshape(n, 2, 4, 32), casting="unsafe")
+    scale = b["d"].astype(np.float32)[:, None] * _f32(b["scales"])
+    return scale, scale * np.float32(-32), 16
+
 # ---------------------------------------------------------------------------------------------------------
 # Quantization: ggml's reference algorithms (quantize_row_q4_K_ref / quantize_row_q6_K_ref, used by
 # llama-quantize when no importance matrix is given), vectorized over sub-blocks. Every sum runs in ggml's

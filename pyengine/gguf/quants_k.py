@@ -124,13 +124,16 @@ def dequant_q6_k(b: np.ndarray, out: np.ndarray) -> None:
 # per group so a product folds them into its activations (layers/linear.py LeanLinear).
 # ---------------------------------------------------------------------------------------------------------
 
-def unpack_q4_k(b: np.ndarray, out: np.ndarray):
-    """(n blocks) -> out (n, 256) float32 nibbles, scale (n, 8) = d * sc, bias (n, 8) = -dmin * m; groups of 32."""
-    n = b.shape[0]
-    g = b["qs"].reshape(n, 4, 32)
-    o = out.reshape(n, 4, 2, 32)
+def unpack_q4_k(b: np.ndarray, out: np.ndarray) -> None:
+    """(n blocks) -> out (n, 256) float32 nibbles (cast straight from the bytes: no uint8 temporary)."""
+    g = b["qs"].reshape(-1, 4, 32)
+    o = out.reshape(-1, 4, 2, 32)
     np.bitwise_and(g, 15, out=o[:, :, 0], casting="unsafe")
     np.right_shift(g, 4, out=o[:, :, 1], casting="unsafe")
+
+
+def scales_q4_k(b: np.ndarray):
+    """(n blocks) -> scale (n, 8) = d * sc, bias (n, 8) = -dmin * m: w = scale * q + bias per 32 weights."""
     sc, mn = _scale_min_k4(b["scales"])
     scale = b["d"].astype(np.float32)[:, None] * _f32(sc)
     bias = b["dmin"].astype(np.float32)[:, None] * _f32(mn)
@@ -138,8 +141,8 @@ def unpack_q4_k(b: np.ndarray, out: np.ndarray):
     return scale, bias, 32
 
 
-def unpack_q6_k(b: np.ndarray, out: np.ndarray):
-    """(n blocks) -> out (n, 256) float32 q in 0..63, scale (n, 16) = d * sc, bias = -32 * scale; groups of 16."""
+def unpack_q6_k(b: np.ndarray, out: np.ndarray) -> None:
+    """(n blocks) -> out (n, 256) float32 q in 0..63 (before ggml's -32)."""
     n = b.shape[0]
     ql = b["ql"].reshape(n, 2, 64)
     q = np.empty((n, 2, 2, 64), np.uint8)
@@ -150,6 +153,10 @@ def unpack_q6_k(b: np.ndarray, out: np.ndarray):
     qh &= 3
     qh <<= 4
     np.bitwise_or(q, qh, out=out.reshape(n, 2, 4, 32), casting="unsafe")
+
+
+def scales_q6_k(b: np.ndarray):
+    """(n blocks) -> scale (n, 16) = d * sc, bias = -32 * scale: w = scale * q + bias per 16 weights."""
     scale = b["d"].astype(np.float32)[:, None] * _f32(b["scales"])
     return scale, scale * np.float32(-32), 16
 

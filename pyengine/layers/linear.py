@@ -269,31 +269,37 @@ class LeanLinear(Linear):
 
     def matmul(self, x, out=None):
         out = np.empty((x.shape[0], self.shape[1]), np.float32) if out is None else out
-        T, k = x.shape[0], self.q.cols
+        T, k, br = x.shape[0], self.q.cols, self.block_rows
         buf = (np.empty(self.scratch_floats, np.float32) if self.scratch is None else self.scratch)
         fold = T <= tuning.LEAN_FOLD_MAX_ROWS
         per_group: dict[int, tuple] = {}                 # group size -> (x as (G, group, T), per-group sums (T, G))
+        span = br * tuning.LEAN_SCALE_BLOCKS             # rows whose scales are decoded at once (small arrays)
         base = 0
         for raw, t in self.q.parts:
-            for a in range(0, raw.shape[0], self.block_rows):
-                b = min(raw.shape[0], a + self.block_rows)
-                n = b - a
-                w = buf[:n * k].reshape(n, k)
-                scale, bias, g = quants.unpack_rows(raw[a:b], t, k, w)
-                o = out[:, base + a:base + b]
-                if g and g not in per_group:
-                    xg = x.reshape(T, k // g, g)
-                    per_group[g] = (np.ascontiguousarray(xg.transpose(1, 2, 0)), xg.sum(axis=2))
-                if scale is None:                                       # other formats: dequantized rows
-                    self._product(x, w, o)
-                elif fold:
-                    part = np.matmul(w.reshape(n, k // g, g).transpose(1, 0, 2), per_group[g][0])   # (G, n, T)
-                    np.copyto(o, np.matmul(scale[:, None, :], part.transpose(1, 0, 2))[:, 0, :].T)
-                else:
-                    w.reshape(n, k // g, g)[...] *= scale[:, :, None]
-                    self._product(x, w, o)
-                if bias is not None:
-                    o += per_group[g][1] @ bias.T
+            folded = t in quants.FOLDED_TYPES
+            for c0 in range(0, raw.shape[0], span):
+                c1 = min(raw.shape[0], c0 + span)
+                if folded:
+                    scales, biases, g = quants.unpack_scales(raw[c0:c1], t, k)
+                    if g not in per_group:
+                        xg = x.reshape(T, k // g, g)
+                        per_group[g] = (np.ascontiguousarray(xg.transpose(1, 2, 0)), xg.sum(axis=2))
+                for a in range(c0, c1, br):
+                    b = min(c1, a + br)
+                    n = b - a
+                    w = buf[:n * k].reshape(n, k)
+                    quants.unpack_quants(raw[a:b], t, k, w)
+                    o = out[:, base + a:base + b]
+                    if not folded:                                  # other formats: dequantized rows
+                        self._product(x, w, o)
+                    elif fold:
+                        part = np.matmul(w.reshape(n, k // g, g).transpose(1, 0, 2), per_group[g][0])  # (G, n, T)
+                        np.copyto(o, np.matmul(scales[a - c0:b - c0, None, :], part.transpose(1, 0, 2))[:, 0].T)
+                    else:
+                        w.reshape(n, k // g, g)[...] *= scales[a - c0:b - c0, :, None]
+                        self._product(x, w, o)
+                if folded and biases is not None:
+                    out[:, base + c0:base + c1] += per_group[g][1] @ biases.T
             base += raw.shape[0]
         return out
 

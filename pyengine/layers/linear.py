@@ -30,10 +30,13 @@ from pyengine.layers.activation import gated_activation
 
 class QuantMatrix:
     """A (rows, cols) weight kept as quantized rows as the GGUF stores them, possibly several tensors stacked
-    (a fused matrix): ``parts`` = [(raw uint8 (rows_i, row_bytes_i), ggml_type)]."""
+    (a fused matrix): ``parts`` = [(raw uint8 (rows_i, row_bytes_i), ggml_type)], views of the file (never
+    copied). ``orders``: per part None, or the file rows in model order (llama's Q/K rows reordered for
+    half-split RoPE): those rows are gathered a block at a time when used, so the file is still never copied."""
 
-    def __init__(self, parts: list[tuple[np.ndarray, int]], cols: int):
+    def __init__(self, parts: list[tuple[np.ndarray, int]], cols: int, orders: list | None = None):
         self.parts = parts
+        self.orders = orders or [None] * len(parts)
         self.cols = cols
         self.shape = (sum(p.shape[0] for p, _ in parts), cols)
         self.nbytes = sum(p.nbytes for p, _ in parts)
@@ -41,23 +44,30 @@ class QuantMatrix:
     @classmethod
     def stack(cls, *mats: "QuantMatrix") -> "QuantMatrix":
         """Rows of several matrices one after the other (Q|K|V, gate|up)."""
-        return cls([p for m in mats for p in m.parts], mats[0].cols)
+        return cls([p for m in mats for p in m.parts], mats[0].cols, [o for m in mats for o in m.orders])
+
+    def part_rows(self, i: int, a: int, b: int) -> np.ndarray:
+        """Rows a..b (model order) of part i: a view of the file, or a gather of those rows when reordered."""
+        raw, order = self.parts[i][0], self.orders[i]
+        return raw[a:b] if order is None else np.take(raw, order[a:b], axis=0)
 
     def dequantize(self, out: np.ndarray | None = None, r0: int = 0, r1: int | None = None) -> np.ndarray:
         """Rows r0..r1 as float32 (into a preallocated C-contiguous ``out``: no model-sized temporaries)."""
         r1 = self.shape[0] if r1 is None else r1
         out = np.empty((r1 - r0, self.cols), np.float32) if out is None else out
         base = 0
-        for raw, t in self.parts:
+        for i, (raw, t) in enumerate(self.parts):
             a, b = max(r0, base), min(r1, base + raw.shape[0])
             if a < b:
-                quants.dequantize(raw[a - base:b - base], t, (b - a, self.cols), out=out[a - r0:b - r0])
+                quants.dequantize(self.part_rows(i, a - base, b - base), t, (b - a, self.cols),
+                                  out=out[a - r0:b - r0])
             base += raw.shape[0]
         return out
 
     def rows(self, idx: np.ndarray, out: np.ndarray) -> np.ndarray:
         """Dequantize selected rows (embedding lookup); single-part matrices only."""
         (raw, t), = self.parts
+        idx = idx if self.orders[0] is None else self.orders[0][idx]
         return quants.dequantize(np.take(raw, idx, axis=0), t, out.shape, out=out)
 
 
@@ -275,12 +285,12 @@ class LeanLinear(Linear):
         per_group: dict[int, tuple] = {}                 # group size -> (x as (G, group, T), per-group sums (T, G))
         span = br * tuning.LEAN_SCALE_BLOCKS             # rows whose scales are decoded at once (small arrays)
         base = 0
-        for raw, t in self.q.parts:
+        for i, (raw, t) in enumerate(self.q.parts):
             folded = t in quants.FOLDED_TYPES
             for c0 in range(0, raw.shape[0], span):
                 c1 = min(raw.shape[0], c0 + span)
                 if folded:
-                    scales, biases, g = quants.unpack_scales(raw[c0:c1], t, k)
+                    scales, biases, g = quants.unpack_scales(self.q.part_rows(i, c0, c1), t, k)
                     if g not in per_group:
                         xg = x.reshape(T, k // g, g)
                         per_group[g] = (np.ascontiguousarray(xg.transpose(1, 2, 0)), xg.sum(axis=2))
@@ -288,7 +298,7 @@ class LeanLinear(Linear):
                     b = min(c1, a + br)
                     n = b - a
                     w = buf[:n * k].reshape(n, k)
-                    quants.unpack_quants(raw[a:b], t, k, w)
+                    quants.unpack_quants(self.q.part_rows(i, a, b), t, k, w)
                     o = out[:, base + a:base + b]
                     if not folded:                                  # other formats: dequantized rows
                         self._product(x, w, o)

@@ -236,9 +236,8 @@ class TensorReader:
             raise ValueError(f"tensor {name!r} has shape {tuple(info.shape)}, expected {shape}")
         layout = quants.block_layout(info.ggml_type)
         raw = info.data.reshape(shape[0], shape[1] // layout.block_size * layout.type_size)
-        if unpermute_heads:
-            raw = np.ascontiguousarray(interleaved_to_half(raw, unpermute_heads))
-        return QuantMatrix([(raw, info.ggml_type)], shape[1])
+        order = interleaved_to_half(np.arange(shape[0]), unpermute_heads) if unpermute_heads else None
+        return QuantMatrix([(raw, info.ggml_type)], shape[1], [order])      # S21: the file is never copied
 
     def vector(self, name: str, n: int) -> np.ndarray:
         v = self.gguf.dequantize(name)

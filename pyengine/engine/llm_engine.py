@@ -28,6 +28,7 @@ import numpy as np
 
 from pyengine.engine.block_manager import BlockManager
 from pyengine.engine.chunk_budget import ChunkBudget, check_target_itl_ms
+from pyengine.engine.lean_mode import mode_defaults
 from pyengine.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, snapshot_metrics
 from pyengine.engine.scheduler import Scheduler, SchedulerOutput
 from pyengine.engine.sequence import Sequence, SequenceStatus
@@ -91,11 +92,11 @@ class _Flight:
 
 class LLMEngine:
     def __init__(self, model=None, max_model_len: int = 2048, block_size: int = 16, num_blocks: int | None = None,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, max_waiting: int | None = None, *,
                  runner=None, tokenizer=None, seed: int | None = None, watermark: float = 0.03,
                  aging_steps: int = 64, tensor_parallel_size: int = 1, speculative_config=None,
-                 draft_runner=None, weights_mode: str = "resident", kv_cache_dtype: str = "auto",
+                 draft_runner=None, weights_mode: str = "resident", kv_cache_dtype: str | None = None,
                  pipeline_parallel_size: int = 1, target_itl_ms: float | None = None,
                  enforce_eager: bool = False):
         """``runner``/``tokenizer`` (keyword-only extension): inject any object with the ModelRunner contract
@@ -111,7 +112,10 @@ class LLMEngine:
         rank 0 is done, then exit (``pyengine serve`` starts its ranks itself).
         S11: with chunked prefill, ``target_itl_ms`` sizes each step's prompt chunks so that a step with decodes
         is predicted to last at most that long (engine/chunk_budget.py); None derives the target from the
-        decodes' own measured cost, 0 turns it off (chunks fill ``max_num_batched_tokens``)."""
+        decodes' own measured cost, 0 turns it off (chunks fill ``max_num_batched_tokens``).
+        S21: ``kv_cache_dtype`` / ``max_num_batched_tokens`` left None take the weights mode's defaults
+        (engine/lean_mode.py: resident "auto" / 2048, lean "q8_0" / 8)."""
+        kv_cache_dtype, max_num_batched_tokens = mode_defaults(weights_mode, kv_cache_dtype, max_num_batched_tokens)
         if runner is None and tensor_parallel_size * pipeline_parallel_size > 1:
             from pyengine.parallel.mpi import launched_under_mpi    # lazy: mpi4py only when asked for
             if launched_under_mpi():

@@ -100,3 +100,41 @@ def test_cli_generate_prompt_cache(models, tmp_path, monkeypatch, capsys):
     assert main(args) != 0
     _, err = capsys.readouterr()
     assert "KV cache is fp16" in err
+
+
+def test_server_save_restore_erase(models, tmp_path):
+    """POST /prompt_cache/{save,restore,erase}: a prompt's blocks saved from one server, restored into a fresh one
+    (its next request reuses them), erased; bad names, other KV types and missing files answered 4xx."""
+    import httpx
+
+    from pyengine.server.app import create_app
+    from pyengine.server.runner import ServerThread
+
+    def completion(c, ids):
+        r = c.post("/v1/completions", json={"model": "m", "prompt": ids, "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    first = _llm(models / "a.gguf").llm_engine
+    with ServerThread(create_app(first, model_id="m", prompt_cache_dir=str(tmp_path))) as srv:
+        c = httpx.Client(base_url=srv.url, timeout=60)
+        want = completion(c, P1)
+        r = c.post("/prompt_cache/save", json={"filename": "p1.kvc", "prompt_token_ids": P1})
+        assert r.status_code == 200 and r.json() == {"filename": "p1.kvc", "n_saved_tokens": 32}
+        for body, status in (({"filename": "../x.kvc", "prompt_token_ids": P1}, 400),
+                             ({"filename": "p1.kvc"}, 400), ({"filename": "nope.kvc"}, 404)):
+            action = "save" if "prompt_token_ids" in body or body["filename"] == "p1.kvc" else "restore"
+            assert c.post(f"/prompt_cache/{action}", json=body).status_code == status
+    fresh = _llm(models / "a.gguf").llm_engine
+    with ServerThread(create_app(fresh, model_id="m", prompt_cache_dir=str(tmp_path))) as srv:
+        c = httpx.Client(base_url=srv.url, timeout=60)
+        r = c.post("/prompt_cache/restore", json={"filename": "p1.kvc"})
+        assert r.status_code == 200 and r.json()["n_restored_tokens"] == 32
+        assert completion(c, P1) == want and fresh.block_manager.hit_tokens == 32
+        r = c.post("/prompt_cache/erase", json={"filename": "p1.kvc"})
+        assert r.json() == {"filename": "p1.kvc", "erased": True} and not (tmp_path / "p1.kvc").exists()
+    other = _llm(models / "a.gguf", kv="fp16").llm_engine
+    prompt_cache.save(first, P1, tmp_path / "p1.kvc")
+    with ServerThread(create_app(other, model_id="m", prompt_cache_dir=str(tmp_path))) as srv:
+        r = httpx.post(srv.url + "/prompt_cache/restore", json={"filename": "p1.kvc"}, timeout=60)
+        assert r.status_code == 400 and "fp16" in r.json()["error"]["message"]

@@ -209,3 +209,39 @@ def after_run(engine, path, token_ids) -> str | None:
         return None
     n = save(engine, token_ids, path)
     return f"prompt cache {path}: saved {n} prompt tokens"
+
+
+# --- the server's POST /prompt_cache/{save,restore,erase} (llama-server's slot save / restore / erase) ----------
+ACTIONS = ("save", "restore", "erase")
+
+
+def serve_action(engine, directory, action: str, body: dict) -> dict:
+    """One request of the server's prompt-cache routes; files live in ``directory`` (``serve
+    --prompt-cache-dir``). Body: {"filename": NAME, "prompt": text or "prompt_token_ids": [ids]} (the prompt:
+    required by save, optional for restore: then only the prefix it shares with the file). Answers
+    {"filename", "n_saved_tokens" | "n_restored_tokens" | "erased"}. PromptCacheError for a bad request or file,
+    FileNotFoundError for a missing one. The caller holds the engine (no step runs meanwhile)."""
+    if directory is None:
+        raise PromptCacheError("the prompt cache routes are off: start the server with --prompt-cache-dir DIR")
+    if action not in ACTIONS:
+        raise PromptCacheError(f"unknown prompt cache action {action!r} (one of {', '.join(ACTIONS)})")
+    name = body.get("filename") if isinstance(body, dict) else None
+    if not isinstance(name, str) or not name or os.path.basename(name) != name or name.startswith("."):
+        raise PromptCacheError("'filename' must be a plain file name (no directories), e.g. \"chat.kvc\"")
+    path = os.path.join(directory, name)
+    ids = None
+    if "prompt" in body or "prompt_token_ids" in body:
+        prompt = {"prompt_token_ids": body["prompt_token_ids"]} if "prompt_token_ids" in body else body["prompt"]
+        try:
+            _, ids = engine._encode(prompt)
+        except (ValueError, TypeError) as exc:
+            raise PromptCacheError(f"bad prompt: {exc}") from None
+    if action == "save":
+        if ids is None:
+            raise PromptCacheError("save needs the prompt ('prompt' or 'prompt_token_ids') whose blocks to save")
+        return {"filename": name, "n_saved_tokens": save(engine, ids, path)}
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no prompt cache {name!r}")
+    if action == "restore":
+        return {"filename": name, "n_restored_tokens": restore(engine, path, ids)}
+    return {"filename": name, "erased": erase(path)}

@@ -22,6 +22,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 
+from pyengine.engine import prompt_cache
 from pyengine.server import guard
 from pyengine.server import protocol as P
 from pyengine.server import serving as S
@@ -35,7 +36,7 @@ log = logging.getLogger("pyengine.server")
 MAX_BODY_BYTES = 1 << 20          # 1 MiB: larger bodies get 413
 DRAIN_LIMIT = 64 << 20            # read (and drop) at most this much of an oversized body before answering
 ROUTES = ("POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models", "POST /tokenize",
-          "POST /detokenize", "GET /health", "GET /metrics")
+          "POST /detokenize", "GET /health", "GET /metrics", "POST /prompt_cache/{save,restore,erase}")
 
 
 def served_names(model_path: str | None) -> tuple[str, list[str]]:
@@ -130,7 +131,7 @@ class ServerState:
 def create_app(engine, *, model_id: str | None = None, aliases=(), api_key: str | None = None,
                max_model_len: int | None = None, max_body_bytes: int = MAX_BODY_BYTES, demo_app=None,
                metrics: ServerMetrics | None = None, limits: ServerLimits | None = None,
-               sampling_defaults: dict | None = None) -> Starlette:
+               sampling_defaults: dict | None = None, prompt_cache_dir: str | None = None) -> Starlette:
     """The API around a ready `LLMEngine`-shaped engine. `demo_app` (an ASGI app, e.g. the web demo)
     is mounted at / so the demo and the API share one process and port. `limits`: timeouts, queue
     bounds, Host/CORS policy (guard.ServerLimits); `api_key` covers every route but /health.
@@ -215,6 +216,20 @@ def create_app(engine, *, model_id: str | None = None, aliases=(), api_key: str 
         data, content_type = state.metrics.render()
         return Response(data, media_type=content_type.split(";")[0], headers={"content-type": content_type})
 
+    async def prompt_cache_route(request: Request) -> Response:
+        """S21: POST /prompt_cache/{save,restore,erase} (engine/prompt_cache.py serve_action has the shape)."""
+        async def handle(r):
+            body = await state.read_json(r)
+            try:
+                return JSONResponse(await state.loop.exclusive(
+                    lambda: prompt_cache.serve_action(state.loop.engine, prompt_cache_dir, r.path_params["action"],
+                                                      body)))
+            except prompt_cache.PromptCacheError as exc:
+                raise P.APIError(400, str(exc), param="filename") from None
+            except FileNotFoundError as exc:
+                raise P.APIError(404, str(exc), param="filename") from None
+        return await api(request, handle)
+
     async def not_found(request: Request) -> Response:
         raise HTTPException(404)
 
@@ -266,6 +281,7 @@ def create_app(engine, *, model_id: str | None = None, aliases=(), api_key: str 
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
+        Route("/prompt_cache/{action}", prompt_cache_route, methods=["POST"]),
     ]
     if demo_app is not None:   # unknown /v1 paths stay the API's clear 404, not the demo's
         routes += [Route("/v1/{rest:path}", not_found, methods=["GET", "POST", "HEAD", "PUT", "DELETE"]),

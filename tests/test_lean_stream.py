@@ -56,3 +56,26 @@ def test_lean_scratch_is_l2_sized_not_matrix_sized():
     lin = LeanLinear(QuantMatrix([(raw, int(GGMLType.Q4_K))], 2048))
     assert lin.scratch_floats * 4 <= tuning.LEAN_BLOCK_BYTES
     assert lin.block_rows == tuning.LEAN_BLOCK_BYTES // (4 * 2048)
+
+
+def test_memory_plan_matches_what_the_runner_allocates(tmp_path):
+    """`pyengine info --memory`'s figures (engine/lean_mode.py memory_plan) against a built runner's arena and
+    weights, both modes; the CLI prints them."""
+    from pyengine.cli import main
+    from pyengine.engine.lean_mode import memory_plan
+    from pyengine.engine.model_runner import ModelRunner
+    from pyengine.gguf.random_llama import LlamaShape, write_random_llama
+    from pyengine.gguf.reader import GGUFFile
+
+    path = tmp_path / "m.gguf"
+    write_random_llama(path, LlamaShape(256, 2, 4, 2, 512, 512, 256), seed=5)
+    g = GGUFFile(str(path))
+    for mode in ("resident", "lean"):
+        plan = memory_plan(g, mode, 256)
+        r = ModelRunner(g, weights_mode=mode, max_model_len=256, max_num_seqs=1, max_logits=1,
+                        max_num_batched_tokens=plan["max_num_batched_tokens"], kv_cache_dtype=plan["kv_cache_dtype"])
+        assert plan["kv_cache"] == r.kv_cache.k.nbytes + r.kv_cache.v.nbytes
+        assert 0 <= r.arena.nbytes - (plan["kv_cache"] + plan["buffers"]) <= 64 * 64      # alignment padding
+        held = r.weights.nbytes if mode == "resident" else r.weights.nbytes - plan["mapped"]
+        assert abs(plan["weights"] - held) <= 0.01 * max(held, 1) + 4096
+    assert main(["info", str(path), "--memory", "--max-model-len", "128", "--kv-cache-dtype", "fp16"]) == 0

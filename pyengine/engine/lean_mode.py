@@ -25,3 +25,51 @@ def mode_defaults(weights_mode: str, kv_cache_dtype: str | None,
     if n is None:
         n = LEAN_BATCH_TOKENS if lean else RESIDENT_BATCH_TOKENS
     return kv, n
+
+
+def memory_plan(gguf, weights_mode: str, max_model_len: int, kv_cache_dtype: str | None = None,
+                block_size: int = 16) -> dict:
+    """What one sequence of ``max_model_len`` tokens holds in ``weights_mode`` (``pyengine info --memory``), in
+    bytes: "weights" (private: resident float32 matrices, norms), "mapped" (file-backed views of the GGUF: lean
+    mode's quantized matrices, evictable), "kv_cache", "buffers" (the rest of the arena: activations, attention,
+    lean scratch), and "kv_cache_dtype" / "max_num_batched_tokens" as the mode's defaults resolve them. The
+    arena regions come from the very functions the runner sizes it with; Python and NumPy come on top."""
+    import numpy as np
+
+    from pyengine import tuning
+    from pyengine.arena import plan_nbytes
+    from pyengine.engine.kv_cache import PagedKVCache
+    from pyengine.layers.linear import LeanLinear
+    from pyengine.models import load_model
+    from pyengine.models.base import Buffers
+
+    kv_dtype, batch = mode_defaults(weights_mode, kv_cache_dtype, None)
+    c, w, model = load_model(gguf, "lean")             # views of the file: cheap, nothing dequantized
+    mapped = private = norms = 0
+    seen = set()
+    for _, lin in w.linears():
+        if id(lin) not in seen and isinstance(lin, LeanLinear):
+            seen.add(id(lin))
+            mapped += lin.nbytes
+            private += 4 * lin.shape[0] * lin.shape[1]
+    for L in w.layers:
+        for v in L:
+            if isinstance(v, np.ndarray):
+                norms += v.nbytes
+            experts = getattr(v, "experts", None)
+            if experts is not None:
+                mapped += experts.nbytes
+                private += 4 * 3 * experts.n_experts * experts.f * experts.d
+    if not w.tied:                                     # the embedding's own rows (resident: a float32 copy)
+        src = w.embed.source
+        mapped += src.nbytes
+        private += 4 * c.vocab_size * c.d_model
+    lean = weights_mode == "lean"
+    weights = norms + (0 if lean else private)
+    blocks = -(-max_model_len // block_size)
+    kv = blocks * PagedKVCache.bytes_per_block(c.n_layers, block_size, c.n_kv_heads, c.head_dim, kv_dtype)
+    batch = min(batch, max_model_len) if lean else batch
+    specs = Buffers.specs(c, len(model.kinds), batch, max_model_len, 1, blocks * block_size,
+                          w.lean_floats if lean else 0, tuning.FLASH_MIN_QUERY)
+    return {"weights": weights, "mapped": mapped if lean else 0, "kv_cache": kv, "buffers": plan_nbytes(specs),
+            "kv_cache_dtype": kv_dtype, "max_num_batched_tokens": batch}

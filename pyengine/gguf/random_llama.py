@@ -90,8 +90,9 @@ def write_random_llama(path, shape: LlamaShape = TINYLLAMA_1_1B, seed: int = 0, 
             "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
             "tokenizer.ggml.scores": np.asarray(scores, np.float32),
             "tokenizer.ggml.token_type": np.asarray(types, np.int32),
-            "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2}
-    mtypes = {k: 4 for k, v in meta.items() if isinstance(v, int) and k != "general.architecture"}
+            "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
+            "tokenizer.ggml.add_bos_token": True}                          # as TinyLlama (and picoLM always)
+    mtypes = {k: 4 for k, v in meta.items() if type(v) is int}
     out: list[TensorOut] = []
 
     def mat(name, rows, cols, q6=False):

@@ -28,7 +28,7 @@ import numpy as np
 
 from pyengine.engine.block_manager import BlockManager
 from pyengine.engine.chunk_budget import ChunkBudget, check_target_itl_ms
-from pyengine.engine.lean_mode import mode_defaults
+from pyengine.engine.lean_mode import engine_defaults
 from pyengine.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, snapshot_metrics
 from pyengine.engine.scheduler import Scheduler, SchedulerOutput
 from pyengine.engine.sequence import Sequence, SequenceStatus
@@ -115,7 +115,8 @@ class LLMEngine:
         decodes' own measured cost, 0 turns it off (chunks fill ``max_num_batched_tokens``).
         S21: ``kv_cache_dtype`` / ``max_num_batched_tokens`` left None take the weights mode's defaults
         (engine/lean_mode.py: resident "auto" / 2048, lean "q8_0" / 8)."""
-        kv_cache_dtype, max_num_batched_tokens = mode_defaults(weights_mode, kv_cache_dtype, max_num_batched_tokens)
+        kv_cache_dtype, max_num_batched_tokens = engine_defaults(model, runner, weights_mode, kv_cache_dtype,
+                                                                 max_num_batched_tokens)
         if runner is None and tensor_parallel_size * pipeline_parallel_size > 1:
             from pyengine.parallel.mpi import launched_under_mpi    # lazy: mpi4py only when asked for
             if launched_under_mpi():

@@ -39,7 +39,10 @@ def mode_defaults(weights_mode: str, kv_cache_dtype: str | None, max_num_batched
 def engine_defaults(model, runner, weights_mode: str, kv_cache_dtype: str | None,
                     max_num_batched_tokens: int | None) -> tuple[str, int]:
     """`mode_defaults` for an `LLMEngine` building its runner for ``model`` (whose head dimension is read only
-    when a lean default KV type depends on it)."""
+    when a lean default KV type depends on it); an injected runner has its own KV type and batch: the engine's
+    defaults stay the resident ones, as before S21."""
+    if runner is not None:
+        return mode_defaults("resident", kv_cache_dtype, max_num_batched_tokens)
     head_dim = None
     if runner is None and weights_mode == "lean" and kv_cache_dtype is None:
         head_dim = head_dim_of(model)

@@ -27,7 +27,12 @@ REGROUP_COLS = 1024         # 512 rows, one layer: 38.1 ms vs 40.6 per block vs 
 SMALL_GEMM_MNK = 1_000_000  # OpenBLAS's small-matrix kernel takes M*N*K <= 100^3 (beyond: packed sgemm, 3x slower
 #                             for 9 rows of a 576 x 3072 block product; bit-identity across row counts ends there)
 LEAN_ROW_LOOP_MAX = 12      # lean: matvecs over the just-dequantized rows beat one product up to ~12 rows
-LEAN_HEAD_ROWS = 4096       # lean mode: rows of the head dequantized at a time (bounded scratch)
+LEAN_BLOCK_BYTES = 512 << 10  # S21 lean: float32 rows unpacked per block (L2-sized): 2048-input Q4 rows, 1 token,
+#                               64 rows 5.5 ms vs 32 rows 6.5 / 128 rows 6.1 per 5632 rows (docs/performance.md)
+LEAN_SCALE_BLOCKS = 16       # S21 lean: block scales decoded for 16 row blocks at once (~1 MiB of (rows, groups)
+#                               float32 scales and mins; per row block they cost 3.4 of 9 ms for 5632 Q4_K rows)
+LEAN_FOLD_MAX_ROWS = 8        # S21 lean: up to this many input rows fold the block scales into the activations
+#                               (per-group batched products); more rows scale the block in place and take one sgemm
 
 # --- attention (layers/attention.py, layers/paged_attention.py) ----------------------------------------
 DECODE_SLOTS = 2048         # padded context slots per batched decode group: its K and V stay in cache

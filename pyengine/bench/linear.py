@@ -35,6 +35,11 @@ def add_arguments(p) -> None:
     p.add_argument("--cpu-time", action="store_true",
                    help="time in process CPU seconds (one BLAS thread: the work done, less moved by a shared host)")
     p.add_argument("--quick", action="store_true", help="a short run (smoke test)")
+    p.add_argument("--formats", default=None, metavar="LIST",
+                   help="S21: instead, one row times a (--shape) matrix per quant format (e.g. Q4_K,Q6_K,Q8_0,Q4_0,"
+                        "Q4_1): the lean product (scales folded into the activations) vs dequantize + product vs "
+                        "float32 (resident)")
+    p.add_argument("--shape", default="5632x2048", metavar="OUTxIN", help="matrix of --formats (default: 1.1B's gate)")
 
 
 def _chains(path: str, kinds: list[str]) -> dict:
@@ -153,7 +158,54 @@ def _forward(args, path) -> None:
         print(f"{q:>4} {a * 1e3:9.1f} ({a / best[(1, 1)]:4.2f}) {b * 1e3:9.1f} ({b / best[(B, 1)]:4.2f})")
 
 
+def _formats(args) -> None:
+    """S21: per format, CPU ms of one row times a random matrix: LeanLinear (folded), its rows dequantized into
+    the same L2-sized blocks then multiplied (the lean product before S21), and the float32 matrix (resident)."""
+    from pyengine.gguf import quants
+    from pyengine.gguf.quants import GGMLType
+    from pyengine.layers.linear import LeanLinear, QuantMatrix
+
+    n_out, n_in = (int(v) for v in args.shape.lower().split("x"))
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, n_in), dtype=np.float32)
+    w = (rng.standard_normal((n_out, n_in), dtype=np.float32) * 0.05)
+    print(f"\none row x ({n_out} x {n_in}), CPU ms, min of {args.rounds} rounds (x float32)")
+    print(f"{'format':>7} {'lean folded':>18} {'dequant + product':>18} {'float32':>10} {'max rel err':>12}")
+    for name in args.formats.split(","):
+        t = GGMLType[name.strip().upper()]
+        raw = quants.quantizer(t)(w).reshape(n_out, -1)
+        lin = LeanLinear(QuantMatrix([(raw, int(t))], n_in))
+        lin.scratch = np.empty(lin.scratch_floats, np.float32)
+        dense = np.ascontiguousarray(lin.dense())
+        out = np.empty((1, n_out), np.float32)
+
+        def dequant_product():
+            for r0 in range(0, n_out, lin.block_rows):
+                r1 = min(n_out, r0 + lin.block_rows)
+                rows = lin.q.dequantize(lin.scratch[:(r1 - r0) * n_in].reshape(r1 - r0, n_in), r0, r1)
+                np.matmul(x, rows.T, out=out[:, r0:r1])
+
+        fns = {"lean": lambda: lin.matmul(x, out), "dequant": dequant_product,
+               "f32": lambda: np.matmul(x, dense, out=out)}
+        best = dict.fromkeys(fns, float("inf"))
+        for _ in range(args.rounds):
+            for k, fn in fns.items():
+                c = time.process_time()
+                fn()
+                best[k] = min(best[k], time.process_time() - c)
+        ref = x.astype(np.float64) @ dense.astype(np.float64)
+        err = np.abs(lin.matmul(x) - ref).max() / np.abs(ref).max()
+        f = best["f32"]
+        print(f"{t.name:>7} {best['lean'] * 1e3:10.2f} ({best['lean'] / f:4.1f}x) "
+              f"{best['dequant'] * 1e3:10.2f} ({best['dequant'] / f:4.1f}x) {f * 1e3:10.2f} {err:12.1e}")
+
+
 def run(args) -> int:
+    if getattr(args, "formats", None):
+        load = f"; load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
+        print(f"pyengine bench linear --formats{load}")
+        _formats(args)
+        return 0
     from pyengine.model_files import resolve_model
     path = resolve_model(args.model)
     if args.quick:

@@ -12,8 +12,9 @@ import argparse
 import sys
 import time
 
-from pyengine.cli.generate import (SAMPLING_OPTIONS, add_sampling_arguments, context_hint, load_llm, sampling_params,
-                                   stream_to, summary)
+from pyengine.cli.generate import (SAMPLING_OPTIONS, add_sampling_arguments, context_hint, load_llm, report,
+                                   sampling_params, stream_to, summary)
+from pyengine.engine import prompt_cache
 
 COMMANDS = """/reset            forget the conversation (keeps --system)
 /set NAME VALUE    change a setting: temperature, top_p, top_k, min_p, repetition_penalty, max_tokens, seed
@@ -26,6 +27,7 @@ SETTINGS = SAMPLING_OPTIONS + ("max_tokens", "seed")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_sampling_arguments(p, max_tokens=512)
+    prompt_cache.add_argument(p)
     p.add_argument("--system", default=None, metavar="TEXT", help="system message")
 
 
@@ -137,9 +139,11 @@ def run(args) -> int:
             continue
         if len(kept) < len(history) + 1:
             print(f"(dropped {len(history) + 1 - len(kept)} old messages to fit the context)", file=sys.stderr)
+        report(prompt_cache.before_run(llm.llm_engine, getattr(args, "prompt_cache", None)))
         start = time.perf_counter()
         stream = llm.stream({"prompt_token_ids": ids}, params)
         reply, interrupted = stream_to(stream)
+        report(prompt_cache.after_run(llm.llm_engine, getattr(args, "prompt_cache", None), ids))
         print(flush=True)
         if stream.output is not None:
             print(summary(stream.output, start, llm.get_tokenizer()), file=sys.stderr, flush=True)

@@ -11,6 +11,7 @@ import argparse
 import sys
 import time
 
+from pyengine.engine import prompt_cache
 from pyengine.engine.args import EngineArgs, default_max_model_len  # noqa: F401  (default_max_model_len: its home)
 
 MODEL_DEFAULT = "default: the model's, else "
@@ -63,6 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", default=None, metavar="TEXT", help="system message (with --chat)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
     add_target_itl_argument(p)
+    prompt_cache.add_argument(p)
 
 
 def sampling_params(args, llm=None, **extra):
@@ -174,6 +176,11 @@ def check_fits(llm, n_prompt: int, max_tokens: int) -> None:
                          f"{context_hint(llm.max_model_len, getattr(llm, 'model_context', None))}")
 
 
+def report(line: str | None) -> None:
+    if line:
+        print(line, file=sys.stderr, flush=True)
+
+
 def run(args) -> int:
     sampling_params(args)                # bad values fail before the model loads
     check_target_itl(args)
@@ -192,9 +199,13 @@ def run(args) -> int:
             raise ValueError(f"the prompt is too long ({exc}): "
                              f"{context_hint(llm.max_model_len, getattr(llm, 'model_context', None))}") from None
     check_fits(llm, len(ids), params.max_tokens)
+    report(prompt_cache.before_run(llm.llm_engine, getattr(args, "prompt_cache", None)))
     start = time.perf_counter()
     stream = llm.stream(prompt, params)
     text, interrupted = stream_to(stream)
+    if stream.output is not None:
+        report(prompt_cache.after_run(llm.llm_engine, getattr(args, "prompt_cache", None),
+                                      stream.output.prompt_token_ids))
     if not text.endswith("\n"):
         sys.stdout.write("\n")
     sys.stdout.flush()

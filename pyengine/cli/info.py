@@ -10,6 +10,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help="GGUF file (default: the bundled SmolLM2-135M)")
     p.add_argument("--model", dest="model_opt", default=None, metavar="PATH", help="GGUF file (same as MODEL)")
     p.add_argument("--tensors", action="store_true", help="also list every tensor (name, shape, type, bytes)")
+    p.add_argument("--memory", action="store_true",
+                   help="S21: what each weights mode (resident, lean) would hold for one sequence")
+    p.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                   help="context of that sequence (--memory; default: the model's)")
+    from pyengine.engine.kv_cache import KV_DTYPES
+    p.add_argument("--kv-cache-dtype", default=None, choices=KV_DTYPES,
+                   help="KV cache storage (--memory; default: each mode's: auto resident, q8_0 lean)")
 
 
 def _human(n: float, unit: str = "B") -> str:
@@ -84,10 +91,39 @@ def describe(gguf, path: str | None = None, tensors: bool = False) -> str:
     return "\n".join(lines)
 
 
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def memory_report(gguf, max_model_len: int | None = None, kv_cache_dtype: str | None = None) -> str:
+    """S21: `pyengine info --memory`: resident vs lean for one sequence of max_model_len tokens."""
+    from pyengine.config import ModelConfig
+    from pyengine.engine.lean_mode import memory_plan
+
+    n = max_model_len or ModelConfig.from_gguf(gguf).context_length or 2048
+    plans = {mode: memory_plan(gguf, mode, n, kv_cache_dtype) for mode in ("resident", "lean")}
+    rows = [("weights (private)", "weights"), ("weights (file-backed, evictable)", "mapped"),
+            ("KV cache", "kv_cache"), ("other buffers (arena)", "buffers")]
+    width = 34
+    lines = [f"memory for one sequence of {n} tokens:", f"{'':<{width}} {'resident':>14} {'lean':>14}"]
+    for label, key in rows:
+        lines.append(f"{label:<{width}} {_mib(plans['resident'][key]):>14} {_mib(plans['lean'][key]):>14}")
+    total = {m: p["weights"] + p["kv_cache"] + p["buffers"] for m, p in plans.items()}
+    lines.append(f"{'private total (+ Python, NumPy)':<{width}} {_mib(total['resident']):>14} {_mib(total['lean']):>14}")
+    lines.append(f"{'KV cache type, batch tokens':<{width}} "
+                 + " ".join(f"{p['kv_cache_dtype'] + ', ' + str(p['max_num_batched_tokens']):>14}"
+                            for p in plans.values()))
+    return "\n".join(lines)
+
+
 def run(args) -> int:
     from pyengine.gguf.reader import GGUFFile
     from pyengine.model_files import resolve_model
 
     path = resolve_model(args.model_opt or args.model)
-    print(describe(GGUFFile(path), path=path, tensors=args.tensors))
+    gguf = GGUFFile(path)
+    if getattr(args, "memory", False):
+        print(memory_report(gguf, args.max_model_len, args.kv_cache_dtype))
+        return 0
+    print(describe(gguf, path=path, tensors=args.tensors))
     return 0

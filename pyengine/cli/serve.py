@@ -60,6 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     add_model_arguments(p)
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: the file name)")
+    p.add_argument("--prompt-cache-dir", default=None, metavar="DIR",
+                   help="S21: POST /prompt_cache/{save,restore,erase} keep prompt KV files in DIR (off without it)")
     p.add_argument("--api-key", default=os.environ.get("PYENGINE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: $PYENGINE_API_KEY)")
     p.add_argument("--max-waiting", type=int, default=d.max_waiting,
@@ -169,7 +171,8 @@ def make_app(args):
     demo = demo_app(path) if getattr(args, "with_demo", False) else None
     app = create_app(engine, model_id=model_id, aliases=aliases, api_key=getattr(args, "api_key", None),
                      max_model_len=args.max_model_len, max_body_bytes=getattr(args, "max_body_bytes", 1 << 20),
-                     demo_app=demo, limits=server_limits(args))
+                     demo_app=demo, limits=server_limits(args),
+                     prompt_cache_dir=getattr(args, "prompt_cache_dir", None))
     return app, engine, model_id
 
 

@@ -73,7 +73,7 @@ class EngineArgs:
     num_blocks: int | None = None            # None: every sequence at full length, within kv_budget_bytes
     kv_budget_bytes: int = DEFAULT_KV_BUDGET_BYTES
     max_num_seqs: int | None = None          # None: 64 (an injected runner's own)
-    max_num_batched_tokens: int | None = None  # None: 2048 (an injected runner's own)
+    max_num_batched_tokens: int | None = None  # None: 2048, lean 8 (an injected runner's own)
     max_logits: int | None = None            # logits rows planned per step (default max_num_seqs)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -86,7 +86,7 @@ class EngineArgs:
     parallel_timeout: float | None = None    # seconds a step may wait on another rank (None: 60)
     speculative_config: object = None        # S14: vLLM's dict, or its JSON text
     weights_mode: str = "resident"           # "resident" (float32) or "lean" (quantized, dequantized per matrix)
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str | None = None        # None: the weights mode's (engine/lean_mode.py: "auto", lean "q8_0")
     target_itl_ms: float | None = None       # S11: None derives the target, 0 turns it off
     enforce_eager: bool = False              # S13: no captured steps
     threads: int | None = None               # BLAS threads (None: engine/threads.py picks; Pyodide: 1)
@@ -111,7 +111,7 @@ class EngineArgs:
             raise ValueError(f"max_waiting must be >= 0 or None, got {self.max_waiting}")
         if self.weights_mode not in WEIGHTS_MODES:
             raise ValueError(f"weights mode must be 'resident' or 'lean', got {self.weights_mode!r}")
-        if self.kv_cache_dtype not in KV_DTYPES:
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.target_itl_ms is not None:
             from pyengine.engine.chunk_budget import check_target_itl_ms
@@ -142,8 +142,15 @@ class EngineArgs:
         defaults, the batch limits (`DEFAULT_LIMITS`, or an injected runner's own); ValueError if
         ``max_model_len`` exceeds the trained context. Returns self."""
         from pyengine.config import ModelConfig
+        from pyengine.engine.lean_mode import mode_defaults
         from pyengine.sampling_params import model_sampling_defaults
 
+        if gguf is None:          # an injected runner has its own KV type and batch: the resident defaults
+            self.kv_cache_dtype = self.kv_cache_dtype or "auto"
+        else:                     # S21: lean mode's q8_0 KV cache and short batches (engine/lean_mode.py)
+            from pyengine.models import load_config
+            self.kv_cache_dtype, self.max_num_batched_tokens = mode_defaults(
+                self.weights_mode, self.kv_cache_dtype, self.max_num_batched_tokens, load_config(gguf).head_dim)
         for name, default in DEFAULT_LIMITS.items():
             if getattr(self, name) is None and (name != "max_model_len" or gguf is None):
                 have = getattr(runner, name, None)
@@ -193,7 +200,7 @@ class EngineArgs:
 
         self.validate()
         if runner is not None:
-            if self.num_ranks != 1 or self.kv_cache_dtype != "auto":
+            if self.num_ranks != 1 or self.kv_cache_dtype not in (None, "auto"):
                 raise ValueError("tensor_parallel_size, pipeline_parallel_size and kv_cache_dtype build the runner: "
                                  "pass them to the runner you inject")
             self.resolve(None, runner)
@@ -241,8 +248,9 @@ class EngineArgs:
             p.add_argument("--model", metavar="PATH", default=None, help="GGUF file (default: SmolLM2-135M-Instruct)")
             p.add_argument("--max-model-len", type=int, default=None, metavar="N",
                            help="context length (default: the model's, when one sequence's KV cache fits the memory)")
-            p.add_argument("--kv-cache-dtype", default="auto", choices=KV_DTYPES,
-                           help="KV cache storage: auto (float32), fp16, q8_0, q4_0 (S08)")
+            p.add_argument("--kv-cache-dtype", default=None, choices=KV_DTYPES,
+                           help="KV cache storage: auto (float32), fp16, q8_0, q4_0 (S08; default: auto, with "
+                                "--weights lean q8_0)")
             p.add_argument("--enforce-eager", action="store_true",
                            help="run every step plain: no captured step replayed (S13, vLLM's option)")
             p.add_argument("--weights", dest="weights_mode", default="resident", choices=WEIGHTS_MODES,
@@ -262,7 +270,9 @@ class EngineArgs:
                                 "0 = off (chunks fill --max-num-batched-tokens)")
         if "batching" in groups:
             p.add_argument("--max-num-seqs", type=int, default=DEFAULT_LIMITS["max_num_seqs"])
-            p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_LIMITS["max_num_batched_tokens"])
+            p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                           help=f"tokens one step may run (default {DEFAULT_LIMITS['max_num_batched_tokens']}; "
+                                "with --weights lean 8)")
             p.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
             p.add_argument("--no-chunked-prefill", action="store_true", help="disable chunked prefill")
         if "parallel" in groups:

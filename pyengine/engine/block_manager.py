@@ -237,6 +237,18 @@ class BlockManager:
                 self.block_tokens[b] = tuple(ids[i * bs:(i + 1) * bs])
         seq.num_registered_blocks = num_full
 
+    def adopt_block(self, h: bytes, tokens) -> int | None:
+        """S21 (prompt cache): a free block named ``h`` for ``tokens``, entered in the prefix cache unreferenced
+        (evictable like any released cached block) for its K/V to be written from elsewhere; None when prefix
+        caching is off, ``h`` is already cached or no block is free."""
+        if not self.enable_prefix_caching or h in self.cached or not self.num_free_blocks():
+            return None
+        b = self._take_free_block()
+        self.ref_counts[b] = 0
+        self.cached[h], self.block_hash[b], self.block_tokens[b] = b, h, tuple(tokens)
+        self.evictable[b] = None
+        return b
+
     def reset_prefix_cache(self) -> int:
         """Drop every unreferenced cached block from the cache (returns how many)."""
         n = len(self.evictable)

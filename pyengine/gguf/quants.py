@@ -248,6 +248,79 @@ _KERNELS: dict[GGMLType, Callable[[np.ndarray, np.ndarray], None]] = {
 
 SUPPORTED_TYPES = tuple(_KERNELS)
 
+
+# S21 folded unpacking, two kernels per format: unpack(blocks, out (n, block_size) float32) writes the raw quants
+# q; scales(blocks) returns (scale, bias, group) with w = scale[:, g] * q + bias[:, g] over consecutive groups of
+# ``group`` weights (bias None: none). Separate, so a product decodes the (small) scales of many rows at once.
+def _unpack_nibbles(b, out):
+    qs = b["qs"]
+    o = out.reshape(qs.shape[0], 2, 16)
+    np.bitwise_and(qs, 15, out=o[:, 0], casting="unsafe")
+    np.right_shift(qs, 4, out=o[:, 1], casting="unsafe")
+
+
+def _scales_q4_0(b):
+    d = b["d"].astype(np.float32)[:, None]
+    return d, d * np.float32(-8), 32
+
+
+def _scales_q4_1(b):
+    return b["d"].astype(np.float32)[:, None], b["m"].astype(np.float32)[:, None], 32
+
+
+def _unpack_q8_0(b, out):
+    np.copyto(out, b["qs"], casting="unsafe")
+
+
+def _scales_q8_0(b):
+    return b["d"].astype(np.float32)[:, None], None, 32
+
+
+_UNPACK: dict[GGMLType, tuple[Callable, Callable]] = {
+    GGMLType.Q4_0: (_unpack_nibbles, _scales_q4_0), GGMLType.Q4_1: (_unpack_nibbles, _scales_q4_1),
+    GGMLType.Q8_0: (_unpack_q8_0, _scales_q8_0),
+    GGMLType.Q4_K: (quants_k.unpack_q4_k, quants_k.scales_q4_k),
+    GGMLType.Q6_K: (quants_k.unpack_q6_k, quants_k.scales_q6_k),
+}
+FOLDED_TYPES = tuple(_UNPACK)
+
+
+def _blocks(raw: np.ndarray, ggml_type: int) -> np.ndarray:
+    return np.ascontiguousarray(raw).reshape(-1).view(GGML_BLOCK[GGMLType(ggml_type)].dtype)
+
+
+def unpack_quants(raw: np.ndarray, ggml_type: int, cols: int, out: np.ndarray) -> bool:
+    """S21: (n, row_bytes) raw rows -> ``out`` (n, cols) float32. A FOLDED_TYPES type writes its raw quants q
+    (then w = scale * q + bias per group, see ``unpack_scales``) and returns True; any other type is dequantized
+    into out (the weights themselves) and returns False."""
+    kernels = _UNPACK.get(ggml_type)
+    if kernels is None:
+        dequantize(raw, ggml_type, (raw.shape[0], cols), out=out)
+        return False
+    blocks = _blocks(raw, ggml_type)
+    kernels[0](blocks, out.reshape(blocks.shape[0], -1))
+    return True
+
+
+def unpack_scales(raw: np.ndarray, ggml_type: int, cols: int):
+    """S21: (n, row_bytes) raw rows of a FOLDED_TYPES type -> (scale (n, G), bias (n, G) or None, group) with
+    w[r, g*group + j] = scale[r, g] * q[r, g*group + j] + bias[r, g], G = cols // group (q from
+    ``unpack_quants``). Lean products multiply by q and fold scale and bias into the activations: fewer passes
+    over the weights than dequantizing."""
+    n = raw.shape[0]
+    with np.errstate(all="ignore"):
+        scale, bias, group = _UNPACK[ggml_type][1](_blocks(raw, ggml_type))
+    G = cols // group
+    return scale.reshape(n, G), None if bias is None else bias.reshape(n, G), group
+
+
+def unpack_rows(raw: np.ndarray, ggml_type: int, cols: int, out: np.ndarray):
+    """Both at once: the quants into ``out`` and (scale, bias, group); (None, None, 0) for dequantized rows."""
+    if not unpack_quants(raw, ggml_type, cols, out):
+        return None, None, 0
+    return unpack_scales(raw, ggml_type, cols)
+
+
 # Blocks decoded per kernel call: keeps the temporaries in cache (~1 MB of output) for large tensors.
 _CHUNK_WEIGHTS = 1 << 18
 

@@ -117,6 +117,63 @@ def dequant_q6_k(b: np.ndarray, out: np.ndarray) -> None:
     np.multiply(q.reshape(n, 16, 16), dl[:, :, None], out=out.reshape(n, 16, 16))
 
 
+
+# ---------------------------------------------------------------------------------------------------------
+# S21 folded unpacking (the lean products): a row's weights as w = scale[g] * q + bias[g] per group g, the
+# raw q written straight into float32 (one cast per nibble, no scale pass), the scales and biases returned
+# per group so a product folds them into its activations (layers/linear.py LeanLinear).
+# ---------------------------------------------------------------------------------------------------------
+
+def unpack_q4_k(b: np.ndarray, out: np.ndarray) -> None:
+    """(n blocks) -> out (n, 256) float32 nibbles (cast straight from the bytes: no uint8 temporary)."""
+    g = b.view(np.uint8).reshape(b.shape[0], -1)[:, 16:].reshape(-1, 4, 32)
+    o = out.reshape(-1, 4, 2, 32)
+    np.bitwise_and(g, 15, out=o[:, :, 0], casting="unsafe")
+    np.right_shift(g, 4, out=o[:, :, 1], casting="unsafe")
+
+
+def scales_q4_k(b: np.ndarray):
+    """(n blocks) -> scale (n, 8) = d * sc, bias (n, 8) = -dmin * m: w = scale * q + bias per 32 weights. The 12
+    scale bytes unpacked four at a time as uint32 lanes (1/4 of the NumPy calls' elements of ``_scale_min_k4``)."""
+    n = b.shape[0]
+    raw = b.view(np.uint8).reshape(n, -1)
+    s = np.ascontiguousarray(raw[:, 4:16]).view("<u4")                  # lo scales | lo mins | packed, 4 each
+    lo_sc, lo_m, packed = s[:, 0], s[:, 1], s[:, 2]
+    sc, mn = np.empty((n, 2), "<u4"), np.empty((n, 2), "<u4")
+    np.bitwise_and(lo_sc, 0x3F3F3F3F, out=sc[:, 0])
+    np.bitwise_and(packed, 0x0F0F0F0F, out=sc[:, 1])
+    sc[:, 1] |= (lo_sc >> 2) & 0x30303030
+    np.bitwise_and(lo_m, 0x3F3F3F3F, out=mn[:, 0])
+    np.bitwise_and(packed >> 4, 0x0F0F0F0F, out=mn[:, 1])
+    mn[:, 1] |= (lo_m >> 2) & 0x30303030
+    d = np.ascontiguousarray(raw[:, :4]).view("<f2").astype(np.float32)   # (n, 2): d, dmin
+    scale = np.multiply(sc.view(np.uint8), d[:, :1], dtype=np.float32)
+    bias = np.multiply(mn.view(np.uint8), -d[:, 1:], dtype=np.float32)
+    return scale, bias, 32
+
+
+def unpack_q6_k(b: np.ndarray, out: np.ndarray) -> None:
+    """(n blocks) -> out (n, 256) float32 q in 0..63 (before ggml's -32): assembled in uint8, cast once."""
+    n = b.shape[0]
+    raw = b.view(np.uint8).reshape(n, -1)      # plain byte views: faster loops than the structured fields
+    ql = raw[:, :128].reshape(n, 2, 64)
+    q = np.empty((n, 2, 2, 64), np.uint8)      # per 128-weight half: low nibbles of 64 bytes, then high
+    np.bitwise_and(ql, 15, out=q[:, :, 0])
+    np.right_shift(ql, 4, out=q[:, :, 1])
+    q = q.reshape(n, 2, 4, 32)
+    qh = np.empty((n, 2, 4, 32), np.uint8)
+    np.right_shift(raw[:, 128:192].reshape(n, 2, 1, 32), _SHIFT_2BIT, out=qh)
+    qh &= 3
+    qh <<= 4
+    q |= qh
+    np.copyto(out.reshape(n, 2, 4, 32), q, casting="unsafe")
+
+
+def scales_q6_k(b: np.ndarray):
+    """(n blocks) -> scale (n, 16) = d * sc, bias = -32 * scale: w = scale * q + bias per 16 weights."""
+    scale = b["d"].astype(np.float32)[:, None] * _f32(b["scales"])
+    return scale, scale * np.float32(-32), 16
+
 # ---------------------------------------------------------------------------------------------------------
 # Quantization: ggml's reference algorithms (quantize_row_q4_K_ref / quantize_row_q6_K_ref, used by
 # llama-quantize when no importance matrix is given), vectorized over sub-blocks. Every sum runs in ggml's

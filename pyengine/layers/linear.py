@@ -7,8 +7,8 @@ Implementations (the model never asks which one it holds):
   DenseLinear      float32 (in, out), dequantized once at load (resident mode), held as contiguous column blocks
   BlockedLinear    the resident LM head (d, V): a DenseLinear that also gives columns (tied embeddings read
                    their rows from the head)
-  LeanLinear       the GGUF's quantized rows, dequantized into shared scratch just before use (lean mode,
-                   picoLM-style: one layer's worth of float32 at a time, for 32-bit browsers)
+  LeanLinear       the GGUF's quantized rows, multiplied an L2-sized block of rows at a time with the block
+                   scales folded into the activations (lean mode, picoLM-style, S21)
   ColumnParallelLinear, RowParallelLinear, VocabParallelHead (layers/parallel_linear.py, S17): Megatron's splits
 Why column blocks: OpenBLAS's sgemm packs the whole weight on every call, so 2 rows cost ~2.4x one row, and a
 loop of matvecs reads the weight once per row; its small-matrix kernel (M*N*K <= 100^3, no packing) multiplies
@@ -30,10 +30,13 @@ from pyengine.layers.activation import gated_activation
 
 class QuantMatrix:
     """A (rows, cols) weight kept as quantized rows as the GGUF stores them, possibly several tensors stacked
-    (a fused matrix): ``parts`` = [(raw uint8 (rows_i, row_bytes_i), ggml_type)]."""
+    (a fused matrix): ``parts`` = [(raw uint8 (rows_i, row_bytes_i), ggml_type)], views of the file (never
+    copied). ``orders``: per part None, or the file rows in model order (llama's Q/K rows reordered for
+    half-split RoPE): those rows are gathered a block at a time when used, so the file is still never copied."""
 
-    def __init__(self, parts: list[tuple[np.ndarray, int]], cols: int):
+    def __init__(self, parts: list[tuple[np.ndarray, int]], cols: int, orders: list | None = None):
         self.parts = parts
+        self.orders = orders or [None] * len(parts)
         self.cols = cols
         self.shape = (sum(p.shape[0] for p, _ in parts), cols)
         self.nbytes = sum(p.nbytes for p, _ in parts)
@@ -41,23 +44,30 @@ class QuantMatrix:
     @classmethod
     def stack(cls, *mats: "QuantMatrix") -> "QuantMatrix":
         """Rows of several matrices one after the other (Q|K|V, gate|up)."""
-        return cls([p for m in mats for p in m.parts], mats[0].cols)
+        return cls([p for m in mats for p in m.parts], mats[0].cols, [o for m in mats for o in m.orders])
+
+    def part_rows(self, i: int, a: int, b: int) -> np.ndarray:
+        """Rows a..b (model order) of part i: a view of the file, or a gather of those rows when reordered."""
+        raw, order = self.parts[i][0], self.orders[i]
+        return raw[a:b] if order is None else np.take(raw, order[a:b], axis=0)
 
     def dequantize(self, out: np.ndarray | None = None, r0: int = 0, r1: int | None = None) -> np.ndarray:
         """Rows r0..r1 as float32 (into a preallocated C-contiguous ``out``: no model-sized temporaries)."""
         r1 = self.shape[0] if r1 is None else r1
         out = np.empty((r1 - r0, self.cols), np.float32) if out is None else out
         base = 0
-        for raw, t in self.parts:
+        for i, (raw, t) in enumerate(self.parts):
             a, b = max(r0, base), min(r1, base + raw.shape[0])
             if a < b:
-                quants.dequantize(raw[a - base:b - base], t, (b - a, self.cols), out=out[a - r0:b - r0])
+                quants.dequantize(self.part_rows(i, a - base, b - base), t, (b - a, self.cols),
+                                  out=out[a - r0:b - r0])
             base += raw.shape[0]
         return out
 
     def rows(self, idx: np.ndarray, out: np.ndarray) -> np.ndarray:
         """Dequantize selected rows (embedding lookup); single-part matrices only."""
         (raw, t), = self.parts
+        idx = idx if self.orders[0] is None else self.orders[0][idx]
         return quants.dequantize(np.take(raw, idx, axis=0), t, out.shape, out=out)
 
 
@@ -245,33 +255,71 @@ class BlockedLinear(DenseLinear):
 
 
 class LeanLinear(Linear):
-    """Quantized (out, in) rows dequantized into ``scratch`` (a flat float32 buffer shared by every lean matrix:
-    layers run one after another) just before each product; matrices with more rows than ``chunk_rows`` (the LM
-    head) go in chunks of rows so the scratch stays small."""
+    """S21 streaming lean matrix: the GGUF's quantized (out, in) rows (views of the memory-mapped file, never
+    copied), multiplied a block of ``block_rows`` rows at a time through ``scratch`` (a flat float32 buffer of
+    the arena shared by every lean matrix: layers run one after another). The block is L2-sized
+    (tuning.LEAN_BLOCK_BYTES of float32 rows), never matrix-sized, so the scratch stays small at any model size.
+
+    The product folds the block formats' scales into the activations (quants.unpack_rows): the raw quants are
+    cast straight into the scratch (no scale pass over the weights), per-group dot products run as one batched
+    product, the (rows, groups) partial sums are scaled there, and the mins / offsets become one small product
+    with the per-group sums of x: y[r] = sum_g scale[r,g] * (q[r,g] . x[g]) + bias[r,g] * sum(x[g]). Up to
+    LEAN_FOLD_MAX_ROWS input rows; more (prefill) scale the block in place and take one sgemm."""
 
     def __init__(self, m: QuantMatrix, act: str | None = None, chunk_rows: int | None = None):
         self.q = m
         self.shape, self.nbytes, self.act = (m.shape[1], m.shape[0]), m.nbytes, act
-        self.chunk_rows = min(m.shape[0], chunk_rows or m.shape[0])
+        rows = chunk_rows or max(1, tuning.LEAN_BLOCK_BYTES // (4 * m.cols))
+        self.block_rows = min(m.shape[0], rows)
         self.scratch: np.ndarray | None = None           # bound by the runner (arena region "lean.scratch")
 
     @property
     def scratch_floats(self) -> int:
-        return self.chunk_rows * self.q.cols
+        return self.block_rows * self.q.cols
 
     def matmul(self, x, out=None):
         out = np.empty((x.shape[0], self.shape[1]), np.float32) if out is None else out
-        n, k = self.q.shape
+        T, k, br = x.shape[0], self.q.cols, self.block_rows
         buf = (np.empty(self.scratch_floats, np.float32) if self.scratch is None else self.scratch)
-        for r0 in range(0, n, self.chunk_rows):
-            r1 = min(n, r0 + self.chunk_rows)
-            rows = self.q.dequantize(buf[:(r1 - r0) * k].reshape(r1 - r0, k), r0, r1)
-            if 1 < x.shape[0] <= tuning.LEAN_ROW_LOOP_MAX:       # the fresh rows are still in cache
-                for r in range(x.shape[0]):
-                    np.matmul(x[r], rows.T, out=out[r, r0:r1])
-            else:
-                np.matmul(x, rows.T, out=out[:, r0:r1])
+        fold = T <= tuning.LEAN_FOLD_MAX_ROWS
+        per_group: dict[int, tuple] = {}                 # group size -> (x as (G, group, T), per-group sums (T, G))
+        span = br * tuning.LEAN_SCALE_BLOCKS             # rows whose scales are decoded at once (small arrays)
+        base = 0
+        for i, (raw, t) in enumerate(self.q.parts):
+            folded = t in quants.FOLDED_TYPES
+            for c0 in range(0, raw.shape[0], span):
+                c1 = min(raw.shape[0], c0 + span)
+                if folded:
+                    scales, biases, g = quants.unpack_scales(self.q.part_rows(i, c0, c1), t, k)
+                    if g not in per_group:
+                        xg = x.reshape(T, k // g, g)
+                        per_group[g] = (np.ascontiguousarray(xg.transpose(1, 2, 0)), xg.sum(axis=2))
+                for a in range(c0, c1, br):
+                    b = min(c1, a + br)
+                    n = b - a
+                    w = buf[:n * k].reshape(n, k)
+                    quants.unpack_quants(self.q.part_rows(i, a, b), t, k, w)
+                    o = out[:, base + a:base + b]
+                    if not folded:                                  # other formats: dequantized rows
+                        self._product(x, w, o)
+                    elif fold:
+                        part = np.matmul(w.reshape(n, k // g, g).transpose(1, 0, 2), per_group[g][0])  # (G, n, T)
+                        np.copyto(o, np.matmul(scales[a - c0:b - c0, None, :], part.transpose(1, 0, 2))[:, 0].T)
+                    else:
+                        w.reshape(n, k // g, g)[...] *= scales[a - c0:b - c0, :, None]
+                        self._product(x, w, o)
+                if folded and biases is not None:
+                    out[:, base + c0:base + c1] += per_group[g][1] @ biases.T
+            base += raw.shape[0]
         return out
+
+    @staticmethod
+    def _product(x: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
+        if 1 < x.shape[0] <= tuning.LEAN_ROW_LOOP_MAX:       # the fresh rows are still in cache
+            for r in range(x.shape[0]):
+                np.matmul(x[r], rows.T, out=out[r])
+        else:
+            np.matmul(x, rows.T, out=out)
 
     def rows(self, idx: np.ndarray, out: np.ndarray) -> np.ndarray:
         return self.q.rows(idx, out)
@@ -319,4 +367,4 @@ def make_head(m: QuantMatrix, mode: str) -> Linear:
     """The LM head: column blocks (resident) or lean rows in chunks."""
     if mode == "resident":
         return BlockedLinear(m.dequantize())
-    return LeanLinear(m, chunk_rows=tuning.LEAN_HEAD_ROWS)
+    return LeanLinear(m)

@@ -97,9 +97,13 @@ class Buffers:
         H, Hkv, hd, d = c.n_heads, c.n_kv_heads, c.head_dim, c.d_model
         g = H // Hkv
         # scores, plus half as much again for the halving key reductions (attention._reduce_keys)
-        plain = Hkv * (flash_min_query - 1) * g * (max_model_len + max_model_len // 2 + 1)
-        flash = Hkv * (tuning.FLASH_TILE + tuning.FLASH_TILE // 2 + 1) * tuning.FLASH_Q_TILE * g
-        short = H * tuning.SHORT_QUERY_MAX * decode_slots
+        # A sequence never has more new tokens than a batch, and batches of at most SHORT_QUERY_MAX tokens (S21's
+        # lean mode) only ever take the short-query path: no whole-context K/V copy, no prefill scores.
+        long_ctx = max_model_len if max_tokens > tuning.SHORT_QUERY_MAX else 0
+        plain = Hkv * min(flash_min_query - 1, max_tokens) * g * (long_ctx + long_ctx // 2 + 1) if long_ctx else 0
+        flash = Hkv * (tuning.FLASH_TILE + tuning.FLASH_TILE // 2 + 1) * min(tuning.FLASH_Q_TILE, max_tokens) * g
+        flash = flash if long_ctx else 0
+        short = H * min(tuning.SHORT_QUERY_MAX, max_tokens) * decode_slots
         out = [spec("act.x", (max_tokens, d)), spec("act.xn", (max_tokens, d)),
                spec("act.qkv", (max_tokens, (H + 2 * Hkv) * hd)), spec("act.qk", (max_tokens, H + Hkv, hd)),
                spec("act.qk_rot", (max_tokens, H + Hkv, hd)), spec("act.rope_tmp", (max_tokens, H + Hkv, hd // 2)),
@@ -110,7 +114,7 @@ class Buffers:
                     spec(f"rope.{k}.table_sin", (max_model_len, hd // 2)),
                     spec(f"rope.{k}.cos", (max_tokens, H + Hkv, hd // 2)),
                     spec(f"rope.{k}.sin", (max_tokens, H + Hkv, hd // 2))]
-        out += [spec("attn.k_ctx", (max_model_len, Hkv, hd)), spec("attn.v_ctx", (max_model_len, Hkv, hd)),
+        out += [spec("attn.k_ctx", (long_ctx, Hkv, hd)), spec("attn.v_ctx", (long_ctx, Hkv, hd)),
                 spec("attn.k_batch", (decode_slots, Hkv, hd)), spec("attn.v_batch", (decode_slots, Hkv, hd)),
                 spec("attn.scores", (max(plain, flash, short),)),
                 spec("logits.x", (max_logits, d)), spec("logits.xn", (max_logits, d)),
@@ -236,9 +240,8 @@ class TensorReader:
             raise ValueError(f"tensor {name!r} has shape {tuple(info.shape)}, expected {shape}")
         layout = quants.block_layout(info.ggml_type)
         raw = info.data.reshape(shape[0], shape[1] // layout.block_size * layout.type_size)
-        if unpermute_heads:
-            raw = np.ascontiguousarray(interleaved_to_half(raw, unpermute_heads))
-        return QuantMatrix([(raw, info.ggml_type)], shape[1])
+        order = interleaved_to_half(np.arange(shape[0]), unpermute_heads) if unpermute_heads else None
+        return QuantMatrix([(raw, info.ggml_type)], shape[1], [order])      # S21: the file is never copied
 
     def vector(self, name: str, n: int) -> np.ndarray:
         v = self.gguf.dequantize(name)

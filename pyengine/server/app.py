@@ -22,6 +22,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 
+from pyengine.engine import prompt_cache
 from pyengine.server import guard
 from pyengine.server import protocol as P
 from pyengine.server import responses as R
@@ -40,7 +41,7 @@ DRAIN_LIMIT = 64 << 20            # read (and drop) at most this much of an over
 ROUTE_TABLE = (("POST", "/v1/chat/completions", "chat_completions"), ("POST", "/v1/completions", "completions"),
                ("POST", "/v1/responses", "responses"), ("GET", "/v1/models", "models"), ("POST", "/tokenize", "tokenize"),
                ("POST", "/detokenize", "detokenize"), ("GET", "/health", "health"),
-               ("GET", "/metrics", "metrics_endpoint"))
+               ("GET", "/metrics", "metrics_endpoint"), ("POST", "/prompt_cache/{action}", "prompt_cache_route"))
 ROUTES = tuple(f"{method} {path}" for method, path, _ in ROUTE_TABLE)
 
 
@@ -150,7 +151,7 @@ class ServerState:
 def create_app(engine: EngineClient, *, model_id: str | None = None, aliases=(), api_key: str | None = None,
                max_model_len: int | None = None, max_body_bytes: int = MAX_BODY_BYTES, demo_app=None,
                metrics: ServerMetrics | None = None, limits: ServerLimits | None = None,
-               sampling_defaults: dict | None = None) -> Starlette:
+               sampling_defaults: dict | None = None, prompt_cache_dir: str | None = None) -> Starlette:
     """The API around a ready engine (an `EngineClient`: LLMEngine, or S18's Router). `demo_app` (an ASGI app,
     e.g. the web demo) is mounted at / so the demo and the API share one process and port. `limits`: timeouts, queue
     bounds, Host/CORS policy (guard.ServerLimits); `api_key` covers every route but /health.
@@ -252,6 +253,20 @@ def create_app(engine: EngineClient, *, model_id: str | None = None, aliases=(),
         data, content_type = state.metrics.render()
         return Response(data, media_type=content_type.split(";")[0], headers={"content-type": content_type})
 
+    async def prompt_cache_route(request: Request) -> Response:
+        """S21: POST /prompt_cache/{save,restore,erase} (engine/prompt_cache.py serve_action has the shape)."""
+        async def handle(r):
+            body = await state.read_json(r)
+            try:
+                return JSONResponse(await state.loop.exclusive(
+                    lambda: prompt_cache.serve_action(state.loop.engine, prompt_cache_dir, r.path_params["action"],
+                                                      body)))
+            except prompt_cache.PromptCacheError as exc:
+                raise P.APIError(400, str(exc), param="filename") from None
+            except FileNotFoundError as exc:
+                raise P.APIError(404, str(exc), param="filename") from None
+        return await api(request, handle)
+
     async def not_found(request: Request) -> Response:
         raise HTTPException(404)
 
@@ -297,7 +312,7 @@ def create_app(engine: EngineClient, *, model_id: str | None = None, aliases=(),
 
     handlers = {"chat_completions": chat_completions, "completions": completions, "responses": responses,
                 "models": models, "tokenize": tokenize, "detokenize": detokenize, "health": health,
-                "metrics_endpoint": metrics_endpoint}
+                "metrics_endpoint": metrics_endpoint, "prompt_cache_route": prompt_cache_route}
     routes = [Route(path, handlers[name], methods=[method]) for method, path, name in ROUTE_TABLE]
     if demo_app is not None:   # unknown /v1 paths stay the API's clear 404, not the demo's
         routes += [Route("/v1/{rest:path}", not_found, methods=["GET", "POST", "HEAD", "PUT", "DELETE"]),

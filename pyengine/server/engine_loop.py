@@ -121,6 +121,12 @@ class EngineLoop:
             self.abort(rid, reason)
         return len(ids)
 
+    async def exclusive(self, fn):
+        """fn() between two engine steps (S21: the prompt cache reads and writes KV blocks), in a thread."""
+        self.ensure_started()
+        async with self._lock:
+            return await asyncio.to_thread(fn)
+
     @property
     def num_active(self) -> int:
         return len(self._queues)

@@ -1,0 +1,81 @@
+"""S21: the streaming lean products — folded unpacking per format against ggml's dequantization (the `gguf`
+package, an independent reference), LeanLinear against the float64 product, the L2-sized scratch."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+
+from pyengine import tuning
+from pyengine.gguf import quants
+from pyengine.gguf.quants import GGMLType
+from pyengine.layers.linear import LeanLinear, QuantMatrix
+
+FORMATS = (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q5_0)
+
+
+def _rows(t: GGMLType, n: int, k: int, seed: int) -> np.ndarray:
+    w = (np.random.default_rng(seed).standard_normal((n, k)) * 0.3 + 0.05).astype(np.float32)
+    return quants.quantizer(t)(w).reshape(n, -1)
+
+
+@pytest.mark.parametrize("t", FORMATS, ids=lambda t: t.name)
+def test_unpack_rows_folds_to_ggml_dequantization(t):
+    raw = _rows(t, 6, 512, 1)
+    ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(int(t))).reshape(6, 512)
+    out = np.empty((6, 512), np.float32)
+    scale, bias, g = quants.unpack_rows(raw, t, 512, out)
+    if t not in quants.FOLDED_TYPES:                        # other formats: plain dequantized rows
+        assert scale is None and np.array_equal(out, ref)
+        return
+    w = out.reshape(6, 512 // g, g) * scale[:, :, None] + (0 if bias is None else bias[:, :, None])
+    assert np.abs(w.reshape(6, 512) - ref).max() <= 1e-6 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("t", FORMATS, ids=lambda t: t.name)
+def test_lean_products_equal_float64(t, monkeypatch):
+    """Every row count through both paths (folded up to LEAN_FOLD_MAX_ROWS, scaled block + sgemm beyond),
+    a fused two-part matrix, row blocks that do not divide the rows."""
+    monkeypatch.setattr(tuning, "LEAN_BLOCK_BYTES", 7 * 512 * 4)           # 7-row blocks
+    m = QuantMatrix([(_rows(t, 40, 512, 2), int(t)), (_rows(GGMLType.Q6_K, 24, 512, 3), int(GGMLType.Q6_K))], 512)
+    lin = LeanLinear(m)
+    assert lin.block_rows == 7 and lin.scratch_floats == 7 * 512
+    lin.scratch = np.empty(lin.scratch_floats, np.float32)
+    w = m.dequantize().astype(np.float64).T
+    rng = np.random.default_rng(4)
+    for n in (1, 2, tuning.LEAN_FOLD_MAX_ROWS, tuning.LEAN_FOLD_MAX_ROWS + 1, 20):
+        x = rng.standard_normal((n, 512)).astype(np.float32)
+        out = lin.matmul(x, np.empty((n, 64), np.float32))
+        ref = x @ w
+        assert np.abs(out - ref).max() <= 2e-6 * np.abs(ref).max(), n
+
+
+def test_lean_scratch_is_l2_sized_not_matrix_sized():
+    """The 1.1B shape's gate|up (2 x 5632 rows of 2048) and its 32000-row head need one block of rows each."""
+    raw = np.zeros((2 * 5632, 2048 // 256 * 144), np.uint8)
+    lin = LeanLinear(QuantMatrix([(raw, int(GGMLType.Q4_K))], 2048))
+    assert lin.scratch_floats * 4 <= tuning.LEAN_BLOCK_BYTES
+    assert lin.block_rows == tuning.LEAN_BLOCK_BYTES // (4 * 2048)
+
+
+def test_memory_plan_matches_what_the_runner_allocates(tmp_path):
+    """`pyengine info --memory`'s figures (engine/lean_mode.py memory_plan) against a built runner's arena and
+    weights, both modes; the CLI prints them."""
+    from pyengine.cli import main
+    from pyengine.engine.lean_mode import memory_plan
+    from pyengine.engine.model_runner import ModelRunner
+    from pyengine.gguf.random_llama import LlamaShape, write_random_llama
+    from pyengine.gguf.reader import GGUFFile
+
+    path = tmp_path / "m.gguf"
+    write_random_llama(path, LlamaShape(256, 2, 4, 2, 512, 512, 256), seed=5)
+    g = GGUFFile(str(path))
+    for mode in ("resident", "lean"):
+        plan = memory_plan(g, mode, 256)
+        r = ModelRunner(g, weights_mode=mode, max_model_len=256, max_num_seqs=1, max_logits=1,
+                        max_num_batched_tokens=plan["max_num_batched_tokens"], kv_cache_dtype=plan["kv_cache_dtype"])
+        assert plan["kv_cache"] == r.kv_cache.k.nbytes + r.kv_cache.v.nbytes
+        assert 0 <= r.arena.nbytes - (plan["kv_cache"] + plan["buffers"]) <= 64 * 64      # alignment padding
+        held = r.weights.nbytes if mode == "resident" else r.weights.nbytes - plan["mapped"]
+        assert abs(plan["weights"] - held) <= 0.01 * max(held, 1) + 4096
+    assert main(["info", str(path), "--memory", "--max-model-len", "128", "--kv-cache-dtype", "fp16"]) == 0

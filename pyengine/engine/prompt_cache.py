@@ -52,9 +52,10 @@ def model_fingerprint(gguf) -> str:
 
 def _target(engine):
     """(runner, kv cache, block manager) of an engine with a local KV cache."""
-    runner = getattr(engine, "runner", None)
+    from pyengine.engine.executor import LocalExecutor
+    runner = engine.runner
     kv = getattr(runner, "kv_cache", None)
-    if kv is None or getattr(runner, "gguf", None) is None or getattr(runner, "parallel", None) is not None:
+    if not isinstance(engine.executor, LocalExecutor) or kv is None or getattr(runner, "gguf", None) is None:
         raise PromptCacheError("the prompt cache needs an engine with a local model runner (not a parallel one)")
     return runner, kv, engine.block_manager
 

@@ -98,8 +98,9 @@ def test_serve_flags_become_engine_args():
     serve.add_arguments(p)
     a = EngineArgs.from_cli_args(p.parse_args(["--max-num-seqs", "3", "--no-prefix-cache", "--tensor-parallel-size",
                                                "2", "--kv-cache-dtype", "q8_0", "--max-waiting", "5"]))
+    # the step budget is resolved with the model (S21: 2048, or 8 with --weights lean)
     assert (a.max_num_seqs, a.max_num_batched_tokens, a.enable_prefix_caching, a.enable_chunked_prefill) == \
-        (3, 2048, False, True)
+        (3, None, False, True)
     assert (a.tensor_parallel_size, a.num_ranks, a.kv_cache_dtype, a.max_waiting) == (2, 2, "q8_0", 5)
     with pytest.raises(ValueError, match="mpiexec -n 2"):      # more ranks need an MPI executor
         a.create_engine()

@@ -1,8 +1,13 @@
-// npm run bench — load time, prefill speed and decode tok/s at 64 tokens (greedy, EOS ignored so every run
-// decodes exactly 64 tokens), single thread. Besides wall-clock speed it prints speed per CPU-second of this
-// process: on a shared, busy machine that is roughly what one idle core would give (wall time includes waiting).
+// npm run bench — each matvec kernel on the model's own tensors (the float64 kernels against the integer ones,
+// CPU ms per call: the kernels are measured one by one), then load time, prefill speed and decode tok/s at 64
+// tokens (greedy, EOS ignored so every run decodes exactly 64 tokens), single thread. Besides wall-clock speed
+// it prints speed per CPU-second of this process: on a shared, busy machine that is roughly what one idle
+// core would give (wall time includes waiting).
 
 import { loadModel } from "./index.js";
+import { parseGGUF } from "./04_tensor_table.js";
+import { fillHalfTable, makeWeightViews } from "./05_f16_bf16.js";
+import { MatScratch, matvec } from "./13_matmul.js";
 import { defaultModelPath, readArrayBuffer } from "./model_path.js";
 
 const N = 64;
@@ -18,6 +23,38 @@ const t2 = performance.now();
 process.stdout.write(`model: ${path}\n`);
 process.stdout.write(`load: read file ${(t1 - t0).toFixed(0)} ms, parse+tokenizer+arena ${(t2 - t1).toFixed(0)} ms ` +
   `(arena ${(engine.model.arena.byteLength / 2 ** 20).toFixed(1)} MiB; weights stay in the file buffer)\n`);
+
+// ---- kernels, one by one ----
+{
+  const g = parseGGUF(buf);
+  const w = makeWeightViews(buf, fillHalfTable(new Float32Array(65536)));
+  const names = ["blk.0.ffn_gate.weight", "blk.0.ffn_down.weight", "blk.0.attn_k.weight", "output.weight", "token_embd.weight"];
+  const seen = new Set<string>();
+  for (const name of names) {
+    const t = g.tensors.get(name);
+    if (!t || (name === "token_embd.weight" && g.tensors.has("output.weight"))) continue;
+    const label = `${name} ${t.rows}x${t.rowLength} type ${t.type}`;
+    if (seen.has(label)) continue;
+    seen.add(label);
+    const n = t.rowLength, x = new Float32Array(n);
+    for (let i = 0; i < n; i++) x[i] = Math.sin(i * 0.37) * 0.5;
+    const out = new Float32Array(t.rows);
+    const f64: MatScratch = { xs: new Float64Array(n), xsum: new Float64Array(n / 32), row: new Float32Array(2 * n) };
+    const int: MatScratch = { ...f64, xq: new Int32Array(n), xd: new Float64Array(n / 32) };
+    const reps = Math.max(3, Math.round(2e7 / (t.rows * n)));
+    const time = (sc: MatScratch) => {
+      const c = process.cpuUsage();
+      for (let k = 0; k < reps; k++) matvec(w, t, x, 0, out, 0, sc);
+      return cpuMs(process.cpuUsage(c)) / reps;
+    };
+    time(f64); time(int); // warm up both
+    let a = Infinity, b = Infinity;
+    for (let k = 0; k < 3; k++) { a = Math.min(a, time(f64)); b = Math.min(b, time(int)); } // alternate, best of 3
+    process.stdout.write(`kernel ${label}: float64 ${a.toFixed(3)} ms, integer ${b.toFixed(3)} ms per matvec ` +
+      `(cpu) -> ${(a / b).toFixed(2)}x\n`);
+  }
+}
+
 const ids = engine.encode("The history of computing is a story of abstraction layered upon abstraction.");
 engine.generate(ids, { maxTokens: 4, ignoreEos: true }); // warm up the JIT
 

@@ -18,7 +18,7 @@ export class ByteCursor {
   readonly bytes: Uint8Array;
   pos: number;
 
-  constructor(buffer: ArrayBuffer, pos = 0) {
+  constructor(buffer: ArrayBufferLike, pos = 0) {
     this.view = new DataView(buffer);
     this.bytes = new Uint8Array(buffer);
     this.pos = pos;

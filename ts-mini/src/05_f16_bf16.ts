@@ -39,7 +39,7 @@ export interface WeightViews {
   half: Float32Array; // f16 bits -> value
 }
 
-export function makeWeightViews(buffer: ArrayBuffer, half: Float32Array): WeightViews {
+export function makeWeightViews(buffer: ArrayBufferLike, half: Float32Array): WeightViews {
   // Kernels read u16/u32 words in the machine's byte order; GGUF is little-endian.
   if (new Uint8Array(new Uint16Array([1]).buffer)[0] !== 1) throw new Error("ts-mini needs a little-endian machine");
   const n = buffer.byteLength;

@@ -15,7 +15,7 @@ import { Arena, ArenaLayout } from "./01_arena.js";
 import { WeightViews, fillHalfTable, makeWeightViews } from "./05_f16_bf16.js";
 import { embed, rmsnorm } from "./11_embed_rmsnorm.js";
 import { applyRope, fillRopeTables } from "./12_rope.js";
-import { MatScratch, checkSupported, matmul } from "./13_matmul.js";
+import { MatScratch, RowSplitter, checkSupported, matmul } from "./13_matmul.js";
 import { KVCache, attend, storeKV } from "./14_attention.js";
 import { addInPlace, swiglu } from "./15_swiglu.js";
 import { computeLogits } from "./16_logits.js";
@@ -106,6 +106,7 @@ function bindWeights(g: GGUFFile, c: LlamaConfig): LlamaWeights {
 export interface ModelOptions {
   maxSeqLen?: number; // KV cache length (default min(context_length, 2048))
   prefillChunk?: number; // tokens per prefill matmul (default 32)
+  sharedArena?: boolean; // arena in a SharedArrayBuffer (needed by a matmul worker pool, 13b)
 }
 
 export class LlamaModel {
@@ -114,7 +115,7 @@ export class LlamaModel {
   readonly arena: Arena;
   readonly maxSeq: number;
   readonly chunk: number;
-  private readonly w: WeightViews;
+  readonly w: WeightViews; // views over the GGUF buffer (the pool's main thread reads the weights through them)
   private readonly weights: LlamaWeights;
   private readonly cache: KVCache;
   private readonly ropeCos: Float32Array;
@@ -151,7 +152,7 @@ export class LlamaModel {
       .add("mat_xq", "i32", maxIn).add("mat_xd", "f64", Math.ceil(maxIn / 32))
       .add("scores", "f64", this.maxSeq).add("acc", "f64", c.headDim)
       .add("sample_probs", "f64", V).add("sample_idx", "i32", V);
-    const a = (this.arena = new Arena(L));
+    const a = (this.arena = new Arena(L, !!opts.sharedArena));
 
     this.w = makeWeightViews(g.buffer, fillHalfTable(a.f32("half")));
     this.ropeCos = a.f32("rope_cos");
@@ -165,6 +166,11 @@ export class LlamaModel {
     this.mat = { xs: a.f64("mat_xs"), xsum: a.f64("mat_xsum"), row: a.f32("mat_row"), xq: a.i32("mat_xq"), xd: a.f64("mat_xd") };
     this.scores = a.f64("scores"); this.acc = a.f64("acc");
     this.samplerScratch = { probs: a.f64("sample_probs"), idx: a.i32("sample_idx") };
+  }
+
+  /** Split the products of this model over a worker pool (13b_matmul_pool.ts); null: back to one thread. */
+  setPool(pool: RowSplitter | null): void {
+    this.mat.pool = pool;
   }
 
   /**

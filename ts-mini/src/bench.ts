@@ -1,10 +1,11 @@
 // npm run bench — each matvec kernel on the model's own tensors (the float64 kernels against the integer ones,
 // CPU ms per call: the kernels are measured one by one), then load time, prefill speed and decode tok/s at 64
-// tokens (greedy, EOS ignored so every run decodes exactly 64 tokens), single thread. Besides wall-clock speed
+// tokens (greedy, EOS ignored so every run decodes exactly 64 tokens), on one thread and on N (--threads N, default: all cores, at least 2), alternating. Besides wall-clock speed
 // it prints speed per CPU-second of this process: on a shared, busy machine that is roughly what one idle
 // core would give (wall time includes waiting).
 
-import { loadModel } from "./index.js";
+import { availableParallelism } from "node:os";
+import { loadModel, loadModelThreaded } from "./index.js";
 import { parseGGUF } from "./04_tensor_table.js";
 import { fillHalfTable, makeWeightViews } from "./05_f16_bf16.js";
 import { MatScratch, matvec } from "./13_matmul.js";
@@ -56,16 +57,24 @@ process.stdout.write(`load: read file ${(t1 - t0).toFixed(0)} ms, parse+tokenize
 }
 
 const ids = engine.encode("The history of computing is a story of abstraction layered upon abstraction.");
-engine.generate(ids, { maxTokens: 4, ignoreEos: true }); // warm up the JIT
+const threadsArg = process.argv.indexOf("--threads");
+const nThreads = threadsArg > 0 ? Number(process.argv[threadsArg + 1]) : Math.max(2, availableParallelism());
+const pooled = await loadModelThreaded(buf, { threads: nThreads });
+if (pooled.threadNote) process.stdout.write(`note: ${pooled.threadNote}\n`);
+const engines = [{ label: "1 thread", e: engine }, { label: `${pooled.threads} threads`, e: pooled }];
+for (const { e } of engines) e.generate(ids, { maxTokens: 4, ignoreEos: true }); // warm up the JIT
 
 for (let run = 1; run <= 2; run++) {
-  const gen = engine.start(ids, { maxTokens: N, ignoreEos: true, temperature: 0 });
-  let c = process.cpuUsage(), w = performance.now();
-  gen.step(); // prefill + first token
-  const preWall = performance.now() - w, preCpu = cpuMs(process.cpuUsage(c));
-  c = process.cpuUsage(); w = performance.now();
-  while (gen.step() !== null);
-  const decWall = performance.now() - w, decCpu = cpuMs(process.cpuUsage(c)), n = gen.tokenIds.length - 1;
-  process.stdout.write(`run ${run}: prefill ${ids.length} tok ${preWall.toFixed(0)} ms (${rate(ids.length, preWall)} tok/s wall, ` +
-    `${rate(ids.length, preCpu)} tok/s cpu) | decode ${n + 1} tok: ${rate(n, decWall)} tok/s wall, ${rate(n, decCpu)} tok/s cpu\n`);
+  for (const { label, e } of engines) { // alternating, so both see the same load on a shared host
+    const gen = e.start(ids, { maxTokens: N, ignoreEos: true, temperature: 0 });
+    let c = process.cpuUsage(), w = performance.now();
+    gen.step(); // prefill + first token
+    const preWall = performance.now() - w, preCpu = cpuMs(process.cpuUsage(c));
+    c = process.cpuUsage(); w = performance.now();
+    while (gen.step() !== null);
+    const decWall = performance.now() - w, decCpu = cpuMs(process.cpuUsage(c)), n = gen.tokenIds.length - 1;
+    process.stdout.write(`run ${run} ${label}: prefill ${ids.length} tok ${preWall.toFixed(0)} ms (${rate(ids.length, preWall)} tok/s wall, ` +
+      `${rate(ids.length, preCpu)} tok/s cpu) | decode ${n + 1} tok: ${rate(n, decWall)} tok/s wall, ${rate(n, decCpu)} tok/s cpu\n`);
+  }
 }
+pooled.close();

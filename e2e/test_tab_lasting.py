@@ -1,0 +1,88 @@
+"""Issue 29 in the browser (TypeScript engine only, `?engines=ts`): the dev server makes the page cross-origin
+isolated, so ts-mini runs its products on N worker threads and still gives HF's greedy tokens; the model is
+stored by content in the Cache API, so a reload with the model route blocked still generates ("from cache");
+a storage quota failure leaves the model working from memory with a clear message."""
+from __future__ import annotations
+
+import pytest
+
+pytestmark = [pytest.mark.e2e]
+
+N = 8
+
+
+def _page(browser, server, init_script=None, query="?engines=ts&threads=2"):
+    context = browser.new_context()
+    if init_script:
+        context.add_init_script(init_script)
+    page = context.new_page()
+    page.set_default_timeout(240_000)
+    errors = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(server + "/" + query)
+    page.evaluate("() => window.pyengineDemo.ready")
+    return context, page, errors
+
+
+def _greedy(page, case):
+    r = page.evaluate("(p) => window.pyengineDemo.generate({engine: 'ts', prompt: p, maxTokens: %d, temperature: 0})" % N,
+                      case["prompt"])
+    return r["tokenIds"]
+
+
+def _france(golden):
+    return next(c for c in golden["cases"] if c["prompt"].startswith("The capital of France"))
+
+
+def test_threads_greedy_and_reload_from_store_with_model_blocked(browser, server, golden):
+    context, page, errors = _page(browser, server)
+    try:
+        assert page.evaluate("() => self.crossOriginIsolated") is True
+        info = page.evaluate("() => window.pyengineDemo.loadModel('./model/default.gguf')")["ts"]
+        assert info["threads"] == 2 and info["threadNote"] is None, info
+        case = _france(golden)
+        assert _greedy(page, case) == case["greedy_ids"][:N]
+        page.wait_for_function("() => /stored for next visit/.test(document.getElementById('store-status').textContent)")
+
+        # next visit: the model route is unreachable; the page loads the stored copy and generates
+        blocked = []
+        page.route("**/model/default.gguf", lambda route: (blocked.append(route.request.url), route.abort()))
+        page.reload()
+        page.evaluate("() => window.pyengineDemo.ready")
+        info = page.evaluate("() => window.pyengineDemo.loadModel('./model/default.gguf')")["ts"]
+        assert blocked, "the page did not even try to revalidate the stored model"
+        status = page.text_content("#store-status")
+        assert status.startswith("from cache (") and "MB stored" in status, status
+        assert _greedy(page, case) == case["greedy_ids"][:N]
+
+        # forget: the store is emptied, the next load downloads again
+        page.unroute("**/model/default.gguf")
+        page.click("#forget-models")
+        page.wait_for_function("() => /forgot 1 stored model/.test(document.getElementById('store-status').textContent)")
+        assert page.evaluate("async () => (await caches.keys()).length") == 0
+        assert not errors, errors
+    finally:
+        context.close()
+
+
+QUOTA = """
+Cache.prototype.put = function () {
+  return Promise.reject(new DOMException("simulated: quota exceeded", "QuotaExceededError"));
+};
+"""
+
+
+def test_quota_failure_falls_back_to_memory(browser, server, golden):
+    context, page, errors = _page(browser, server, init_script=QUOTA, query="?engines=ts&threads=1")
+    try:
+        info = page.evaluate("() => window.pyengineDemo.loadModel('./model/default.gguf')")["ts"]
+        assert info["threads"] == 1
+        status = page.text_content("#store-status")
+        assert "quota" in status and "from memory" in status, status
+        assert page.text_content("#model-label").endswith(": loaded")
+        case = _france(golden)
+        assert _greedy(page, case) == case["greedy_ids"][:N]
+        assert page.evaluate("async () => (await caches.open('pyengine-models-v1').then((c) => c.keys())).length") == 0
+        assert not errors, errors
+    finally:
+        context.close()

@@ -86,3 +86,52 @@ def test_quota_failure_falls_back_to_memory(browser, server, golden):
         assert not errors, errors
     finally:
         context.close()
+
+
+@pytest.fixture(scope="module")
+def plain_static_site(tmp_path_factory, web_assets, model_path):
+    """The static build (Pyodide runtime from the CDN stand-in: not needed by the TS engine) on http.server, which
+    sends no COOP/COEP headers; the model is linked in at ./model/smol.gguf."""
+    import os
+    import subprocess
+    import sys
+
+    from e2e_support import ROOT, free_port, stop_process, wait_http
+    out = tmp_path_factory.mktemp("coi") / "dist"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "build_static.py"), "--out", str(out),
+                    "--pyodide", "https://cdn.invalid/pyodide/"], check=True, capture_output=True, text=True)
+    (out / "model").mkdir()
+    os.symlink(model_path, out / "model" / "smol.gguf")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1",
+                             "--directory", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(base + "/index.html", proc)
+        yield base
+    finally:
+        stop_process(proc)
+
+
+def test_static_build_gets_isolation_through_the_shim(browser, plain_static_site, golden):
+    context = browser.new_context()
+    page = context.new_page()
+    page.set_default_timeout(240_000)
+    try:
+        resp = page.goto(plain_static_site + "/?engines=ts&threads=2")
+        assert "cross-origin-embedder-policy" not in resp.headers       # the host does not send them
+        assert page.evaluate("() => self.crossOriginIsolated") is False
+        page.wait_for_function("() => window.PYENGINE_COI === 'shim-installed'")
+        info = page.evaluate("() => window.pyengineDemo.loadModel('./model/smol.gguf')")["ts"]
+        assert info["threads"] == 1 and "cross-origin isolated" in info["threadNote"]   # first visit: says so
+        assert "reload the page to use all cores" in page.text_content("#engine-ts")
+        page.reload()
+        page.evaluate("() => window.pyengineDemo.ready")
+        assert page.evaluate("() => self.crossOriginIsolated") is True
+        assert page.evaluate("() => window.PYENGINE_COI") == "isolated"
+        info = page.evaluate("() => window.pyengineDemo.loadModel('./model/smol.gguf')")["ts"]
+        assert info["threads"] == 2, info
+        case = _france(golden)
+        assert _greedy(page, case) == case["greedy_ids"][:N]
+    finally:
+        context.close()

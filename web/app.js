@@ -200,7 +200,8 @@ function describeInfo(info) {
   const parts = [info.name || info.arch || "model", info.layers ? `${info.layers} layers` : "",
                  info.loadMs ? `loaded in ${(info.loadMs / 1000).toFixed(1)} s` : "",
                  info.wasmBytes ? `wasm memory ${mb(info.wasmBytes)}` : "",
-                 info.threads ? `${info.threads} thread${info.threads > 1 ? "s" : ""}` : "", info.threadNote || ""];
+                 info.threads ? `${info.threads} thread${info.threads > 1 ? "s" : ""}` : "", info.threadNote || "",
+                 info.threadNote && window.PYENGINE_COI === "shim-installed" ? "reload the page to use all cores" : ""];
   return "ready: " + parts.filter(Boolean).join(", ");
 }
 

@@ -16,6 +16,7 @@ import {
 
 export { GGUFError } from "./02_gguf_header.js";
 export { parseGGUF } from "./04_tensor_table.js";
+export { joinSplit, splitPartNames } from "./04b_split.js";
 export type { GGUFFile, TensorInfo } from "./04_tensor_table.js";
 export { Utf8Stream } from "./10_utf8_stream.js";
 export { LlamaModel, Generation } from "./18_generate.js";

@@ -1,5 +1,5 @@
 // Web worker front end (the same protocol as the Pyodide worker, docs/architecture.md):
-//   main -> worker  {type:"load", model: ArrayBuffer, maxSeqLen?, threads?}   (maxSeqLen: KV cache length, default
+//   main -> worker  {type:"load", model: ArrayBuffer | ArrayBuffer[] (split GGUF parts), maxSeqLen?, threads?}   (maxSeqLen: KV cache length, default
 //                   2048; threads: matmul threads, default 1 — the page sends navigator.hardwareConcurrency)
 //                   {type:"generate", id, prompt, maxTokens, temperature, topP, topK, seed, chat}
 //                   {type:"cancel", id}
@@ -17,6 +17,7 @@
 
 import { Engine, loadModel, loadModelThreaded } from "./index.js";
 import { parseGGUF } from "./04_tensor_table.js";
+import { joinSplit } from "./04b_split.js";
 import { readConfig } from "./18_generate.js";
 import { tokenBytes } from "./08_vocab.js";
 import { Utf8Stream } from "./10_utf8_stream.js";
@@ -120,7 +121,10 @@ export function createHandler(post: Post): (msg: unknown) => void {
       if (!msg || typeof msg !== "object") throw new Error("message must be an object with a 'type'");
       switch (msg.type) {
         case "load": {
-          if (!(msg.model instanceof ArrayBuffer)) throw new Error("load: 'model' must be an ArrayBuffer with the GGUF bytes");
+          if (Array.isArray(msg.model) && msg.model.length > 0 && msg.model.every((p) => p instanceof ArrayBuffer)) {
+            msg.model = joinSplit(msg.model); // the parts of a split GGUF, in order (04b)
+          }
+          if (!(msg.model instanceof ArrayBuffer)) throw new Error("load: 'model' must be an ArrayBuffer with the GGUF bytes (or an array of the parts of a split GGUF)");
           const t0 = performance.now();
           const maxSeqLen = (msg as { maxSeqLen?: number | null }).maxSeqLen ?? undefined; // optional extension
           const threads = (msg as { threads?: number | null }).threads ?? 1;

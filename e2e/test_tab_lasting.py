@@ -102,6 +102,12 @@ def plain_static_site(tmp_path_factory, web_assets, model_path):
                     "--pyodide", "https://cdn.invalid/pyodide/"], check=True, capture_output=True, text=True)
     (out / "model").mkdir()
     os.symlink(model_path, out / "model" / "smol.gguf")
+    from pyengine.gguf import GGUFFile
+    from pyengine.gguf.split import write_split
+    parts = write_split(GGUFFile(model_path), str(out / "model" / "split"), max_tensors=100)
+    os.makedirs(out / "broken")
+    for p in parts[:2]:                                   # a split model whose third part is missing
+        os.symlink(p, out / "broken" / os.path.basename(p))
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1",
                              "--directory", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -133,5 +139,24 @@ def test_static_build_gets_isolation_through_the_shim(browser, plain_static_site
         assert info["threads"] == 2, info
         case = _france(golden)
         assert _greedy(page, case) == case["greedy_ids"][:N]
+    finally:
+        context.close()
+
+
+def test_split_gguf_loads_in_the_tab_and_a_missing_part_is_named(browser, plain_static_site, golden):
+    context = browser.new_context()
+    page = context.new_page()
+    page.set_default_timeout(240_000)
+    try:
+        page.goto(plain_static_site + "/?engines=ts&threads=1")
+        page.evaluate("() => window.pyengineDemo.ready")
+        info = page.evaluate("() => window.pyengineDemo.loadModel('./model/split-00001-of-00003.gguf')")["ts"]
+        assert info["layers"] == 30
+        assert "(+2 parts)" in page.text_content("#model-label")
+        case = _france(golden)
+        assert _greedy(page, case) == case["greedy_ids"][:N]
+        with pytest.raises(Exception, match="split-00003-of-00003.gguf: HTTP 404"):
+            page.evaluate("() => window.pyengineDemo.loadModel('./broken/split-00001-of-00003.gguf')")
+        assert _greedy(page, case) == case["greedy_ids"][:N]          # the loaded model still serves
     finally:
         context.close()

@@ -9,7 +9,7 @@
 //   cancel(engine)           stops that engine's running generation (its promise resolves, finishReason "abort")
 //   state()                  {python: {status, info, error}, ts: {...}}
 //   stats(engine)            Python worker only: {wasmBytes, wasmPeakBytes, jsHeapBytes} (null for others)
-import { fetchModel as fetchStoredModel, forgetAll } from "./model_store.js";
+import { fetchModel as fetchStoredModel, fetchSplitModel, forgetAll, splitParts } from "./model_store.js";
 
 const cfg = Object.assign({ defaultModel: null, pyodide: null, vendor: "./vendor/", tsWorker: "./ts-mini/worker.js" },
                           window.PYENGINE_CONFIG || {});
@@ -272,10 +272,16 @@ async function loadModel(source, name) {
   if (typeof source === "string") {
     name = name || source.split("/").pop();
     const bar = $("download-progress"), label = $("download-label");
-    stored = await fetchStoredModel(source, (loaded, total) => {
+    const progress = (loaded, total) => {
       bar.max = total || loaded; bar.value = loaded;
       label.textContent = `${(loaded / 1048576).toFixed(1)}${total ? ` / ${(total / 1048576).toFixed(1)}` : ""} MB`;
-    });
+    };
+    const parts = splitParts(source);   // "-00001-of-0000N.gguf": fetch every part, join them (ts-mini's joinSplit)
+    if (parts) {
+      const { joinSplit } = await import(new URL("04b_split.js", abs(cfg.tsWorker)).href);
+      stored = await fetchSplitModel(parts, progress, joinSplit);
+      name = `${name} (+${parts.length - 1} parts)`;
+    } else stored = await fetchStoredModel(source, progress);
     buffer = stored.buffer;
     storeStatus(stored);
   }

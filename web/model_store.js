@@ -93,6 +93,40 @@ function keep(url, buffer, resp) {
   })();
 }
 
+const SPLIT = /^(.*)-(\d{5})-of-(\d{5})\.gguf$/;
+
+/** All part URLs of a split GGUF given its first part's URL (llama.cpp naming), else null. */
+export function splitParts(url) {
+  const u = new URL(url, location.href), m = SPLIT.exec(u.pathname);
+  if (!m || Number(m[2]) !== 1) return null;
+  return Array.from({ length: Number(m[3]) }, (_, i) => {
+    const p = new URL(u.href);
+    p.pathname = `${m[1]}-${String(i + 1).padStart(5, "0")}-of-${m[3]}.gguf`;
+    return p.href;
+  });
+}
+
+/**
+ * fetchModel for a split GGUF: every part through the store (a missing part fails naming its URL), joined into
+ * one GGUF by `join(buffers)` (ts-mini's joinSplit, which checks the parts). Same result shape as fetchModel.
+ */
+export async function fetchSplitModel(urls, onProgress, join) {
+  const got = [];
+  let done = 0;
+  for (const u of urls) {
+    const r = await fetchModel(u, (loaded, total) => onProgress && onProgress(done + loaded, 0));
+    done += r.buffer.byteLength;
+    got.push(r);
+  }
+  const buffer = join(got.map((r) => r.buffer));
+  const storing = Promise.all(got.map((r) => r.storing)).then((all) => {
+    const bad = all.find((s) => !s.stored);
+    return bad || { stored: true, bytes: all.reduce((a, s) => a + s.bytes, 0) };
+  });
+  return { buffer, fromCache: got.every((r) => r.fromCache), storedBytes: got.reduce((a, r) => a + r.storedBytes, 0),
+           storing, note: got.map((r) => r.note).find(Boolean) || null, parts: urls.length };
+}
+
 export async function fetchModel(url, onProgress) {
   const hit = await lookup(url);
   if (hit) {

@@ -230,6 +230,47 @@ export function dotQ8_0i(w: WeightViews, off: number, xq: Int32Array, xd: Float6
   return acc;
 }
 
+// ---- Q4_1 by table lookup: one load per weight byte instead of two multiply-adds ----
+//
+// For each block b and byte position p (0..15) of the block's nibble bytes, lut[(16b + p)·256 + v] =
+// (v & 15)·xq[32b + p] + (v >> 4)·xq[32b + p + 16]: the integer partial dot of ANY byte value v at that position.
+// Building it costs 4096 stores per block, so it pays only when many rows share the input (a tall matrix:
+// 13_matmul.ts uses it from LUT_MIN_ROWS rows, for rows of at most LUT_MAX_IN); the sums are the same integers
+// as dotQ4_1i's, so the results are bit-identical. Measured by `npm run bench`.
+
+export const LUT_MIN_ROWS = 1024;
+export const LUT_MAX_IN = 1024;
+
+export function buildQ4Lut(xq: Int32Array, n: number, lut: Int32Array): void {
+  for (let b = 0; b < n / 32; b++) {
+    for (let p = 0; p < 16; p++) {
+      const x0 = xq[32 * b + p], x1 = xq[32 * b + p + 16], base = (16 * b + p) * 256;
+      for (let hi = 0; hi < 16; hi++) {
+        const h = hi * x1, o = base + 16 * hi;
+        for (let lo = 0; lo < 16; lo++) lut[o + lo] = h + lo * x0;
+      }
+    }
+  }
+}
+
+export function dotQ4_1lut(w: WeightViews, off: number, lut: Int32Array, xd: Float64Array, xsum: Float64Array,
+  n: number): number {
+  const q32 = w.i32, u16 = w.u16, half = w.half;
+  let acc = 0;
+  for (let b = 0, h = off >>> 1, base = 0; b < n / 32; b++, h += 10, base += 4096) {
+    const k = (h >>> 1) + 1;
+    const q0 = q32[k], q1 = q32[k + 1], q2 = q32[k + 2], q3 = q32[k + 3];
+    const s = (lut[base + (q0 & 255)] + lut[base + 256 + ((q0 >>> 8) & 255)] + lut[base + 512 + ((q0 >>> 16) & 255)]
+      + lut[base + 768 + (q0 >>> 24)] + lut[base + 1024 + (q1 & 255)] + lut[base + 1280 + ((q1 >>> 8) & 255)]
+      + lut[base + 1536 + ((q1 >>> 16) & 255)] + lut[base + 1792 + (q1 >>> 24)] + lut[base + 2048 + (q2 & 255)]
+      + lut[base + 2304 + ((q2 >>> 8) & 255)] + lut[base + 2560 + ((q2 >>> 16) & 255)] + lut[base + 2816 + (q2 >>> 24)]
+      + lut[base + 3072 + (q3 & 255)] + lut[base + 3328 + ((q3 >>> 8) & 255)] + lut[base + 3584 + ((q3 >>> 16) & 255)]
+      + lut[base + 3840 + (q3 >>> 24)]) | 0;
+    acc += half[u16[h]] * xd[b] * s + half[u16[h + 1]] * xsum[b];
+  }
+  return acc;
+}
+
 function readU32(u8: Uint8Array, p: number): number {
   return (u8[p] | (u8[p + 1] << 8) | (u8[p + 2] << 16) | (u8[p + 3] << 24)) >>> 0;
 }

@@ -14,7 +14,7 @@ import { GGUFError } from "./02_gguf_header.js";
 import { GGMLType, TensorInfo, typeName } from "./04_tensor_table.js";
 import { WeightViews, dequantBF16, dequantF16, dequantF32, dotBF16, dotF16, dotF32 } from "./05_f16_bf16.js";
 import {
-  QMAX_Q4, QMAX_Q8, dequantQ4_0, dequantQ4_1, dequantQ5_0, dequantQ8_0, dotQ4_0, dotQ4_1, dotQ4_1i, dotQ4_1x2,
+  LUT_MAX_IN, LUT_MIN_ROWS, QMAX_Q4, QMAX_Q8, buildQ4Lut, dotQ4_1lut, dequantQ4_0, dequantQ4_1, dequantQ5_0, dequantQ8_0, dotQ4_0, dotQ4_1, dotQ4_1i, dotQ4_1x2,
   dotQ4_1x2i, dotQ5_0, dotQ8_0, dotQ8_0i, dotQ8_0x2, dotQ8_0x2i, prepareInput, prepareInputInt,
 } from "./06_q8_q4_dot.js";
 import { dequantQ4_K, dequantQ6_K, dotQ4_K, dotQ6_K } from "./07_kquants.js";
@@ -55,6 +55,7 @@ export interface MatScratch {
   row: Float32Array; // >= 2 * max input length (prefill: two dequantized weight rows)
   xq?: Int32Array; // >= max input length: integer activations (Q4_1/Q8_0 kernels); without it, the f64 kernels
   xd?: Float64Array; // >= max input length / 32: their per-block scales
+  lut?: Int32Array; // >= LUT_MAX_IN / 32 * 4096: Q4_1 lookup table of the input (tall matrices), optional
   pool?: RowSplitter | null; // split products over threads
 }
 
@@ -63,9 +64,18 @@ function intKernel(type: number, s: MatScratch): boolean {
   return s.xq !== undefined && s.xd !== undefined && (type === GGMLType.Q4_1 || type === GGMLType.Q8_0);
 }
 
+/** Whether the Q4_1 lookup-table kernel serves tensor t (tall, short rows, a table in the scratch). */
+export function useLut(t: TensorInfo, s: MatScratch): boolean {
+  return t.type === GGMLType.Q4_1 && s.lut !== undefined && s.xq !== undefined && t.rows >= LUT_MIN_ROWS
+    && t.rowLength <= LUT_MAX_IN && s.lut.length >= (t.rowLength / 32) * 4096;
+}
+
 /** Quantize/copy the input x[xo .. xo+n) into the scratch for the matvec kernels of tensor t. */
 export function prepareMatvec(t: TensorInfo, x: Float32Array, xo: number, s: MatScratch): void {
-  if (intKernel(t.type, s)) prepareInputInt(x, xo, t.rowLength, t.type === GGMLType.Q4_1 ? QMAX_Q4 : QMAX_Q8, s.xq!, s.xd!, s.xsum);
+  if (intKernel(t.type, s)) {
+    prepareInputInt(x, xo, t.rowLength, t.type === GGMLType.Q4_1 ? QMAX_Q4 : QMAX_Q8, s.xq!, s.xd!, s.xsum);
+    if (useLut(t, s)) buildQ4Lut(s.xq!, t.rowLength, s.lut!);
+  }
   else prepareInput(x, xo, t.rowLength, s.xs, s.xsum);
 }
 
@@ -86,7 +96,10 @@ export function matvecRows(w: WeightViews, t: TensorInfo, out: Float32Array, oo:
   if (intKernel(t.type, s)) {
     const xq = s.xq!, xd = s.xd!;
     let r = r0;
-    if (t.type === GGMLType.Q4_1) {
+    if (useLut(t, s)) {
+      const lut = s.lut!;
+      for (; r < rows; r++, off += rb) out[oo + r] = dotQ4_1lut(w, off, lut, xd, xsum, n);
+    } else if (t.type === GGMLType.Q4_1) {
       for (; r + 2 <= rows; r += 2, off += 2 * rb) dotQ4_1x2i(w, off, rb, xq, xd, xsum, n, out, oo + r);
       if (r < rows) out[oo + r] = dotQ4_1i(w, off, xq, xd, xsum, n);
     } else {

@@ -21,7 +21,7 @@ import { MatScratch, RowSplitter, matmulRows, matvecRows } from "./13_matmul.js"
 const SEQ = 0, PENDING = 1, STOP = 2, FAILED = 3;
 const P = {
   kind: 0, type: 1, offset: 2, rows: 3, rowBytes: 4, rowLength: 5, out: 6, T: 7, x: 8, xs: 9, xsum: 10, xq: 11, xd: 12,
-  nIn: 13, parts: 14,
+  nIn: 13, parts: 14, lut: 15, lutLen: 16,
 } as const;
 const SPIN = 400; // polls before sleeping in Atomics.wait: short, the host may be shared
 
@@ -87,6 +87,7 @@ export class RowWorker {
           row: this.row,
           xq: prm[P.xq] >= 0 ? this.i32.subarray(prm[P.xq] / 4, prm[P.xq] / 4 + nIn) : undefined,
           xd: prm[P.xd] >= 0 ? this.f64.subarray(prm[P.xd] / 8, prm[P.xd] / 8 + nb) : undefined,
+          lut: prm[P.lut] >= 0 ? this.i32.subarray(prm[P.lut] / 4, prm[P.lut] / 4 + prm[P.lutLen]) : undefined,
         };
       }
       matvecRows(this.w, t, this.f32, prm[P.out] / 4, s, r0, r1);
@@ -220,10 +221,13 @@ export class MatmulPool implements RowSplitter {
     if (this.closed || !this.inArena(out) || !this.inArena(s.xs) || !this.inArena(s.xsum)) return false;
     const useInt = s.xq !== undefined && s.xd !== undefined;
     if (useInt && (!this.inArena(s.xq) || !this.inArena(s.xd))) return false;
+    const lut = useInt && s.lut !== undefined && this.inArena(s.lut);
+    if (useInt && s.lut !== undefined && !lut) return false;
     this.post(t, 0);
     const p = this.prm;
     p[P.out] = out.byteOffset + 4 * oo; p[P.xs] = s.xs.byteOffset; p[P.xsum] = s.xsum.byteOffset;
     p[P.xq] = useInt ? s.xq!.byteOffset : -1; p[P.xd] = useInt ? s.xd!.byteOffset : -1; p[P.nIn] = s.xs.length;
+    p[P.lut] = lut ? s.lut!.byteOffset : -1; p[P.lutLen] = lut ? s.lut!.length : 0;
     this.runAll({ t, out, oo, x: null, s, T: 1 });
     return true;
   }

@@ -8,11 +8,12 @@ import { availableParallelism } from "node:os";
 import { loadModel, loadModelThreaded } from "./index.js";
 import { parseGGUF } from "./04_tensor_table.js";
 import { fillHalfTable, makeWeightViews } from "./05_f16_bf16.js";
-import { MatScratch, matvec } from "./13_matmul.js";
+import { MatScratch, matvec, useLut } from "./13_matmul.js";
 import { defaultModelPath, readArrayBuffer } from "./model_path.js";
 
 const N = 64;
-const path = process.argv[2] ?? defaultModelPath();
+const args = process.argv.slice(2); // [MODEL.gguf] [--threads N]
+const path = args.find((a, i) => !a.startsWith("--") && args[i - 1] !== "--threads") ?? defaultModelPath();
 const cpuMs = (c: { user: number; system: number }) => (c.user + c.system) / 1000;
 const rate = (n: number, ms: number) => ((n * 1000) / ms).toFixed(2);
 
@@ -42,17 +43,21 @@ process.stdout.write(`load: read file ${(t1 - t0).toFixed(0)} ms, parse+tokenize
     const out = new Float32Array(t.rows);
     const f64: MatScratch = { xs: new Float64Array(n), xsum: new Float64Array(n / 32), row: new Float32Array(2 * n) };
     const int: MatScratch = { ...f64, xq: new Int32Array(n), xd: new Float64Array(n / 32) };
+    const lut: MatScratch = { ...int, lut: new Int32Array((n / 32) * 4096) };
+    const withLut = useLut(t, lut);
     const reps = Math.max(3, Math.round(2e7 / (t.rows * n)));
     const time = (sc: MatScratch) => {
       const c = process.cpuUsage();
       for (let k = 0; k < reps; k++) matvec(w, t, x, 0, out, 0, sc);
       return cpuMs(process.cpuUsage(c)) / reps;
     };
-    time(f64); time(int); // warm up both
-    let a = Infinity, b = Infinity;
-    for (let k = 0; k < 3; k++) { a = Math.min(a, time(f64)); b = Math.min(b, time(int)); } // alternate, best of 3
-    process.stdout.write(`kernel ${label}: float64 ${a.toFixed(3)} ms, integer ${b.toFixed(3)} ms per matvec ` +
-      `(cpu) -> ${(a / b).toFixed(2)}x\n`);
+    time(f64); time(int); if (withLut) time(lut); // warm up
+    let a = Infinity, b = Infinity, c = Infinity;
+    for (let k = 0; k < 3; k++) { // alternate, best of 3
+      a = Math.min(a, time(f64)); b = Math.min(b, time(int)); if (withLut) c = Math.min(c, time(lut));
+    }
+    process.stdout.write(`kernel ${label}: float64 ${a.toFixed(3)} ms, integer ${b.toFixed(3)} ms` +
+      (withLut ? `, integer+table ${c.toFixed(3)} ms` : "") + ` per matvec (cpu) -> ${(a / Math.min(b, c)).toFixed(2)}x\n`);
   }
 }
 

@@ -4,7 +4,7 @@ import { test } from "node:test";
 import assert from "node:assert/strict";
 import { parseGGUF } from "../dist/index.js";
 import { fillHalfTable, makeWeightViews } from "../dist/05_f16_bf16.js";
-import { dequantRow, matvec, matvecRows, prepareMatvec } from "../dist/13_matmul.js";
+import { dequantRow, matvec, matvecRows, prepareMatvec, useLut } from "../dist/13_matmul.js";
 import { QMAX_Q4, QMAX_Q8 } from "../dist/06_q8_q4_dot.js";
 import { GGMLType } from "../dist/04_tensor_table.js";
 import { NO_MODEL, modelBuffer } from "./helpers.js";
@@ -66,4 +66,21 @@ test("matvecRows over disjoint even ranges reassembles the whole matvec exactly"
   prepareMatvec(t, x, 0, s);
   for (const [a, b] of [[0, 500], [500, 1000], [1000, t.rows]]) matvecRows(w, t, parts, 0, s, a, b);
   assert.deepEqual(parts, whole);
+});
+
+test("Q4_1 table-lookup matvec (tall matrices) is bit-identical to the integer kernel", { skip: NO_MODEL }, () => {
+  const g = parseGGUF(modelBuffer());
+  const w = makeWeightViews(g.buffer, half);
+  for (const name of ["blk.2.ffn_up.weight", "blk.7.ffn_gate.weight"]) {
+    const t = g.tensors.get(name), n = t.rowLength;
+    const x = input(n, 13, "spiky"), s = scratch(n);
+    const withLut = { ...scratch(n), lut: new Int32Array((n / 32) * 4096) };
+    assert.ok(useLut(t, withLut) && !useLut(t, s));
+    const a = new Float32Array(t.rows), b = new Float32Array(t.rows);
+    matvec(w, t, x, 0, a, 0, s);
+    matvec(w, t, x, 0, b, 0, withLut);
+    assert.deepEqual(b, a);
+    const short = { ...t, rows: 100 }; // below LUT_MIN_ROWS: the table is not used
+    assert.ok(!useLut(short, withLut));
+  }
 });

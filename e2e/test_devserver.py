@@ -93,3 +93,22 @@ def test_mountable_under_a_prefix(model_path):
         assert c.get("/demo/config.js").status_code == 200
         r = c.get("/demo/model/default.gguf", headers={"Range": "bytes=0-3"})
         assert r.status_code == 206 and r.content == b"GGUF"
+
+
+def test_cross_origin_isolation_headers(client):
+    for path in ("/", "/config.js", "/app.js", "/model/default.gguf"):
+        r = client.head(path) if path.endswith(".gguf") else client.get(path)
+        assert r.headers.get("cross-origin-opener-policy") == "same-origin", path
+        assert r.headers.get("cross-origin-embedder-policy") == "require-corp", path
+    assert client.get("/nonexistent.js").headers.get("cross-origin-embedder-policy") == "require-corp"
+
+
+def test_model_etag_304_and_range_kept(client, model_path):
+    r = client.head("/model/default.gguf")
+    etag = r.headers["etag"]
+    r = client.get("/model/default.gguf", headers={"If-None-Match": etag})
+    assert r.status_code == 304 and r.content == b"" and r.headers["etag"] == etag
+    r = client.get("/model/default.gguf", headers={"If-None-Match": f'"other", W/{etag}'})
+    assert r.status_code == 304
+    r = client.get("/model/default.gguf", headers={"If-None-Match": '"stale"', "Range": "bytes=0-3"})
+    assert r.status_code == 206 and r.content == b"GGUF" and r.headers["etag"] == etag

@@ -13,9 +13,15 @@ MIME types are set explicitly (application/wasm for .wasm, text/javascript for .
 to stream-compile wasm or run module scripts served with the wrong type, and the system `mimetypes`
 table is not reliable across machines. No mount follows a symlink out of its directory. Everything is sent with `Cache-Control: no-cache` so a rebuilt
 wheel or worker is picked up on reload.
+
+Every response carries COOP `same-origin` + COEP `require-corp` (ISOLATION_HEADERS): the page is then
+cross-origin isolated, which SharedArrayBuffer (the TypeScript engine's worker pool) requires. The model
+route answers `If-None-Match` with 304 (its ETag is derived from size and mtime), so a revisit that has
+the model stored costs one request and no bytes.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -31,6 +37,37 @@ MIME_TYPES = {
     ".zip": "application/zip", ".whl": "application/zip", ".py": "text/x-python; charset=utf-8",
     ".gguf": "application/octet-stream", ".svg": "image/svg+xml", ".png": "image/png",
 }
+
+
+ISOLATION_HEADERS = {"cross-origin-opener-policy": "same-origin", "cross-origin-embedder-policy": "require-corp",
+                     "cross-origin-resource-policy": "same-origin"}
+
+
+def isolated(app):
+    """ASGI middleware: add ISOLATION_HEADERS to every HTTP response of `app` (unless already set)."""
+    extra = [(k.encode(), v.encode()) for k, v in ISOLATION_HEADERS.items()]
+
+    async def wrapped(scope, receive, send):
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+
+        async def send_isolated(message):
+            if message["type"] == "http.response.start":
+                have = {k.lower() for k, _ in message.get("headers", [])}
+                message = dict(message, headers=list(message.get("headers", [])) + [kv for kv in extra
+                                                                                   if kv[0] not in have])
+            await send(message)
+        return await app(scope, receive, send_isolated)
+    return wrapped
+
+
+def _etag_matches(if_none_match: str | None, etag: str) -> bool:
+    if not if_none_match:
+        return False
+    if if_none_match.strip() == "*":
+        return True
+    bare = etag.removeprefix("W/")
+    return any(tag.strip().removeprefix("W/") == bare for tag in if_none_match.split(","))
 
 
 def page_config(default_model: str | None, pyodide: str | None = None) -> dict:
@@ -74,8 +111,14 @@ def create_app(model: str | os.PathLike | None = None, web_root: str | os.PathLi
     async def default_model(request):
         if model_path is None:
             return PlainTextResponse("this server has no default model (start it with --model PATH)", 404)
-        # FileResponse answers Range requests itself (206 + Content-Range, 416 when unsatisfiable).
-        return FileResponse(model_path, media_type=MIME_TYPES[".gguf"], headers={"cache-control": "no-cache"})
+        # FileResponse answers Range requests itself (206 + Content-Range, 416 when unsatisfiable) and sets an
+        # ETag from size + mtime; a matching If-None-Match gets 304 without a body.
+        st = os.stat(model_path)
+        etag = '"' + hashlib.sha256(f"{st.st_size}-{st.st_mtime_ns}".encode()).hexdigest()[:32] + '"'
+        headers = {"cache-control": "no-cache", "etag": etag}
+        if _etag_matches(request.headers.get("if-none-match"), etag):
+            return Response(status_code=304, headers=headers)
+        return FileResponse(model_path, media_type=MIME_TYPES[".gguf"], headers=headers, stat_result=st)
 
     routes = [
         Route("/config.js", config_js),
@@ -89,4 +132,15 @@ def create_app(model: str | os.PathLike | None = None, web_root: str | os.PathLi
     routes.append(Mount("/", app=TypedStaticFiles(directory=web, html=True)))
     app = Starlette(routes=routes)
     app.state.model_path = model_path
+    app.add_middleware(_Isolation)
     return app
+
+
+class _Isolation:
+    """Starlette middleware form of `isolated` (keeps `app.state` and mounting working)."""
+
+    def __init__(self, app):
+        self.app = isolated(app)
+
+    async def __call__(self, scope, receive, send):
+        await self.app(scope, receive, send)

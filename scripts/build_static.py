@@ -7,7 +7,8 @@
                 page with ?pyodide=<url>)
 --model GGUF    copy a model into dist/model/ and offer it as the default model (--model-url: link one)
 
-The page needs no server logic: the worker fetches vendor/manifest.json, the wheels and pyworker.py with
+The page needs no server logic (a service worker, coi_sw.js, adds the cross-origin isolation headers a plain
+host does not send, from the second page load on): the worker fetches vendor/manifest.json, the wheels and pyworker.py with
 relative URLs. The host must serve .wasm as application/wasm and .mjs/.js as text/javascript (most do).
 """
 from __future__ import annotations
@@ -20,7 +21,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 WEB = ROOT / "web"
-PAGE_FILES = ["index.html", "app.js", "worker.js", "pyworker.py", "styles.css"]
+# coi.js + coi_sw.js: the service-worker shim that makes the page cross-origin isolated on hosts without
+# COOP/COEP headers (SharedArrayBuffer for ts-mini's matmul threads); model_store.js: the Cache API store.
+PAGE_FILES = ["index.html", "app.js", "worker.js", "pyworker.py", "styles.css", "model_store.js", "coi.js", "coi_sw.js"]
 
 
 def build(out: Path, pyodide: str | None = None, model: Path | None = None, model_url: str | None = None) -> list[str]:

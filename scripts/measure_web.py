@@ -1,15 +1,20 @@
-"""Measure the browser engines in headless Chromium (and CPython's engine on this machine, for comparison).
+"""Measure the browser engines in headless Chromium against the pre-change build, in one run (issue 29 item 5).
 
-    .venv/bin/python scripts/measure_web.py [--tokens 32] [--prompt TEXT] [--modes resident,lean] [--no-cpython]
+    .venv/bin/python scripts/measure_web.py [--baseline DIR [--make-baseline COMMIT]] [--tokens 32] [--threads N]
+                                            [--modes resident,lean] [--rounds 2] [--no-cpython]
 
-Prints, per engine: Pyodide start-up, model load time, decode tok/s (greedy, tokens after the first /
-time since the first), time to first token, and for the Python worker the WebAssembly memory after the
-load and after generating (wasm memory never shrinks, so the last figure is the peak). Needs
-scripts/setup_web.sh and ts-mini built. Timings on a shared machine are noisy: compare within one run.
+Engines, measured alternately in each round (so all see the same load on a shared host): ts-mini on 1 thread and
+on N threads (default: all cores), the Pyodide worker in each --modes, and with --baseline the same engines
+of the build checked out in DIR (e.g. `git worktree add DIR 0c9021e`; --make-baseline COMMIT makes it, builds
+its ts-mini and links this tree's web/vendor). Per engine: decode tok/s (wall, tokens after the first) and
+tokens per CPU-second of the whole Chromium process tree during the generation (the steadier figure on a busy
+host), then the model load time cold (empty store, download) and on a second visit (from the Cache API).
+Prints the table and the ratios new/baseline. Timings on a shared machine are noisy: compare within one run.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -19,96 +24,162 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "e2e"))
 from e2e_support import CHROMIUM, CHROMIUM_ARGS, free_port, stop_process, wait_http  # noqa: E402
 
-MB = 1 << 20
+TICK = os.sysconf("SC_CLK_TCK")
 
 
-def measure_browser(base: str, modes: list[str], prompt: str, n: int) -> list[dict]:
-    from playwright.sync_api import sync_playwright
+def tree_cpu_s(root_pid: int) -> float:
+    """User + system CPU seconds of root_pid's descendants (Chromium: browser, renderers, their worker threads)."""
+    children: dict[int, list[int]] = {}
+    stats: dict[int, float] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            raw = Path(f"/proc/{d}/stat").read_text()
+        except OSError:
+            continue
+        f = raw[raw.rindex(")") + 2:].split()
+        children.setdefault(int(f[1]), []).append(int(d))
+        stats[int(d)] = (int(f[11]) + int(f[12])) / TICK
+    total, todo = 0.0, list(children.get(root_pid, []))
+    while todo:
+        p = todo.pop()
+        total += stats.get(p, 0.0)
+        todo += children.get(p, [])
+    return total
 
-    rows = []
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        for k, mode in enumerate(modes):
-            ctx = browser.new_context()
-            page = ctx.new_page()
-            page.set_default_timeout(900_000)
-            page.goto(f"{base}/?pymode={mode}")
+
+def make_baseline(where: Path, commit: str) -> None:
+    if not where.exists():
+        subprocess.run(["git", "worktree", "add", "--detach", str(where), commit], cwd=ROOT, check=True)
+    nm = where / "ts-mini" / "node_modules"
+    if not nm.exists():
+        nm.symlink_to(ROOT / "ts-mini" / "node_modules")
+    subprocess.run(["npm", "run", "build"], cwd=where / "ts-mini", check=True, capture_output=True)
+    vendor = where / "web" / "vendor"
+    if not vendor.exists():
+        vendor.symlink_to(ROOT / "web" / "vendor")   # same Pyodide runtime and wheels
+
+
+def start_server(web_root: Path, ts_dist: Path, model: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    code = ("import sys, uvicorn; from pyengine.web_server import create_app; "
+            "uvicorn.run(create_app(model=sys.argv[1], web_root=sys.argv[2], ts_dist=sys.argv[3]), "
+            "host='127.0.0.1', port=int(sys.argv[4]), log_level='warning')")
+    proc = subprocess.Popen([sys.executable, "-c", code, model, str(web_root), str(ts_dist), str(port)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    wait_http(base + "/config.js", proc)
+    return proc, base
+
+
+def run_engine(browser, url: str, engine: str, prompt: str, n: int) -> dict:
+    ctx = browser.new_context()
+    page = ctx.new_page()
+    page.set_default_timeout(1_800_000)
+    try:
+        page.goto(url)
+        page.evaluate("() => window.pyengineDemo.ready")
+        if engine == "python" or "engines=" not in url:   # let Pyodide finish booting before anything is timed
+            page.wait_for_function("() => !window.pyengineDemo.state().python"
+                                   " || window.pyengineDemo.state().python.status !== 'starting'")
+        infos = page.evaluate("() => window.pyengineDemo.loadModel('./model/default.gguf')")
+        page.evaluate("([e, p]) => window.pyengineDemo.generate({engine: e, prompt: p, maxTokens: 4, temperature: 0})",
+                      [engine, prompt])   # warm-up (JIT)
+        c0 = tree_cpu_s(os.getpid())
+        r = page.evaluate("([e, p, n]) => window.pyengineDemo.generate({engine: e, prompt: p, maxTokens: n, "
+                          "temperature: 0})", [engine, prompt, n])
+        cpu = tree_cpu_s(os.getpid()) - c0
+        return {"tok_s": r["tokensPerSecond"], "tok_cpu_s": len(r["tokenIds"]) / cpu if cpu > 0 else float("nan"),
+                "threads": infos[engine].get("threads", 1), "ids": r["tokenIds"]}
+    finally:
+        ctx.close()
+
+
+def load_times(browser, base: str) -> tuple[float, float, str]:
+    """Cold load (empty store) and second-visit load of the default model into ts-mini, wall seconds."""
+    ctx = browser.new_context()
+    page = ctx.new_page()
+    page.set_default_timeout(600_000)
+    try:
+        out = []
+        for _ in range(2):
+            page.goto(base + "/?engines=ts&threads=1")
             page.evaluate("() => window.pyengineDemo.ready")
             t0 = time.perf_counter()
-            infos = page.evaluate("() => window.pyengineDemo.loadModel('./model/default.gguf')")
-            wall = time.perf_counter() - t0
-            engines = ["python"] + (["ts"] if k == 0 and "ts" in infos else [])
-            for name in engines:
-                r = page.evaluate("""async ([engine, prompt, n]) => window.pyengineDemo.generate(
-                    {engine, prompt, maxTokens: n, temperature: 0})""", [name, prompt, n])
-                info = infos[name]
-                row = {"engine": "python (pyodide)" if name == "python" else "ts-mini", "mode": mode if name == "python" else "-",
-                       "boot_s": info.get("bootMs", 0) / 1e3, "load_s": info.get("loadMs", 0) / 1e3,
-                       "page_load_wall_s": wall, "tok_s": r["tokensPerSecond"], "ttft_ms": r.get("ttftMs"),
-                       "tokens": len(r["tokenIds"])}
-                if name == "python":
-                    stats = page.evaluate("() => window.pyengineDemo.stats('python')")
-                    row["wasm_after_load_mb"] = info["wasmBytes"] / MB
-                    row["wasm_peak_mb"] = stats["wasmPeakBytes"] / MB
-                else:
-                    row["arena_mb"] = info.get("arenaBytes", 0) / MB
-                rows.append(row)
-            ctx.close()
-        browser.close()
-    return rows
-
-
-def measure_cpython(prompt: str, n: int, modes: list[str]) -> list[dict]:
-    sys.path.insert(0, str(ROOT / "web"))
-    from pyworker import WorkerSession
-
-    from pyengine.model_files import default_model_path
-
-    data = Path(default_model_path()).read_bytes()
-    rows = []
-    for mode in modes:
-        s = WorkerSession()
-        t0 = time.perf_counter()
-        s.load(data, mode=mode)
-        load = time.perf_counter() - t0
-        s.start("m", prompt, max_tokens=n, temperature=0.0)
-        done = None
-        while s.has_work():
-            for ev in s.step():
-                if ev["type"] == "done":
-                    done = ev
-        rows.append({"engine": "python (CPython, native numpy)", "mode": mode, "boot_s": 0.0, "load_s": load,
-                     "tok_s": done["tokensPerSecond"], "ttft_ms": done["ttftMs"], "tokens": len(done["tokenIds"])})
-    return rows
+            page.evaluate("() => window.pyengineDemo.loadModel('./model/default.gguf')")
+            out.append(time.perf_counter() - t0)
+            page.wait_for_function("() => /stored|from cache|not stored/.test(document.getElementById('store-status')"
+                                   ".textContent)")
+        return out[0], out[1], page.text_content("#store-status")
+    finally:
+        ctx.close()
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--prompt", default="Once upon a time")
-    p.add_argument("--modes", default="resident,lean", help="Python weights modes to measure in the browser")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    p.add_argument("--modes", default="resident,lean", help="Pyodide weights modes ('' for none)")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--baseline", type=Path, default=None, help="checkout of the pre-change build")
+    p.add_argument("--make-baseline", default=None, metavar="COMMIT", help="git worktree add --baseline at COMMIT")
     p.add_argument("--no-cpython", action="store_true")
     a = p.parse_args(argv)
-    modes = a.modes.split(",")
-    port = free_port()
+    from playwright.sync_api import sync_playwright
+
     from pyengine.model_files import default_model_path
-    proc = subprocess.Popen([sys.executable, "-m", "pyengine", "web", "--port", str(port), "--model",
-                             default_model_path()], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    model = default_model_path()
+    if a.baseline and a.make_baseline:
+        make_baseline(a.baseline.resolve(), a.make_baseline)
+    servers = {"new": start_server(ROOT / "web", ROOT / "ts-mini" / "dist", model)}
+    if a.baseline:
+        b = a.baseline.resolve()
+        servers["base"] = start_server(b / "web", b / "ts-mini" / "dist", model)
+    modes = [m for m in a.modes.split(",") if m]
+    # (label, build, url query, engine)
+    configs = []
+    for build in servers:
+        ts_query = "?engines=ts&threads=1" if build == "new" else "?pymode=lean"
+        configs.append((f"ts-mini 1 thread [{build}]", build, ts_query, "ts"))
+        if build == "new":
+            configs.append((f"ts-mini {a.threads} threads [{build}]", build, f"?engines=ts&threads={a.threads}", "ts"))
+        for m in modes:
+            configs.append((f"pyodide {m} [{build}]", build, f"?engines=python&pymode={m}" if build == "new"
+                            else f"?pymode={m}", "python"))
+    results: dict[str, list[dict]] = {c[0]: [] for c in configs}
     try:
-        base = f"http://127.0.0.1:{port}"
-        wait_http(base + "/config.js", proc)
-        rows = measure_browser(base, modes, a.prompt, a.tokens)
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+            for rnd in range(a.rounds):
+                for label, build, query, engine in configs:
+                    r = run_engine(browser, servers[build][1] + "/" + query, engine, a.prompt, a.tokens)
+                    results[label].append(r)
+                    print(f"round {rnd + 1} {label}: {r['tok_s']:.2f} tok/s wall, {r['tok_cpu_s']:.2f} tok/cpu-s "
+                          f"({r['threads']} thread(s))", flush=True)
+            cold, warm, status = load_times(browser, servers["new"][1])
+            browser.close()
     finally:
-        stop_process(proc)
-    if not a.no_cpython:
-        rows += measure_cpython(a.prompt, a.tokens, modes)
-    print(f"prompt {a.prompt!r}, {a.tokens} greedy tokens; tok/s = decode rate after the first token")
-    print(f"{'engine':32} {'mode':9} {'boot s':>7} {'load s':>7} {'tok/s':>7} {'ttft ms':>8} {'memory':>24}")
-    for r in rows:
-        mem = (f"wasm {r['wasm_after_load_mb']:.0f} -> peak {r['wasm_peak_mb']:.0f} MB" if "wasm_peak_mb" in r
-               else f"arena {r['arena_mb']:.0f} MB + file" if "arena_mb" in r else "")
-        ttft = f"{r['ttft_ms']:.0f}" if r.get("ttft_ms") is not None else "-"
-        print(f"{r['engine']:32} {r['mode']:9} {r['boot_s']:7.1f} {r['load_s']:7.1f} {r['tok_s']:7.2f} {ttft:>8} {mem:>24}")
+        for proc, _ in servers.values():
+            stop_process(proc)
+    best = {k: (max(r["tok_s"] for r in v), max(r["tok_cpu_s"] for r in v)) for k, v in results.items()}
+    ids = {tuple(r["ids"]) for v in results.values() for r in v}
+    print(f"\nprompt {a.prompt!r}, {a.tokens} greedy tokens, best of {a.rounds} alternating rounds")
+    print(f"{'engine':34} {'tok/s wall':>11} {'tok/cpu-s':>10}")
+    for k, (w, c) in best.items():
+        print(f"{k:34} {w:11.2f} {c:10.2f}")
+    for k in best:
+        if k.endswith("[new]"):
+            base_key = k.replace("[new]", "[base]")
+            if "threads" in k:
+                base_key = "ts-mini 1 thread [base]"
+            if base_key in best:
+                print(f"ratio {k} / {base_key}: wall {best[k][0] / best[base_key][0]:.2f}x, "
+                      f"cpu {best[k][1] / best[base_key][1]:.2f}x")
+    print(f"greedy token sequences seen: {len(ids)} (1 = every engine and build agrees)")
+    print(f"model load into ts-mini: cold {cold:.2f} s, second visit {warm:.2f} s ({warm / cold:.2f}x); "
+          f"store: {status!r}")
     return 0
 
 

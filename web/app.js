@@ -20,6 +20,8 @@
 //   cancel(engine)           stops that engine's running generation (its promise resolves, finishReason "abort")
 //   state()                  {python: {status, info, error, running, load}, ts: {...}}
 //   stats(engine)            Python worker only: {wasmBytes, wasmPeakBytes, jsHeapBytes} (null for others)
+import { fetchModel as fetchStoredModel, fetchSplitModel, forgetAll, splitParts } from "./model_store.js";
+
 const cfg = Object.assign({ defaultModel: null, pyodide: null, vendor: "./vendor/", tsWorker: "./ts-mini/worker.js",
                             sourceBase: null }, window.PYENGINE_CONFIG || {});
 const query = new URLSearchParams(location.search);
@@ -192,6 +194,8 @@ class EngineClient {
       if (kv) msg.kvCacheDtype = kv;
       msg.speculative = SPECULATIVE;           // S14: requests opt in (generate.speculative)
     }
+    // ts-mini: matmul threads (?threads=N; default all cores; one when the page is not cross-origin isolated)
+    if (this.name === "ts") msg.threads = Number(query.get("threads")) || navigator.hardwareConcurrency || 1;
     this.modelReady = new Promise((resolve, reject) => { this.loadWaiter = { resolve, reject }; });
     this.worker.postMessage(msg, transfer ? [buffer] : []);
     updateButtons();
@@ -238,7 +242,9 @@ function describeInfo(info) {
   const mb = (n) => (n ? `${(n / 1048576).toFixed(0)} MB` : "");
   const parts = [info.name || info.arch || "model", info.layers ? `${info.layers} layers` : "",
                  info.loadMs ? `loaded in ${(info.loadMs / 1000).toFixed(1)} s` : "",
-                 info.wasmBytes ? `wasm memory ${mb(info.wasmBytes)}` : ""];
+                 info.wasmBytes ? `wasm memory ${mb(info.wasmBytes)}` : "",
+                 info.threads ? `${info.threads} thread${info.threads > 1 ? "s" : ""}` : "", info.threadNote || "",
+                 info.threadNote && window.PYENGINE_COI === "shim-installed" ? "reload the page to use all cores" : ""];
   return "ready: " + parts.filter(Boolean).join(", ");
 }
 
@@ -476,32 +482,26 @@ function updateButtons() {
   $("clear-chat").hidden = !$("chat").checked;
 }
 
-async function fetchModel(url) {
-  const bar = $("download-progress"), label = $("download-label");
-  const resp = await fetch(url);
-  if (!resp.ok) throw new Error(`could not download ${url}: HTTP ${resp.status}`);
-  const total = Number(resp.headers.get("content-length")) || 0;
-  const reader = resp.body.getReader();
-  const chunks = [];
-  let loaded = 0;
-  for (;;) {
-    const { done, value } = await reader.read();
-    if (done) break;
-    chunks.push(value);
-    loaded += value.byteLength;
-    bar.max = total || loaded; bar.value = loaded;
-    label.textContent = `${(loaded / 1048576).toFixed(1)}${total ? ` / ${(total / 1048576).toFixed(1)}` : ""} MB`;
-  }
-  const out = new Uint8Array(loaded);
-  let off = 0;
-  for (const c of chunks) { out.set(c, off); off += c.byteLength; }
-  return out.buffer;
-}
-
 async function loadModel(source, name) {
   showError("");
   let buffer;
-  if (typeof source === "string") { name = name || source.split("/").pop(); buffer = await fetchModel(source); }
+  let stored = null;
+  if (typeof source === "string") {
+    name = name || source.split("/").pop();
+    const bar = $("download-progress"), label = $("download-label");
+    const progress = (loaded, total) => {
+      bar.max = total || loaded; bar.value = loaded;
+      label.textContent = `${(loaded / 1048576).toFixed(1)}${total ? ` / ${(total / 1048576).toFixed(1)}` : ""} MB`;
+    };
+    const parts = splitParts(source);   // "-00001-of-0000N.gguf": fetch every part, join them (ts-mini's joinSplit)
+    if (parts) {
+      const { joinSplit } = await import(new URL("04b_split.js", abs(cfg.tsWorker)).href);
+      stored = await fetchSplitModel(parts, progress, joinSplit);
+      name = `${name} (+${parts.length - 1} parts)`;
+    } else stored = await fetchStoredModel(source, progress);
+    buffer = stored.buffer;
+    storeStatus(stored);
+  }
   else if (source instanceof ArrayBuffer) buffer = source;
   else if (source && typeof source.arrayBuffer === "function") { name = name || source.name; buffer = await source.arrayBuffer(); }
   else throw new Error("loadModel: expected a URL, an ArrayBuffer or a File");
@@ -518,6 +518,7 @@ async function loadModel(source, name) {
     else refused[e.name] = results[i].reason.message;
   });
   const ok = Object.keys(out), bad = Object.keys(refused);
+  if (stored) storeStatus(await stored.storing, stored);
   if (!ok.length) {
     $("model-label").textContent = `${name}: not loaded`;
     const message = Object.values(refused).join("; ");
@@ -657,12 +658,27 @@ function clearChat() {
   for (const e of Object.values(engines)) { e.role("output").textContent = ""; e.role("stats").textContent = ""; }
 }
 
+// The "model store" status line (web/model_store.js): from cache / stored / not stored (and why).
+function storeStatus(s, first) {
+  const el = $("store-status"), mb = (n) => `${(n / 1048576).toFixed(1)} MB`;
+  if (!el) return;
+  const r = first || s;
+  if (r.fromCache) el.textContent = `from cache (${mb(r.storedBytes)} stored)${r.note ? ` — ${r.note}` : ""}`;
+  else if (s.stored === true) el.textContent = `downloaded; stored for next visit (${mb(s.bytes)})`;
+  else if (s.stored === false) el.textContent = s.message;
+  else el.textContent = "downloaded; storing…";
+}
+
 function init() {
   const pyParams = new URLSearchParams({ vendor: abs(cfg.vendor) });
   if (cfg.pyodide) pyParams.set("pyodide", abs(cfg.pyodide));
-  engines.python = new EngineClient("python", `${abs("./worker.js")}?${pyParams}`);
-  engines.ts = new EngineClient("ts", abs(cfg.tsWorker));
+  const wanted = (query.get("engines") || "python,ts").split(",");   // ?engines=ts: start only that worker
+  if (wanted.includes("python")) engines.python = new EngineClient("python", `${abs("./worker.js")}?${pyParams}`);
+  if (wanted.includes("ts")) engines.ts = new EngineClient("ts", abs(cfg.tsWorker));
 
+  $("forget-models").addEventListener("click", () => guarded(forgetAll().then((n) => {
+    $("store-status").textContent = `forgot ${n} stored model${n === 1 ? "" : "s"}`;
+  })));
   $("model-file").addEventListener("change", (e) => {
     const f = e.target.files[0];
     if (f) guarded(loadModel(f));

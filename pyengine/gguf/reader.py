@@ -21,6 +21,7 @@ import numpy as np
 
 from pyengine.gguf import GGUFError
 from pyengine.gguf import quants
+from pyengine.gguf.split import SPLIT_COUNT, SPLIT_NO, SPLIT_TENSORS, part_paths
 
 __all__ = ["GGUFError", "GGUFFile", "TensorInfo"]
 
@@ -189,9 +190,14 @@ def _read_value(cur: _Cursor, vtype: int, key: str, depth: int = 0) -> Any:
 
 
 class GGUFFile:
-    """A parsed GGUF file. Tensor data stays in the source buffer (mmap for a path): nothing is copied."""
+    """A parsed GGUF file. Tensor data stays in the source buffer (mmap for a path): nothing is copied.
 
-    def __init__(self, source):
+    A split model (``split.count`` > 1, see ``split.py``) is opened by its first part: the other parts are
+    found next to it by name (or given as ``parts``, e.g. buffers in a browser) and their tensors join
+    ``tensors``; a missing or mismatched part is a ``GGUFError`` naming it. ``part_sizes`` lists each
+    part's bytes (one entry for an ordinary file)."""
+
+    def __init__(self, source, parts=None, *, _as_part: bool = False):
         self.path = os.fspath(source) if isinstance(source, (str, os.PathLike)) else None
         self.buffer = _as_uint8(source)
         self.file_size = int(self.buffer.size)
@@ -199,6 +205,58 @@ class GGUFFile:
         self._read_header(cur)
         self._read_metadata(cur)
         self._read_tensor_infos(cur)
+        self.part_sizes = [self.file_size]
+        if not _as_part:
+            self._join_parts(parts)
+
+    # -- split files ---------------------------------------------------------------------------------------
+    def _split_keys(self, what: str) -> tuple[int, int] | None:
+        if SPLIT_COUNT not in self.metadata:
+            return None
+        no, count = self.metadata.get(SPLIT_NO), self.metadata[SPLIT_COUNT]
+        if not isinstance(count, int) or not isinstance(no, int) or count < 1 or not 0 <= no < count:
+            raise GGUFError(f"{what}: bad split keys ({SPLIT_NO} = {no!r}, {SPLIT_COUNT} = {count!r})")
+        return no, count
+
+    def _join_parts(self, parts) -> None:
+        me = self.path or "GGUF buffer"
+        keys = self._split_keys(me)
+        if keys is None or keys[1] == 1:
+            if parts:
+                raise GGUFError(f"{me}: extra parts given, but this file is not split")
+            return
+        no, count = keys
+        if no != 0:
+            raise GGUFError(f"{me} is part {no + 1} of {count} of a split GGUF: open the first part")
+        if parts is None:
+            if self.path is None:
+                raise GGUFError(f"this GGUF buffer is part 1 of {count}: pass the other parts (parts=[...])")
+            names = part_paths(self.path, count)[1:]
+            for name in names:
+                if not os.path.isfile(name):
+                    raise GGUFError(f"split GGUF {self.path}: part {name} is missing")
+            parts = names
+        parts = list(parts)
+        if len(parts) != count - 1:
+            raise GGUFError(f"{me}: split.count = {count} needs {count - 1} more parts, got {len(parts)}")
+        for i, src in enumerate(parts, start=1):
+            label = os.fspath(src) if isinstance(src, (str, os.PathLike)) else f"part {i + 1} of {count}"
+            try:
+                part = GGUFFile(src, _as_part=True)
+            except GGUFError as exc:
+                raise GGUFError(f"split GGUF part {label}: {exc}") from None
+            pk = part._split_keys(label)
+            if pk != (i, count):
+                raise GGUFError(f"split GGUF part {label} does not belong here: expected part {i + 1} of {count}, "
+                                f"it says " + (f"part {pk[0] + 1} of {pk[1]}" if pk else "it is not split"))
+            for name, info in part.tensors.items():
+                if name in self.tensors:
+                    raise GGUFError(f"split GGUF part {label}: tensor {name!r} is also in an earlier part")
+                self.tensors[name] = info
+            self.part_sizes.append(part.file_size)
+        want = self.metadata.get(SPLIT_TENSORS)
+        if want is not None and want != len(self.tensors):
+            raise GGUFError(f"{me}: {SPLIT_TENSORS} = {want} but the {count} parts hold {len(self.tensors)} tensors")
 
     # -- header ------------------------------------------------------------------------------------------
     def _read_header(self, cur: _Cursor) -> None:

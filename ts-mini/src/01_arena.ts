@@ -30,12 +30,14 @@ export class ArenaLayout {
 }
 
 export class Arena {
-  readonly buffer: ArrayBuffer;
+  readonly buffer: ArrayBuffer | SharedArrayBuffer;
   private readonly layout: ArenaLayout;
 
-  constructor(layout: ArenaLayout) {
+  /** shared: carve the views from a SharedArrayBuffer, so worker threads see the same activations (13b). */
+  constructor(layout: ArenaLayout, shared = false) {
     this.layout = layout;
-    this.buffer = new ArrayBuffer(Math.ceil(layout.bytes / ALIGN) * ALIGN);
+    const n = Math.ceil(layout.bytes / ALIGN) * ALIGN;
+    this.buffer = shared ? new SharedArrayBuffer(n) : new ArrayBuffer(n);
   }
 
   get byteLength(): number {

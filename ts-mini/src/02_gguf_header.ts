@@ -16,11 +16,13 @@ const utf8 = new TextDecoder("utf-8", { ignoreBOM: true }); // keep a leading U+
 export class ByteCursor {
   readonly view: DataView;
   readonly bytes: Uint8Array;
+  readonly shared: boolean;
   pos: number;
 
-  constructor(buffer: ArrayBuffer, pos = 0) {
+  constructor(buffer: ArrayBufferLike, pos = 0) {
     this.view = new DataView(buffer);
     this.bytes = new Uint8Array(buffer);
+    this.shared = typeof SharedArrayBuffer !== "undefined" && buffer instanceof SharedArrayBuffer;
     this.pos = pos;
   }
 
@@ -64,7 +66,9 @@ export class ByteCursor {
   string(what: string): string {
     const n = this.u64(`length of ${what}`);
     const at = this.need(n, what);
-    return utf8.decode(this.bytes.subarray(at, at + n));
+    // Browsers' TextDecoder refuses views of a SharedArrayBuffer (the threaded engine's weights): decode a copy.
+    const b = this.shared ? this.bytes.slice(at, at + n) : this.bytes.subarray(at, at + n);
+    return utf8.decode(b);
   }
 }
 

@@ -39,11 +39,16 @@ export interface TensorInfo {
 }
 
 export interface GGUFFile {
-  buffer: ArrayBuffer;
+  buffer: ArrayBufferLike; // an ArrayBuffer, or a SharedArrayBuffer when worker threads share the weights
   version: number;
   alignment: number;
   metadata: Metadata;
   tensors: Map<string, TensorInfo>;
+}
+
+/** An ArrayBuffer or (where the platform has one) a SharedArrayBuffer. */
+export function isBuffer(b: unknown): b is ArrayBufferLike {
+  return b instanceof ArrayBuffer || (typeof SharedArrayBuffer !== "undefined" && b instanceof SharedArrayBuffer);
 }
 
 export function tensor(g: GGUFFile, name: string): TensorInfo {
@@ -53,8 +58,8 @@ export function tensor(g: GGUFFile, name: string): TensorInfo {
 }
 
 /** Parse header, metadata and tensor table. The tensor data is not copied: offsets point into `buffer`. */
-export function parseGGUF(buffer: ArrayBuffer): GGUFFile {
-  if (!(buffer instanceof ArrayBuffer)) throw new GGUFError("parseGGUF expects an ArrayBuffer");
+export function parseGGUF(buffer: ArrayBufferLike): GGUFFile {
+  if (!isBuffer(buffer)) throw new GGUFError("parseGGUF expects an ArrayBuffer");
   const cur = new ByteCursor(buffer);
   const { version, tensorCount, kvCount } = readHeader(cur);
   const metadata = readMetadata(cur, kvCount);

@@ -34,11 +34,12 @@ export interface WeightViews {
   i16: Int16Array;
   u16: Uint16Array;
   u32: Uint32Array;
+  i32: Int32Array; // the same words signed: bit fields stay int32 in the JIT (u32 words >= 2^31 become doubles)
   f32: Float32Array;
   half: Float32Array; // f16 bits -> value
 }
 
-export function makeWeightViews(buffer: ArrayBuffer, half: Float32Array): WeightViews {
+export function makeWeightViews(buffer: ArrayBufferLike, half: Float32Array): WeightViews {
   // Kernels read u16/u32 words in the machine's byte order; GGUF is little-endian.
   if (new Uint8Array(new Uint16Array([1]).buffer)[0] !== 1) throw new Error("ts-mini needs a little-endian machine");
   const n = buffer.byteLength;
@@ -48,6 +49,7 @@ export function makeWeightViews(buffer: ArrayBuffer, half: Float32Array): Weight
     i16: new Int16Array(buffer, 0, n >>> 1),
     u16: new Uint16Array(buffer, 0, n >>> 1),
     u32: new Uint32Array(buffer, 0, n >>> 2),
+    i32: new Int32Array(buffer, 0, n >>> 2),
     f32: new Float32Array(buffer, 0, n >>> 2),
     half,
   };

@@ -15,7 +15,8 @@ import { Arena, ArenaLayout } from "./01_arena.js";
 import { WeightViews, fillHalfTable, makeWeightViews } from "./05_f16_bf16.js";
 import { embed, rmsnorm } from "./11_embed_rmsnorm.js";
 import { applyRope, fillRopeTables } from "./12_rope.js";
-import { MatScratch, checkSupported, matmul } from "./13_matmul.js";
+import { MatScratch, RowSplitter, checkSupported, matmul } from "./13_matmul.js";
+import { LUT_MAX_IN } from "./06_q8_q4_dot.js";
 import { KVCache, attend, storeKV } from "./14_attention.js";
 import { addInPlace, swiglu } from "./15_swiglu.js";
 import { computeLogits } from "./16_logits.js";
@@ -106,6 +107,7 @@ function bindWeights(g: GGUFFile, c: LlamaConfig): LlamaWeights {
 export interface ModelOptions {
   maxSeqLen?: number; // KV cache length (default min(context_length, 2048))
   prefillChunk?: number; // tokens per prefill matmul (default 32)
+  sharedArena?: boolean; // arena in a SharedArrayBuffer (needed by a matmul worker pool, 13b)
 }
 
 export class LlamaModel {
@@ -114,7 +116,7 @@ export class LlamaModel {
   readonly arena: Arena;
   readonly maxSeq: number;
   readonly chunk: number;
-  private readonly w: WeightViews;
+  readonly w: WeightViews; // views over the GGUF buffer (the pool's main thread reads the weights through them)
   private readonly weights: LlamaWeights;
   private readonly cache: KVCache;
   private readonly ropeCos: Float32Array;
@@ -148,9 +150,11 @@ export class LlamaModel {
       .add("gate", "f32", P * c.ffnDim).add("up", "f32", P * c.ffnDim)
       .add("logits", "f32", V)
       .add("mat_xs", "f64", maxIn).add("mat_xsum", "f64", Math.ceil(maxIn / 32)).add("mat_row", "f32", 2 * maxIn)
+      .add("mat_xq", "i32", maxIn).add("mat_xd", "f64", Math.ceil(maxIn / 32))
+      .add("mat_lut", "i32", (Math.min(maxIn, LUT_MAX_IN) >> 5) * 4096)
       .add("scores", "f64", this.maxSeq).add("acc", "f64", c.headDim)
       .add("sample_probs", "f64", V).add("sample_idx", "i32", V).add("sample_vals", "f64", V);
-    const a = (this.arena = new Arena(L));
+    const a = (this.arena = new Arena(L, !!opts.sharedArena));
 
     this.w = makeWeightViews(g.buffer, fillHalfTable(a.f32("half")));
     this.ropeCos = a.f32("rope_cos");
@@ -161,9 +165,14 @@ export class LlamaModel {
     this.q = a.f32("q"); this.k = a.f32("k"); this.v = a.f32("v"); this.att = a.f32("att");
     this.gate = a.f32("gate"); this.up = a.f32("up");
     this.logits = a.f32("logits");
-    this.mat = { xs: a.f64("mat_xs"), xsum: a.f64("mat_xsum"), row: a.f32("mat_row") };
+    this.mat = { xs: a.f64("mat_xs"), xsum: a.f64("mat_xsum"), row: a.f32("mat_row"), xq: a.i32("mat_xq"), xd: a.f64("mat_xd"), lut: a.i32("mat_lut") };
     this.scores = a.f64("scores"); this.acc = a.f64("acc");
     this.samplerScratch = { probs: a.f64("sample_probs"), idx: a.i32("sample_idx"), vals: a.f64("sample_vals") };
+  }
+
+  /** Split the products of this model over a worker pool (13b_matmul_pool.ts); null: back to one thread. */
+  setPool(pool: RowSplitter | null): void {
+    this.mat.pool = pool;
   }
 
   /**

@@ -1,12 +1,15 @@
 // node dist/cli.js [MODEL] "prompt" [--max-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--chat]
-// Streams the completion to stdout; prints speed to stderr.
+//                  [--threads N]
+// Streams the completion to stdout; prints speed to stderr. --threads N: matmul threads (worker_threads sharing
+// the weights; default: all cores).
 
-import { loadModel } from "./index.js";
+import { availableParallelism } from "node:os";
+import { loadModelThreaded } from "./index.js";
 import { defaultModelPath, readArrayBuffer } from "./model_path.js";
 
-const USAGE = 'usage: node dist/cli.js [MODEL.gguf] "prompt" [--max-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--chat]';
+const USAGE = 'usage: node dist/cli.js [MODEL.gguf] "prompt" [--max-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--chat] [--threads N]';
 
-function main(argv: string[]): number {
+async function main(argv: string[]): Promise<number> {
   const pos: string[] = [];
   const opt: Record<string, string> = {};
   let chat = false;
@@ -28,7 +31,10 @@ function main(argv: string[]): number {
     return v;
   };
   const t0 = performance.now();
-  const engine = loadModel(readArrayBuffer(modelPath));
+  const threads = num("threads", availableParallelism());
+  if (!Number.isInteger(threads) || threads < 1) throw new Error(`--threads must be an integer >= 1, got "${opt.threads}"`);
+  const engine = await loadModelThreaded(readArrayBuffer(modelPath), { threads });
+  if (engine.threadNote) process.stderr.write(`note: ${engine.threadNote}\n`);
   const loadMs = performance.now() - t0;
   const r = engine.generate(prompt, {
     maxTokens: num("max-tokens", 64), temperature: num("temperature", 0), topK: num("top-k", 0),
@@ -36,13 +42,12 @@ function main(argv: string[]): number {
   }, (_id, text) => { process.stdout.write(text); });
   process.stdout.write("\n");
   process.stderr.write(`[load ${loadMs.toFixed(0)} ms | prompt ${r.promptTokens} tok in ${r.prefillMs.toFixed(0)} ms | ` +
-    `${r.tokenIds.length} tok, ${r.tokensPerSecond.toFixed(2)} tok/s | finish: ${r.finishReason}]\n`);
+    `${r.tokenIds.length} tok, ${r.tokensPerSecond.toFixed(2)} tok/s | ${engine.threads} thread(s) | finish: ${r.finishReason}]\n`);
+  engine.close();
   return 0;
 }
 
-try {
-  process.exitCode = main(process.argv.slice(2));
-} catch (e) {
+main(process.argv.slice(2)).then((code) => { process.exitCode = code; }, (e) => {
   process.stderr.write(`error: ${(e as Error).message}\n`);
   process.exitCode = 1;
-}
+});

@@ -5,7 +5,8 @@
 //   const r = engine.generate("Hello", { maxTokens: 32 }, (id, text) => process.stdout.write(text));
 
 import { GGUFError } from "./02_gguf_header.js";
-import { GGUFFile, parseGGUF } from "./04_tensor_table.js";
+import { GGUFFile, isBuffer, parseGGUF } from "./04_tensor_table.js";
+import { MatmulPool, canShareMemory, toShared } from "./13b_matmul_pool.js";
 import { Vocab, readVocab, tokenBytes } from "./08_vocab.js";
 import { BPEEncoder, ChatMessage, applyChatTemplate } from "./09_bpe_encode.js";
 import { Utf8Stream } from "./10_utf8_stream.js";
@@ -15,16 +16,22 @@ import {
 
 export { GGUFError } from "./02_gguf_header.js";
 export { parseGGUF } from "./04_tensor_table.js";
+export { joinSplit, splitPartNames } from "./04b_split.js";
 export type { GGUFFile, TensorInfo } from "./04_tensor_table.js";
 export { Utf8Stream } from "./10_utf8_stream.js";
 export { LlamaModel, Generation } from "./18_generate.js";
 export { Pcg64, lawExp, sample, streamFor, checkSamplingOptions } from "./17_sampler.js";
 export type { SamplingOptions, SamplerScratch } from "./17_sampler.js";
+export { MatmulPool, canShareMemory } from "./13b_matmul_pool.js";
 export type { GenerateOptions, FinishReason, LlamaConfig, ModelOptions } from "./18_generate.js";
 export type { ChatMessage } from "./09_bpe_encode.js";
 
 export interface LoadOptions extends ModelOptions {
   onProgress?: (stage: string, loaded: number, total: number) => void;
+}
+
+export interface ThreadedLoadOptions extends LoadOptions {
+  threads?: number; // matmul threads, this one included (default: navigator.hardwareConcurrency, else 1)
 }
 
 export interface GenerateRequest extends GenerateOptions {
@@ -47,6 +54,11 @@ export type OnToken = (tokenId: number, text: string) => boolean | void;
 
 export class Engine {
   readonly gguf: GGUFFile;
+  /** Threads the products run on (1 unless loaded by loadModelThreaded with a pool). */
+  threads = 1;
+  /** Why the engine runs on fewer threads than asked, if it does (e.g. not cross-origin isolated). */
+  threadNote: string | null = null;
+  private pool: MatmulPool | null = null;
   readonly vocab: Vocab;
   readonly model: LlamaModel;
   private readonly encoder: BPEEncoder;
@@ -74,6 +86,22 @@ export class Engine {
     let out = "";
     for (const id of ids) if (!(skipSpecialTokens && this.specialIds.has(id))) out += s.add(tokenBytes(this.vocab, id));
     return out + s.flush();
+  }
+
+  /** Run the products on `pool` (loadModelThreaded does this). */
+  attachPool(pool: MatmulPool): void {
+    this.pool = pool;
+    this.threads = pool.threads;
+    this.model.setPool(pool);
+  }
+
+  /** Stop the worker threads, if any (the engine keeps working on one thread). */
+  close(): void {
+    if (!this.pool) return;
+    this.model.setPool(null);
+    this.pool.close();
+    this.pool = null;
+    this.threads = 1;
   }
 
   /** Control/user-defined tokens (e.g. <|im_end|>): left out of streamed text. */
@@ -122,8 +150,8 @@ export class Engine {
 }
 
 /** Parse a GGUF (kept in place: weights are read from `buffer`), build the tokenizer and the arena. */
-export function loadModel(buffer: ArrayBuffer, opts: LoadOptions = {}): Engine {
-  if (!(buffer instanceof ArrayBuffer)) throw new GGUFError("loadModel expects an ArrayBuffer holding a GGUF file");
+export function loadModel(buffer: ArrayBufferLike, opts: LoadOptions = {}): Engine {
+  if (!isBuffer(buffer)) throw new GGUFError("loadModel expects an ArrayBuffer holding a GGUF file");
   const p = opts.onProgress ?? (() => {});
   const total = 3;
   p("parse", 0, total);
@@ -138,4 +166,37 @@ export function loadModel(buffer: ArrayBuffer, opts: LoadOptions = {}): Engine {
   }
   p("ready", 3, total);
   return new Engine(gguf, vocab, model);
+}
+
+/** Default thread count: the platform's core count (navigator.hardwareConcurrency), else 1. */
+export function defaultThreads(): number {
+  const n = (globalThis as { navigator?: { hardwareConcurrency?: number } }).navigator?.hardwareConcurrency;
+  return Number.isInteger(n) && n! > 0 ? n! : 1;
+}
+
+/**
+ * loadModel on `threads` threads: the GGUF is copied into a SharedArrayBuffer (unless it is one), the arena is
+ * shared, and a MatmulPool of threads-1 helpers splits every product by rows. Where memory cannot be shared
+ * (a page that is not cross-origin isolated) or a helper cannot start, the engine runs on one thread and
+ * `threadNote` says why. Call engine.close() to stop the helpers.
+ */
+export async function loadModelThreaded(buffer: ArrayBufferLike, opts: ThreadedLoadOptions = {}): Promise<Engine> {
+  const threads = opts.threads ?? defaultThreads();
+  if (!Number.isInteger(threads) || threads < 1) throw new RangeError(`threads must be an integer >= 1, got ${threads}`);
+  if (threads === 1) return loadModel(buffer, opts);
+  if (!canShareMemory()) {
+    const e = loadModel(buffer, opts);
+    e.threadNote = "one thread: SharedArrayBuffer needs a cross-origin isolated page (COOP/COEP headers)";
+    return e;
+  }
+  if (!isBuffer(buffer)) throw new GGUFError("loadModel expects an ArrayBuffer holding a GGUF file");
+  const shared = toShared(buffer);
+  const e = loadModel(shared, { ...opts, sharedArena: true });
+  const c = e.config, maxIn = Math.max(c.dModel, c.nHeads * c.headDim, c.ffnDim);
+  try {
+    e.attachPool(await MatmulPool.start(threads, shared, e.model.arena.buffer as SharedArrayBuffer, e.model.w, maxIn));
+  } catch (err) {
+    e.threadNote = `one thread: the matmul workers did not start (${err instanceof Error ? err.message : String(err)})`;
+  }
+  return e;
 }

@@ -16,3 +16,16 @@ declare const process: {
   stdout: { write(s: string): boolean };
   stderr: { write(s: string): boolean };
 };
+declare module "node:os" {
+  export function availableParallelism(): number;
+}
+declare module "node:worker_threads" {
+  export class Worker {
+    constructor(url: URL | string, options?: unknown);
+    postMessage(m: unknown): void;
+    once(ev: "message" | "error" | "exit", cb: (v: any) => void): this;
+    terminate(): Promise<number>;
+    unref(): void;
+  }
+  export const parentPort: { postMessage(m: unknown): void; once(ev: "message", cb: (v: any) => void): void } | null;
+}

@@ -1,5 +1,7 @@
 // Web worker front end (the same protocol as the Pyodide worker, docs/architecture.md):
-//   main -> worker  {type:"load", model: ArrayBuffer, maxSeqLen?}   (maxSeqLen: KV cache length, default 2048)
+//   main -> worker  {type:"load", model: ArrayBuffer | ArrayBuffer[] (split GGUF parts), maxSeqLen?, threads?}
+//                   (maxSeqLen: KV cache length, default 2048; threads: matmul threads, default 1 — the page sends
+//                   navigator.hardwareConcurrency)
 //                   {type:"generate", id, prompt, maxTokens, temperature, topP, topK, minP, repetitionPenalty,
 //                    presencePenalty, frequencyPenalty, logitBias, seed, chat, messages?}   (the sampling law:
 //                    docs/sampling.md; the same seed and settings give the same tokens as the Python engine;
@@ -10,11 +12,17 @@
 //                   finishReason, ttftMs}                     {type:"error", id?, message, modelKept?}
 // `ms` is the time since the previous token (the first: since the request started, prefill included).
 // Optional numbers may be null (= default). A failed load keeps the previous model (modelKept: true).
+// `ready` info carries threads (the threads actually used) and threadNote (why fewer, e.g. no cross-origin
+// isolation). With threads > 1 the file is checked synchronously, then the pool starts (async); requests sent
+// meanwhile wait for it.
 // Usage: new Worker(new URL("ts-mini/dist/worker.js", base), { type: "module" }).
 // Generation runs one token per turn of the event loop, so a "cancel" posted meanwhile is seen before the
 // next token. Requests are served one at a time, in arrival order.
 
-import { ChatMessage, Engine, loadModel } from "./index.js";
+import { ChatMessage, Engine, loadModel, loadModelThreaded } from "./index.js";
+import { parseGGUF } from "./04_tensor_table.js";
+import { joinSplit } from "./04b_split.js";
+import { readConfig } from "./18_generate.js";
 import { tokenBytes } from "./08_vocab.js";
 import { Utf8Stream } from "./10_utf8_stream.js";
 
@@ -71,12 +79,14 @@ export function createHandler(post: Post): (msg: unknown) => void {
   const cancelled = new Set<string | number>();
   let running = false;
   let current: string | number | null = null; // id of the request being generated
+  let loading: Promise<void> | null = null; // a threaded load in progress
 
   async function runQueue(): Promise<void> {
     if (running) return;
     running = true;
     try {
       while (queue.length) {
+        if (loading) await loading;
         const req = queue.shift()!;
         current = req.id;
         try {
@@ -134,28 +144,56 @@ export function createHandler(post: Post): (msg: unknown) => void {
       if (!msg || typeof msg !== "object") throw new Error("message must be an object with a 'type'");
       switch (msg.type) {
         case "load": {
-          if (!(msg.model instanceof ArrayBuffer)) throw new Error("load: 'model' must be an ArrayBuffer with the GGUF bytes");
+          if (Array.isArray(msg.model) && msg.model.length > 0 && msg.model.every((p) => p instanceof ArrayBuffer)) {
+            msg.model = joinSplit(msg.model); // the parts of a split GGUF, in order (04b)
+          }
+          if (!(msg.model instanceof ArrayBuffer)) throw new Error("load: 'model' must be an ArrayBuffer with the GGUF bytes (or an array of the parts of a split GGUF)");
           const t0 = performance.now();
           const maxSeqLen = (msg as { maxSeqLen?: number | null }).maxSeqLen ?? undefined; // optional extension
-          let e: Engine;
-          try {
-            e = loadModel(msg.model, { maxSeqLen, onProgress: (stage, loaded, total) => post({ type: "progress", stage, loaded, total }) });
-          } catch (err) {
+          const threads = (msg as { threads?: number | null }).threads ?? 1;
+          if (!Number.isInteger(threads) || threads < 1) throw new Error(`load: threads must be an integer >= 1, got ${threads}`);
+          const onProgress = (stage: string, loaded: number, total: number) => post({ type: "progress", stage, loaded, total });
+          const ready = (e: Engine) => {
+            const previous = engine;
+            engine = e;
+            if (previous && previous !== e) previous.close();
+            const c = e.config;
+            post({
+              type: "ready",
+              info: {
+                engine: "ts-mini", arch: c.arch, layers: c.nLayers, dModel: c.dModel, heads: c.nHeads, kvHeads: c.nKvHeads,
+                vocabSize: c.vocabSize, maxSeqLen: e.model.maxSeq, arenaBytes: e.model.arena.byteLength,
+                arena: e.model.arena.regions(),
+                name: e.gguf.metadata.get("general.name") ?? null, loadMs: performance.now() - t0,
+                threads: e.threads, threadNote: e.threadNote,
+                crossOriginIsolated: (globalThis as { crossOriginIsolated?: boolean }).crossOriginIsolated ?? null,
+              },
+            });
+          };
+          const failed = (err: unknown) => {
             // The previous model (if any) still serves requests; say so, as the Pyodide worker does.
             post({ type: "error", message: message(err), modelKept: engine !== null });
+          };
+          if (threads === 1) {
+            let e: Engine;
+            try {
+              e = loadModel(msg.model, { maxSeqLen, onProgress });
+            } catch (err) {
+              failed(err);
+              break;
+            }
+            ready(e);
             break;
           }
-          engine = e;
-          const c = e.config;
-          post({
-            type: "ready",
-            info: {
-              engine: "ts-mini", arch: c.arch, layers: c.nLayers, dModel: c.dModel, heads: c.nHeads, kvHeads: c.nKvHeads,
-              vocabSize: c.vocabSize, maxSeqLen: e.model.maxSeq, arenaBytes: e.model.arena.byteLength,
-              arena: e.model.arena.regions(),
-              name: e.gguf.metadata.get("general.name") ?? null, loadMs: performance.now() - t0,
-            },
-          });
+          try {
+            readConfig(parseGGUF(msg.model)); // a file we cannot run is refused now, not after the pool starts
+          } catch (err) {
+            failed(err);
+            break;
+          }
+          const model = msg.model;
+          loading = loadModelThreaded(model, { maxSeqLen, onProgress, threads }).then(ready, failed)
+            .finally(() => { loading = null; });
           break;
         }
         case "generate":

@@ -135,7 +135,9 @@ class Buffers:
 class Weights:
     """An architecture's weights: ``layers`` (a NamedTuple per layer, its matrices `Linear`s and its norms float32
     vectors), the embedding, the final norm and the LM head. ``mode``: "resident" (float32, dequantized once) or
-    "lean" (quantized rows, dequantized into scratch on use)."""
+    "lean" (quantized rows, dequantized into scratch on use). ``head_bias``: (V,) added to the logits (Qwen2's
+    optional output.bias), or None."""
+    head_bias: np.ndarray | None = None
 
     def __init__(self, config, mode: str, layers: list, embed: Embedding, output_norm: np.ndarray, head: Linear,
                  tied: bool, **extra):
@@ -172,6 +174,8 @@ class Weights:
         src = self.embed.source
         if not self.tied and id(src) not in seen:
             total += src.nbytes
+        if self.head_bias is not None:
+            total += self.head_bias.nbytes
         for L in self.layers:
             total += sum(v.nbytes for v in L if isinstance(v, (np.ndarray, MoE)))
         return total
@@ -377,6 +381,8 @@ class TransformerModel:
         ops.call(np.take, x, idx, 0, hx)
         ops.rms_norm(hx, w.output_norm, c.rms_eps, hxn)
         ops.matmul(w.head, hxn, logits)
+        if w.head_bias is not None:
+            ops.call(np.add, logits, w.head_bias, logits)
         if self.logit_scale is not None:
             ops.call(np.divide, logits, np.float32(self.logit_scale), logits)
         return logits

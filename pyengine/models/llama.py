@@ -55,8 +55,9 @@ class LlamaLayer(NamedTuple):
 
 
 def load_weights(gguf, c: LlamaConfig, mode: str = "resident", unpermute: bool = True,
-                 qkv_bias: bool = False) -> Weights:
-    """``unpermute``: Q/K rows stored for interleaved RoPE (llama); False for the half-split (NEOX) families."""
+                 qkv_bias: bool = False, head_bias: bool = False) -> Weights:
+    """``unpermute``: Q/K rows stored for interleaved RoPE (llama); False for the half-split (NEOX) families.
+    ``qkv_bias``: the layers have Q, K and V biases (required); ``head_bias``: the file may have an output.bias."""
     r = TensorReader(gguf)
     hd, d = c.head_dim, c.d_model
     layers = []
@@ -75,7 +76,9 @@ def load_weights(gguf, c: LlamaConfig, mode: str = "resident", unpermute: bool =
             ffn_norm=r.vector(p + "ffn_norm.weight", d), w_gate_up=gate_up, w_down=down, moe=moe, bqkv=bias))
     embed, head, tied = embedding_and_head(r, c, mode)
     freq = gguf.dequantize("rope_freqs.weight") if r.has("rope_freqs.weight") else None
-    return Weights(c, mode, layers, embed, r.vector("output_norm.weight", d), head, tied, freq_factors=freq)
+    bias = r.vector("output.bias", c.vocab_size) if head_bias and r.has("output.bias") else None
+    return Weights(c, mode, layers, embed, r.vector("output_norm.weight", d), head, tied, freq_factors=freq,
+                   head_bias=bias)
 
 
 class LlamaModel(TransformerModel):
@@ -102,7 +105,8 @@ class LlamaModel(TransformerModel):
             h = attention(q, k, v.reshape(T, Hkv, hd), offset=0, scale=self.scale).reshape(T, H * hd)
             x = x + res * (h @ L.wo)
             x = x + res * self.ffn_reference(L, rms_norm(x, L.ffn_norm, c.rms_eps))
-        return (rms_norm(x, w.output_norm, c.rms_eps) @ w.head) / logit
+        logits = rms_norm(x, w.output_norm, c.rms_eps) @ w.head
+        return (logits if w.head_bias is None else logits + w.head_bias) / logit
 
     def layer(self, i, L, p, slots, kv, b, ops=EAGER) -> None:
         """One layer over the step's T tokens, in place on b.x. ``p``: this kind of layer's part of the plan;

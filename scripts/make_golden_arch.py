@@ -42,6 +42,11 @@ def hf_model(variant: str, hf: dict):
         model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**common, use_sliding_window=False))
     elif variant == "qwen3":
         model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, attention_bias=False, use_sliding_window=False))
+    elif variant == "gemma2":
+        model = tf.Gemma2ForCausalLM(tf.Gemma2Config(
+            **common, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=s["query_scalar"],
+            sliding_window=s["window"], attn_logit_softcapping=s["attn_softcap"],
+            final_logit_softcapping=s["final_softcap"], attention_bias=False))
     else:
         raise ValueError(variant)
     if s.get("head_bias"):                     # Qwen2's optional output.bias: HF's head given a bias
@@ -52,8 +57,13 @@ def hf_model(variant: str, hf: dict):
         sd["lm_head.bias"] = hf["output.bias"]
     for i in range(s["layers"]):
         p, m = f"blk.{i}.", f"model.layers.{i}."
+        if s.get("sandwich"):       # Gemma 2: pre- and post-norms around both sub-layers
+            sd.update({m + "post_attention_layernorm.weight": hf[p + "post_attention_norm.weight"],
+                       m + "pre_feedforward_layernorm.weight": hf[p + "ffn_norm.weight"],
+                       m + "post_feedforward_layernorm.weight": hf[p + "post_ffw_norm.weight"]})
+        else:
+            sd[m + "post_attention_layernorm.weight"] = hf[p + "ffn_norm.weight"]
         sd.update({m + "input_layernorm.weight": hf[p + "attn_norm.weight"],
-                   m + "post_attention_layernorm.weight": hf[p + "ffn_norm.weight"],
                    m + "self_attn.o_proj.weight": hf[p + "attn_output.weight"],
                    m + "mlp.gate_proj.weight": hf[p + "ffn_gate.weight"],
                    m + "mlp.up_proj.weight": hf[p + "ffn_up.weight"],

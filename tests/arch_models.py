@@ -23,6 +23,12 @@ VARIANTS = {
     "qwen2": dict(arch="qwen2", head_dim=16, theta=1e6, tied=False, qkv_bias=True, head_bias=True),
     # head_dim 32 != d / H = 16, as in the real models (128 != d / H)
     "qwen3": dict(arch="qwen3", head_dim=32, theta=1e6, tied=True, qk_norm=True),
+    # window 8 (the prompts cross it), soft caps that bend the scores and logits, a query scale from metadata
+    # (HF query_pre_attn_scalar 24: not a power of two) and head_dim 32 != d / H
+    # (untied here: a tied random model predicts its input token, the embedding dominating the residual stream;
+    # the tiny model of tests/tiny_models.py covers the tied head)
+    "gemma2": dict(arch="gemma2", head_dim=32, theta=1e4, tied=False, sandwich=True, window=8, attn_softcap=4.0,
+                   final_softcap=15.0, query_scalar=24, embed_scale=0.3, head_scale=0.6),
 }
 SEEDS = {"qwen2": 41, "qwen3": 42, "gemma2": 43, "phi3": 44}
 
@@ -43,9 +49,9 @@ def hf_tensors(variant: str) -> dict[str, np.ndarray]:
     def norm(n):
         return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
 
-    t = {"token_embd.weight": mat(VOCAB, d, scale=1.0), "output_norm.weight": norm(d)}
+    t = {"token_embd.weight": mat(VOCAB, d, scale=s.get("embed_scale", 1.0)), "output_norm.weight": norm(d)}
     if not s["tied"]:
-        t["output.weight"] = mat(VOCAB, d, scale=0.3)
+        t["output.weight"] = mat(VOCAB, d, scale=s.get("head_scale", 0.3))
     if s.get("head_bias"):
         t["output.bias"] = mat(VOCAB, scale=0.5)
     for i in range(s["layers"]):
@@ -56,6 +62,8 @@ def hf_tensors(variant: str) -> dict[str, np.ndarray]:
                   p + "ffn_gate.weight": mat(f, d), p + "ffn_up.weight": mat(f, d), p + "ffn_down.weight": mat(d, f)})
         if s.get("qk_norm"):
             t.update({p + "attn_q_norm.weight": norm(hd), p + "attn_k_norm.weight": norm(hd)})
+        if s.get("sandwich"):
+            t.update({p + "post_attention_norm.weight": norm(d), p + "post_ffw_norm.weight": norm(d)})
         if s.get("qkv_bias"):
             t.update({p + "attn_q.bias": mat(H * hd, scale=0.1), p + "attn_k.bias": mat(Hkv * hd, scale=0.1),
                       p + "attn_v.bias": mat(Hkv * hd, scale=0.1)})
@@ -64,9 +72,10 @@ def hf_tensors(variant: str) -> dict[str, np.ndarray]:
 
 def quantized(variant: str) -> tuple[dict, dict]:
     """(stored, hf): per tensor name the bytes to write ((raw uint8, ggml type) for Q8_0, float32 otherwise)
-    and the float32 values HF gets (dequantized)."""
+    and the float32 values HF gets (dequantized; Gemma's norms: llama.cpp stores 1 + w, HF holds w)."""
     import gguf
 
+    s = shape(variant)
     stored, hf = {}, {}
     for name, a in hf_tensors(variant).items():
         if a.ndim >= 2:
@@ -75,6 +84,9 @@ def quantized(variant: str) -> tuple[dict, dict]:
             stored[name] = (q, gguf.GGMLQuantizationType.Q8_0)
         else:
             stored[name] = hf[name] = a
+            if s["arch"].startswith("gemma") and name.endswith("norm.weight"):
+                hf[name] = a - np.float32(1)       # exact: a is within [0.5, 2]
+                assert np.all(hf[name] + np.float32(1) == a)
     return stored, hf
 
 
@@ -96,6 +108,11 @@ def write_arch(path: Path, variant: str, tokenizer_gguf) -> str:
     w.add_uint32(f"{arch}.context_length", s["ctx"])
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", s["eps"])
     w.add_float32(f"{arch}.rope.freq_base", s["theta"])
+    if arch == "gemma2":
+        w.add_uint32(f"{arch}.attention.sliding_window", s["window"])
+        w.add_float32(f"{arch}.attn_logit_softcapping", s["attn_softcap"])
+        w.add_float32(f"{arch}.final_logit_softcapping", s["final_softcap"])
+        w.add_float32(f"{arch}.attention.scale", s["query_scalar"] ** -0.5)
     for key, value in tokenizer_metadata(tokenizer_gguf).items():
         if isinstance(value, bool):
             w.add_bool(key, value)

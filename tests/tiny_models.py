@@ -16,8 +16,9 @@ SLIDING_WINDOW = 24          # gemma3: small, so that contexts of ~60 tokens cro
 N_EXPERTS, N_USED, EXPERT_F, SHARED_F = 8, 2, 32, 64    # MoE variants (S16)
 # variant -> GGUF general.architecture (Mixtral is a llama file with llama.expert_count)
 ARCH_OF = {"llama": "llama", "gemma3": "gemma3", "qwen3moe": "qwen3moe", "qwen2moe": "qwen2moe",
-           "mixtral": "llama", "olmoe": "olmoe", "granitemoe": "granitemoe", "qwen2": "qwen2", "qwen3": "qwen3"}
-NEW = ("qwen2", "qwen3")     # issue 30's dense families: TP/PP run together (tests/test_model_contracts.py)
+           "mixtral": "llama", "olmoe": "olmoe", "granitemoe": "granitemoe", "qwen2": "qwen2", "qwen3": "qwen3",
+           "gemma2": "gemma2"}
+NEW = ("qwen2", "qwen3", "gemma2")     # issue 30's dense families: TP/PP run together (tests/test_model_contracts.py)
 HEAD_DIM = {"gemma3": HD, "qwen3moe": HD, "qwen3": 2 * HD}     # from attention.key_length; others: D / H
 MOE = ("qwen3moe", "qwen2moe", "mixtral", "olmoe", "granitemoe")
 
@@ -48,7 +49,7 @@ def _arch_tensors(arch: str, rng) -> dict[str, np.ndarray]:
             t.update({p + "attn_q_norm.weight": norm(hd), p + "attn_k_norm.weight": norm(hd)})
         if arch == "olmoe":                  # over the whole projection, not per head
             t.update({p + "attn_q_norm.weight": norm(H * hd), p + "attn_k_norm.weight": norm(HKV * hd)})
-        if arch == "gemma3":
+        if arch in ("gemma3", "gemma2"):
             t.update({p + "post_attention_norm.weight": norm(D), p + "post_ffw_norm.weight": norm(D)})
         if arch in ("qwen2moe", "qwen2"):
             t.update({p + "attn_q.bias": norm(H * hd, 0.0), p + "attn_k.bias": norm(HKV * hd, 0.0),
@@ -97,6 +98,10 @@ def write_tiny(path: Path, variant: str, seed: int = 0, extra_meta: dict | None 
     if variant in ("qwen3moe", "qwen3"):
         w.add_uint32(f"{arch}.attention.key_length", HEAD_DIM[arch])
         w.add_uint32(f"{arch}.attention.value_length", HEAD_DIM[arch])
+    if arch == "gemma2":         # soft caps small enough to bend the tiny model's scores and logits
+        w.add_uint32(f"{arch}.attention.sliding_window", SLIDING_WINDOW)
+        w.add_float32(f"{arch}.attn_logit_softcapping", 2.0)
+        w.add_float32(f"{arch}.final_logit_softcapping", 3.0)
     if arch == "gemma3":
         w.add_uint32(f"{arch}.attention.key_length", HD)
         w.add_uint32(f"{arch}.attention.value_length", HD)

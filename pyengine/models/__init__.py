@@ -16,6 +16,7 @@ ARCHITECTURES = {
     "gemma3": "pyengine.models.gemma3",
     "qwen2": "pyengine.models.qwen2",            # issue 30: the dense families people run
     "qwen3": "pyengine.models.qwen3",
+    "gemma2": "pyengine.models.gemma2",
     "qwen2moe": "pyengine.models.qwen2moe",      # S16: mixtures of experts (Mixtral is a llama file)
     "qwen3moe": "pyengine.models.qwen3moe",
     "olmoe": "pyengine.models.olmoe",

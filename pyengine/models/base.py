@@ -19,6 +19,7 @@ from pyengine.layers.linear import BlockedLinear, DenseLinear, Embedding, LeanLi
 from pyengine.layers.activation import gated_activation
 from pyengine.layers.moe import Experts, ExpertLoad, MoE, MoEScratch, moe_forward, moe_reference
 from pyengine.layers.norm import rms_norm
+from pyengine.layers.attention import cap_scores
 from pyengine.layers.paged_attention import paged_attention
 from pyengine.layers.rotary import apply_rope, interleaved_to_half, rope_cos_sin
 
@@ -43,8 +44,8 @@ class EagerOps:
     def rope(self, x, cos, sin, out, tmp) -> None:
         apply_rope(x, cos, sin, out=out, tmp=tmp)
 
-    def attention(self, i, q, kv, plan, out, scratch, scale) -> None:
-        paged_attention(i, q, kv, plan, out=out, scratch=scratch, scale=scale)
+    def attention(self, i, q, kv, plan, out, scratch, scale, softcap=None) -> None:
+        paged_attention(i, q, kv, plan, out=out, scratch=scratch, scale=scale, softcap=softcap)
 
 
 EAGER = EagerOps()
@@ -329,10 +330,11 @@ class TransformerModel:
     """The shared fast path. Subclasses set ``kinds`` / ``kind_of`` and define ``layer`` (one layer's math) and
     ``forward_reference``; ``embed_scale`` (Gemma: sqrt(d)) multiplies the embeddings; Granite's
     ``residual_scale`` multiplies each sub-layer's output before its residual add and ``logit_scale`` divides
-    the logits."""
+    the logits; Gemma 2's ``final_softcap`` caps them."""
     embed_scale: float | None = None
     residual_scale: float | None = None
     logit_scale: float | None = None
+    final_softcap: float | None = None     # Gemma 2: logits = c * tanh(logits / c)
 
     def __init__(self, config, weights: Weights, kinds: list[LayerKind], kind_of: list[int], scale: float):
         self.config, self.weights = config, weights
@@ -383,6 +385,8 @@ class TransformerModel:
         ops.matmul(w.head, hxn, logits)
         if w.head_bias is not None:
             ops.call(np.add, logits, w.head_bias, logits)
+        if self.final_softcap:                    # Gemma 2: c * tanh(logits / c)
+            ops.call(cap_scores, logits, self.final_softcap)
         if self.logit_scale is not None:
             ops.call(np.divide, logits, np.float32(self.logit_scale), logits)
         return logits

@@ -29,7 +29,7 @@ class ModelConfig:
     rope_scaling_factor: float     # 1.0 when there is no scaling
     rope_orig_context: int         # context the model was trained at (= context_length without scaling)
     rms_eps: float
-    rope_dim: int                  # dimensions RoPE rotates (= head_dim: partial rotary is refused)
+    rope_dim: int                  # dimensions RoPE rotates (= head_dim, or fewer: partial rotary, phi3 only)
     tie_embeddings: bool           # no output.weight: the LM head reuses token_embd.weight
     bos_token_id: int | None
     eos_token_id: int | None
@@ -44,8 +44,10 @@ class ModelConfig:
         return asdict(self)
 
     @classmethod
-    def from_gguf(cls, gguf) -> "ModelConfig":
-        """Read from a GGUFFile (or anything GGUFFile accepts: path, bytes, ...)."""
+    def from_gguf(cls, gguf, partial_rotary: bool = False) -> "ModelConfig":
+        """Read from a GGUFFile (or anything GGUFFile accepts: path, bytes, ...). ``partial_rotary``: the
+        architecture rotates only the first rope.dimension_count dimensions of each head (else they must be
+        all of them)."""
         from pyengine.gguf.reader import GGUFFile
         if not isinstance(gguf, GGUFFile):
             gguf = GGUFFile(gguf)
@@ -89,9 +91,12 @@ class ModelConfig:
                                 "is missing")
             head_dim = d_model // n_heads
         rope_dim = number("rope.dimension_count", int, default=head_dim)
-        if rope_dim != head_dim:
+        if rope_dim != head_dim and not partial_rotary:
             raise GGUFError(f"{arch}.rope.dimension_count = {rope_dim} differs from the head dim {head_dim} "
-                            "(partial rotary embeddings are not supported)")
+                            f"(partial rotary embeddings are not supported for {arch})")
+        if rope_dim > head_dim or rope_dim % 2 or (head_dim - rope_dim) % 2:
+            raise GGUFError(f"{arch}.rope.dimension_count = {rope_dim} must be even and at most the head dim "
+                            f"{head_dim}, with an even remainder")
 
         scaling_type = md.get(f"{arch}.rope.scaling.type", "none")
         if not isinstance(scaling_type, str):

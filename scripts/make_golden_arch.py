@@ -47,6 +47,18 @@ def hf_model(variant: str, hf: dict):
             **common, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=s["query_scalar"],
             sliding_window=s["window"], attn_logit_softcapping=s["attn_softcap"],
             final_logit_softcapping=s["final_softcap"], attention_bias=False))
+    elif s["arch"] == "phi3":
+        common.pop("head_dim")
+        rope = {"rope_type": "longrope", "rope_theta": s["theta"], "partial_rotary_factor": s["rope_dim"] / s["head_dim"],
+                "short_factor": hf["rope_factors_short.weight"].tolist(),
+                "long_factor": hf["rope_factors_long.weight"].tolist(),
+                "original_max_position_embeddings": s["orig_ctx"]}
+        if s.get("attn_factor"):
+            rope["attention_factor"] = s["attn_factor"]
+        common["rope_parameters"] = rope
+        model = tf.Phi3ForCausalLM(tf.Phi3Config(**common, original_max_position_embeddings=s["orig_ctx"],
+                                                 sliding_window=s.get("window"), pad_token_id=0, bos_token_id=1,
+                                                 eos_token_id=2))
     else:
         raise ValueError(variant)
     if s.get("head_bias"):                     # Qwen2's optional output.bias: HF's head given a bias
@@ -68,6 +80,11 @@ def hf_model(variant: str, hf: dict):
                    m + "mlp.gate_proj.weight": hf[p + "ffn_gate.weight"],
                    m + "mlp.up_proj.weight": hf[p + "ffn_up.weight"],
                    m + "mlp.down_proj.weight": hf[p + "ffn_down.weight"]})
+        if s.get("fused"):        # Phi-3: HF's fused Q|K|V and gate|up (as the GGUF holds them)
+            sd[m + "self_attn.qkv_proj.weight"] = np.concatenate([hf[p + f"attn_{x}.weight"] for x in "qkv"])
+            sd[m + "mlp.gate_up_proj.weight"] = np.concatenate([hf[p + "ffn_gate.weight"], hf[p + "ffn_up.weight"]])
+            del sd[m + "mlp.gate_proj.weight"], sd[m + "mlp.up_proj.weight"]
+            continue
         for x in "qkv":
             sd[m + f"self_attn.{x}_proj.weight"] = hf[p + f"attn_{x}.weight"]
             if s.get("qkv_bias"):

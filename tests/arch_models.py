@@ -29,8 +29,17 @@ VARIANTS = {
     # the tiny model of tests/tiny_models.py covers the tied head)
     "gemma2": dict(arch="gemma2", head_dim=32, theta=1e4, tied=False, sandwich=True, window=8, attn_softcap=4.0,
                    final_softcap=15.0, query_scalar=24, embed_scale=0.3, head_scale=0.6),
+    # partial rotary (12 of 16 dims, Phi-4-mini's 0.75), LongRoPE's short factors (the engine's context is within
+    # the original 4096) with the default attention factor of an 8192 context, a sliding window of 12 on every
+    # layer, fused Q|K|V and gate|up
+    "phi3": dict(arch="phi3", head_dim=16, rope_dim=12, theta=1e4, tied=False, ctx=8192, orig_ctx=4096, window=12,
+                 fused=True),
+    # LongRoPE's long factors: an original context of 4, so every prompt is past it (HF switches per forward on
+    # the sequence length, the engine per max_model_len: both long here); the attention factor from metadata
+    "phi3long": dict(arch="phi3", head_dim=16, rope_dim=12, theta=1e4, tied=False, ctx=4096, orig_ctx=4,
+                     attn_factor=1.3, fused=True),
 }
-SEEDS = {"qwen2": 41, "qwen3": 42, "gemma2": 43, "phi3": 44}
+SEEDS = {"qwen2": 41, "qwen3": 42, "gemma2": 43, "phi3": 44, "phi3long": 45}
 
 
 def shape(variant: str) -> dict:
@@ -67,6 +76,10 @@ def hf_tensors(variant: str) -> dict[str, np.ndarray]:
         if s.get("qkv_bias"):
             t.update({p + "attn_q.bias": mat(H * hd, scale=0.1), p + "attn_k.bias": mat(Hkv * hd, scale=0.1),
                       p + "attn_v.bias": mat(Hkv * hd, scale=0.1)})
+    if s.get("rope_dim"):                          # LongRoPE's per-pair divisors
+        half = s["rope_dim"] // 2
+        t["rope_factors_short.weight"] = (1.0 + 0.2 * rng.random(half)).astype(np.float32)
+        t["rope_factors_long.weight"] = (1.0 + 3.0 * rng.random(half)).astype(np.float32)
     return t
 
 
@@ -87,6 +100,12 @@ def quantized(variant: str) -> tuple[dict, dict]:
             if s["arch"].startswith("gemma") and name.endswith("norm.weight"):
                 hf[name] = a - np.float32(1)       # exact: a is within [0.5, 2]
                 assert np.all(hf[name] + np.float32(1) == a)
+    if s.get("fused"):         # phi3: Q|K|V in attn_qkv, gate|up in ffn_up (Q8_0 rows quantize independently)
+        for i in range(s["layers"]):
+            p = f"blk.{i}."
+            for fused, parts in (("attn_qkv", ("attn_q", "attn_k", "attn_v")), ("ffn_up", ("ffn_gate", "ffn_up"))):
+                raws = [stored.pop(p + n + ".weight")[0] for n in parts]
+                stored[p + fused + ".weight"] = (np.concatenate(raws), gguf.GGMLQuantizationType.Q8_0)
     return stored, hf
 
 
@@ -106,6 +125,13 @@ def write_arch(path: Path, variant: str, tokenizer_gguf) -> str:
     w.add_uint32(f"{arch}.attention.key_length", s["head_dim"])
     w.add_uint32(f"{arch}.attention.value_length", s["head_dim"])
     w.add_uint32(f"{arch}.context_length", s["ctx"])
+    if s.get("rope_dim"):
+        w.add_uint32(f"{arch}.rope.dimension_count", s["rope_dim"])
+        w.add_uint32(f"{arch}.rope.scaling.original_context_length", s["orig_ctx"])
+    if arch == "phi3" and s.get("window"):
+        w.add_uint32(f"{arch}.attention.sliding_window", s["window"])
+    if s.get("attn_factor"):
+        w.add_float32(f"{arch}.rope.scaling.attn_factor", s["attn_factor"])
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", s["eps"])
     w.add_float32(f"{arch}.rope.freq_base", s["theta"])
     if arch == "gemma2":

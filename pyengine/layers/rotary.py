@@ -129,3 +129,42 @@ def interleaved_to_half(w: np.ndarray, n_heads: int) -> np.ndarray:
     rows = w.shape[0]
     hd = rows // n_heads
     return (w.reshape(n_heads, hd // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
+
+
+def longrope_inv_freq(rope_dim: int, theta: float, factors) -> np.ndarray:
+    """LongRoPE (Phi-3/3.5/4-mini): (rope_dim/2,) inverse frequencies theta^(-2i/rope_dim) divided by the
+    per-dimension ``factors`` (the file's rope_factors_short or rope_factors_long)."""
+    factors = np.asarray(factors, dtype=np.float64).reshape(-1)
+    if factors.shape != (rope_dim // 2,):
+        raise ValueError(f"LongRoPE factors must have {rope_dim // 2} entries (rope dims / 2), got {factors.size}")
+    if not np.all(np.isfinite(factors)) or np.any(factors <= 0):
+        raise ValueError("LongRoPE factors must be positive numbers")
+    return 1.0 / (factors * theta ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim))
+
+
+def longrope_attention_factor(context: int, orig_context: int) -> float:
+    """LongRoPE's scaling of cos and sin when the context was extended (HF's and llama.cpp's converter's default):
+    sqrt(1 + ln(context / orig) / ln(orig)), 1 without extension."""
+    factor = context / orig_context
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig_context))
+
+
+def partial_rotary_order(head_dim: int, rope_dim: int) -> np.ndarray:
+    """Partial rotary (rope_dim < head_dim: only the first rope_dim dimensions of each head turn, in half-split
+    pairs (i, i + rope_dim/2)): the order of a head's dimensions that makes them pairs (i, i + head_dim/2) of the
+    whole head, as ``apply_rope`` rotates: [rotated first half | unrotated first half | rotated second half |
+    unrotated second half]. Applied to the rows of Q and K (the same order on both leaves every q . k as it
+    is), with ``partial_rotary_pad``'s frequencies 0 on the unrotated pairs (cos 1, sin 0: left as they are)."""
+    if rope_dim % 2 or (head_dim - rope_dim) % 2 or not 0 < rope_dim <= head_dim:
+        raise ValueError(f"rotary dims {rope_dim} must be even, positive and at most the head dim {head_dim} "
+                         "(with an even remainder)")
+    r, u = rope_dim // 2, (head_dim - rope_dim) // 2
+    return np.concatenate([np.arange(r), rope_dim + np.arange(u), r + np.arange(r), rope_dim + u + np.arange(u)])
+
+
+def partial_rotary_pad(values: np.ndarray, head_dim: int, fill: float) -> np.ndarray:
+    """(rope_dim/2,) per-pair values (inverse frequencies, or cos/sin scales) extended to the head_dim/2 pairs of
+    ``partial_rotary_order``: ``fill`` on the unrotated pairs (0 for frequencies, 1 for scales)."""
+    values = np.asarray(values, dtype=np.float64)
+    return np.concatenate([values, np.full(head_dim // 2 - values.size, fill)])
+

@@ -55,6 +55,15 @@ class LayerKind(NamedTuple):
     """Layers that attend alike: Llama has one kind; Gemma 3 a sliding-window kind and a global one."""
     window: int | None         # sliding window (keys visible while i - j < window), or None: the whole context
     inv_freq: np.ndarray       # (hd/2,) RoPE inverse frequencies of these layers
+    mscale: np.ndarray | float | None = None   # YaRN / LongRoPE: cos and sin times this (per pair), or None
+
+    def cos_sin(self, positions) -> tuple[np.ndarray, np.ndarray]:
+        """The RoPE tables (len(positions), hd/2) of these layers, ``mscale`` applied."""
+        cos, sin = rope_cos_sin(positions, self.inv_freq)
+        if self.mscale is not None:
+            m = np.asarray(self.mscale, dtype=np.float32)
+            cos, sin = cos * m, sin * m
+        return cos, sin
 
 
 @dataclass
@@ -350,7 +359,7 @@ class TransformerModel:
     def prepare(self, b: Buffers) -> None:
         """Fill the RoPE tables (once: positions 0 .. max_model_len-1)."""
         for kind, (tcos, tsin) in zip(self.kinds, b.rope_tables):
-            cos, sin = rope_cos_sin(np.arange(tcos.shape[0]), kind.inv_freq)
+            cos, sin = kind.cos_sin(np.arange(tcos.shape[0]))
             tcos[...], tsin[...] = cos, sin
 
     def forward(self, plan, kv, b: Buffers, ops: EagerOps = EAGER) -> np.ndarray:

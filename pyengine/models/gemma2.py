@@ -26,7 +26,7 @@ from pyengine.layers.activation import gated_activation
 from pyengine.layers.attention import attention
 from pyengine.layers.linear import Linear, make_linear
 from pyengine.layers.norm import rms_norm
-from pyengine.layers.rotary import apply_rope, rope_cos_sin, rope_inv_freq
+from pyengine.layers.rotary import apply_rope, rope_inv_freq
 from pyengine.models.base import (EAGER, LayerKind, TensorReader, TransformerModel, Weights, embedding_and_head,
                                   gate_up_matrix, qkv_matrix)
 
@@ -114,7 +114,7 @@ class Gemma2Model(TransformerModel):
         x = w.embed(token_ids) * np.float32(self.embed_scale)
         for i, L in enumerate(w.layers):
             kind = self.kinds[self.kind_of[i]]
-            cos, sin = rope_cos_sin(positions, kind.inv_freq)
+            cos, sin = kind.cos_sin(positions)
             q, k, v = np.split(rms_norm(x, L.attn_norm, eps) @ L.wqkv, [H * hd, (H + Hkv) * hd], axis=1)
             q, k = apply_rope(q.reshape(T, H, hd), cos, sin), apply_rope(k.reshape(T, Hkv, hd), cos, sin)
             h = attention(q, k, v.reshape(T, Hkv, hd), offset=0, scale=self.scale, window=kind.window,

@@ -26,7 +26,7 @@ from pyengine.layers.activation import gated_activation
 from pyengine.layers.attention import attention
 from pyengine.layers.linear import Linear, make_linear
 from pyengine.layers.norm import rms_norm
-from pyengine.layers.rotary import apply_rope, rope_cos_sin, rope_inv_freq
+from pyengine.layers.rotary import apply_rope, rope_inv_freq
 from pyengine.models.base import (EAGER, LayerKind, TensorReader, TransformerModel, Weights, embedding_and_head,
                                   gate_up_matrix, qkv_matrix)
 
@@ -118,7 +118,7 @@ class Gemma3Model(TransformerModel):
         x = w.embed(token_ids) * np.float32(self.embed_scale)
         for i, L in enumerate(w.layers):
             kind = self.kinds[self.kind_of[i]]
-            cos, sin = rope_cos_sin(positions, kind.inv_freq)
+            cos, sin = kind.cos_sin(positions)
             q, k, v = np.split(rms_norm(x, L.attn_norm, eps) @ L.wqkv, [H * hd, (H + Hkv) * hd], axis=1)
             q = apply_rope(rms_norm(q.reshape(T, H, hd), L.q_norm, eps), cos, sin)
             k = apply_rope(rms_norm(k.reshape(T, Hkv, hd), L.k_norm, eps), cos, sin)

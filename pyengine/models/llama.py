@@ -25,7 +25,7 @@ from pyengine.layers.attention import attention
 from pyengine.layers.linear import Linear, make_linear
 from pyengine.layers.moe import MoE, MoEConfig
 from pyengine.layers.norm import rms_norm
-from pyengine.layers.rotary import apply_rope, rope_cos_sin, rope_inv_freq
+from pyengine.layers.rotary import apply_rope, rope_inv_freq
 from pyengine.models.base import (EAGER, LayerKind, TensorReader, TransformerModel, Weights, embedding_and_head,
                                   gate_up_matrix, moe_weights, qkv_matrix)
 
@@ -94,7 +94,7 @@ class LlamaModel(TransformerModel):
         token_ids = np.asarray(token_ids, dtype=np.int64)
         T, H, Hkv, hd = len(token_ids), c.n_heads, c.n_kv_heads, c.head_dim
         positions = np.arange(T) if positions is None else np.asarray(positions, dtype=np.int64)
-        cos, sin = rope_cos_sin(positions, self.kinds[0].inv_freq)
+        cos, sin = self.kinds[0].cos_sin(positions)
         x = w.embed(token_ids) * np.float32(self.embed_scale or 1.0)       # Granite's multipliers or 1
         res, logit = np.float32(self.residual_scale or 1.0), np.float32(self.logit_scale or 1.0)
         for L in w.layers:
@@ -102,7 +102,8 @@ class LlamaModel(TransformerModel):
             q, k, v = np.split(qkv if L.bqkv is None else qkv + L.bqkv, [H * hd, (H + Hkv) * hd], axis=1)
             q = apply_rope(q.reshape(T, H, hd), cos, sin)
             k = apply_rope(k.reshape(T, Hkv, hd), cos, sin)
-            h = attention(q, k, v.reshape(T, Hkv, hd), offset=0, scale=self.scale).reshape(T, H * hd)
+            h = attention(q, k, v.reshape(T, Hkv, hd), offset=0, scale=self.scale,
+                          window=self.kinds[0].window).reshape(T, H * hd)
             x = x + res * (h @ L.wo)
             x = x + res * self.ffn_reference(L, rms_norm(x, L.ffn_norm, c.rms_eps))
         logits = rms_norm(x, w.output_norm, c.rms_eps) @ w.head

@@ -23,7 +23,7 @@ from pyengine.layers.attention import attention
 from pyengine.layers.linear import Linear, make_linear
 from pyengine.layers.moe import MoE, MoEConfig
 from pyengine.layers.norm import rms_norm
-from pyengine.layers.rotary import apply_rope, rope_cos_sin, rope_inv_freq
+from pyengine.layers.rotary import apply_rope, rope_inv_freq
 from pyengine.models.base import (EAGER, LayerKind, TensorReader, TransformerModel, Weights, embedding_and_head,
                                   gate_up_matrix, moe_weights, qkv_matrix)
 
@@ -92,7 +92,7 @@ class Qwen3MoeModel(TransformerModel):
         token_ids = np.asarray(token_ids, dtype=np.int64)
         T, H, Hkv, hd, eps = len(token_ids), c.n_heads, c.n_kv_heads, c.head_dim, c.rms_eps
         positions = np.arange(T) if positions is None else np.asarray(positions, dtype=np.int64)
-        cos, sin = rope_cos_sin(positions, self.kinds[0].inv_freq)
+        cos, sin = self.kinds[0].cos_sin(positions)
         x = w.embed(token_ids)
         for L in w.layers:
             q, k, v = np.split(rms_norm(x, L.attn_norm, eps) @ L.wqkv, [H * hd, (H + Hkv) * hd], axis=1)

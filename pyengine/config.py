@@ -34,6 +34,9 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_id: int | None
     n_params: int                  # sum of all tensors' elements
+    rope_beta_fast: float = 32.0   # YaRN: pairs turning more than this often over the original context keep
+    rope_beta_slow: float = 1.0    #       their frequency, fewer than beta_slow are interpolated
+    rope_attn_factor: float = 1.0  # rope.scaling.attn_factor: cos and sin times this (YaRN: times its own too)
 
     @property
     def n_rep(self) -> int:
@@ -110,6 +113,12 @@ class ModelConfig:
         if not scaling_factor:          # absent, or 0 which llama.cpp also reads as "no scaling"
             scaling_factor = 1.0
         orig_context = number("rope.scaling.original_context_length", int, default=context_length)
+        beta_fast = number("rope.scaling.yarn_beta_fast", float, default=32.0)
+        beta_slow = number("rope.scaling.yarn_beta_slow", float, default=1.0)
+        attn_factor = number("rope.scaling.attn_factor", float, default=1.0)
+        if scaling_type == "yarn" and beta_slow >= beta_fast:
+            raise GGUFError(f"{arch}.rope.scaling.yarn_beta_slow = {beta_slow} must be below "
+                            f"{arch}.rope.scaling.yarn_beta_fast = {beta_fast}")
 
         vocab_size = _vocab_size(gguf, arch)
         bos = md.get("tokenizer.ggml.bos_token_id")
@@ -126,6 +135,7 @@ class ModelConfig:
             tie_embeddings="output.weight" not in gguf.tensors,
             bos_token_id=bos, eos_token_id=eos,
             n_params=sum(t.n_elements for t in gguf.tensors.values()),
+            rope_beta_fast=beta_fast, rope_beta_slow=beta_slow, rope_attn_factor=attn_factor,
         )
 
 

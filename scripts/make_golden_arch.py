@@ -40,7 +40,7 @@ def hf_model(variant: str, hf: dict):
     if variant == "qwen2":
         common.pop("head_dim")
         model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**common, use_sliding_window=False))
-    elif variant == "qwen3":
+    elif s["arch"] == "qwen3":
         model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, attention_bias=False, use_sliding_window=False))
     elif variant == "gemma2":
         model = tf.Gemma2ForCausalLM(tf.Gemma2Config(

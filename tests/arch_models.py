@@ -23,6 +23,10 @@ VARIANTS = {
     "qwen2": dict(arch="qwen2", head_dim=16, theta=1e6, tied=False, qkv_bias=True, head_bias=True),
     # head_dim 32 != d / H = 16, as in the real models (128 != d / H)
     "qwen3": dict(arch="qwen3", head_dim=32, theta=1e6, tied=True, qk_norm=True),
+    # YaRN (Qwen3's long-context setting) x4 over an original context of 32: most pairs interpolated, the
+    # attention factor 1 + 0.1 ln 4 on cos and sin
+    "qwen3yarn": dict(arch="qwen3", head_dim=32, theta=1e6, tied=True, qk_norm=True,
+                      rope={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}),
     # window 8 (the prompts cross it), soft caps that bend the scores and logits, a query scale from metadata
     # (HF query_pre_attn_scalar 24: not a power of two) and head_dim 32 != d / H
     # (untied here: a tied random model predicts its input token, the embedding dominating the residual stream;
@@ -39,7 +43,7 @@ VARIANTS = {
     "phi3long": dict(arch="phi3", head_dim=16, rope_dim=12, theta=1e4, tied=False, ctx=4096, orig_ctx=4,
                      attn_factor=1.3, fused=True),
 }
-SEEDS = {"qwen2": 41, "qwen3": 42, "gemma2": 43, "phi3": 44, "phi3long": 45}
+SEEDS = {"qwen2": 41, "qwen3": 42, "gemma2": 43, "phi3": 44, "phi3long": 45, "qwen3yarn": 46}
 
 
 def shape(variant: str) -> dict:
@@ -130,6 +134,10 @@ def write_arch(path: Path, variant: str, tokenizer_gguf) -> str:
         w.add_uint32(f"{arch}.rope.scaling.original_context_length", s["orig_ctx"])
     if arch == "phi3" and s.get("window"):
         w.add_uint32(f"{arch}.attention.sliding_window", s["window"])
+    if s.get("rope", {}).get("rope_type") == "yarn":
+        w.add_string(f"{arch}.rope.scaling.type", "yarn")
+        w.add_float32(f"{arch}.rope.scaling.factor", s["rope"]["factor"])
+        w.add_uint32(f"{arch}.rope.scaling.original_context_length", s["rope"]["original_max_position_embeddings"])
     if s.get("attn_factor"):
         w.add_float32(f"{arch}.rope.scaling.attn_factor", s["attn_factor"])
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", s["eps"])

@@ -17,12 +17,17 @@ import numpy as np
 
 def rope_inv_freq(head_dim: int, theta: float, scaling_type: str = "none", factor: float = 1.0,
                   orig_context: int | None = None, low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
-                  freq_factors: np.ndarray | None = None) -> np.ndarray:
+                  freq_factors: np.ndarray | None = None, beta_fast: float = 32.0,
+                  beta_slow: float = 1.0) -> np.ndarray:
     """(head_dim/2,) float64 inverse frequencies theta^(-2i/hd), adjusted for context-extension scaling.
 
     linear: positions are divided by ``factor`` (= inv_freq / factor).
     llama3: long wavelengths (> orig/low_freq_factor) are divided by ``factor``, short ones (< orig/high)
             kept, and the band in between interpolated smoothly (Llama 3.1's recipe).
+    yarn:   YaRN (Qwen2.5 / Qwen3 long-context files): per pair, a blend of the original frequency
+            (extrapolation, for pairs turning more than ``beta_fast`` times over the original context) and the
+            frequency / ``factor`` (interpolation, fewer than ``beta_slow`` turns), linear in the pair index in
+            between; the attention factor that goes with it is ``yarn_attention_factor``'s.
     freq_factors: llama.cpp's per-dimension divisors (tensor rope_freqs.weight), applied on top.
     """
     if head_dim % 2:
@@ -42,14 +47,33 @@ def rope_inv_freq(head_dim: int, theta: float, scaling_type: str = "none", facto
         smooth = (orig_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
         mid = (1 - smooth) * inv / factor + smooth * inv
         inv = np.where(wavelen < high_wavelen, inv, np.where(wavelen > low_wavelen, inv / factor, mid))
+    elif kind == "yarn":
+        if not orig_context:
+            raise ValueError("yarn RoPE scaling needs the original context length")
+
+        def turns_dim(turns):        # the (fractional) pair dimension whose wavelength fits orig / turns times
+            return head_dim * math.log(orig_context / (turns * 2 * math.pi)) / (2 * math.log(theta))
+        low = max(math.floor(turns_dim(beta_fast)), 0)
+        high = min(math.ceil(turns_dim(beta_slow)), head_dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = np.clip((np.arange(head_dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+        inv = inv / factor * ramp + inv * (1.0 - ramp)
     else:
-        raise ValueError(f"RoPE scaling type {scaling_type!r} is not supported (supported: none, linear, llama3)")
+        raise ValueError(f"RoPE scaling type {scaling_type!r} is not supported (supported: none, linear, llama3, "
+                         "yarn)")
     if freq_factors is not None:
         freq_factors = np.asarray(freq_factors, dtype=np.float64).reshape(-1)
         if freq_factors.shape != inv.shape:
             raise ValueError(f"rope freq_factors must have {inv.size} entries, got {freq_factors.size}")
         inv = inv / freq_factors
     return inv
+
+
+def yarn_attention_factor(factor: float, attn_factor: float = 1.0) -> float:
+    """YaRN's scaling of cos and sin: 1 + 0.1 ln(factor) for a context extended ``factor`` times (1 if not
+    extended), times the file's ``rope.scaling.attn_factor`` (llama.cpp's multiplier; 1 by default)."""
+    return attn_factor * (1.0 if factor <= 1.0 else 0.1 * math.log(factor) + 1.0)
 
 
 def rope_cos_sin(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -21,7 +21,8 @@ from pyengine.layers.moe import Experts, ExpertLoad, MoE, MoEScratch, moe_forwar
 from pyengine.layers.norm import rms_norm
 from pyengine.layers.attention import cap_scores
 from pyengine.layers.paged_attention import paged_attention
-from pyengine.layers.rotary import apply_rope, interleaved_to_half, rope_cos_sin
+from pyengine.layers.rotary import (apply_rope, interleaved_to_half, rope_cos_sin, rope_inv_freq,
+                                    yarn_attention_factor)
 
 
 class EagerOps:
@@ -64,6 +65,21 @@ class LayerKind(NamedTuple):
             m = np.asarray(self.mscale, dtype=np.float32)
             cos, sin = cos * m, sin * m
         return cos, sin
+
+
+def rope_kind(c, window: int | None = None, theta: float | None = None, freq_factors=None,
+              scaled: bool = True) -> LayerKind:
+    """The LayerKind of layers rotating all head_dim dims with the config's RoPE: base ``theta`` (default the
+    file's), its scaling (none / linear / llama3 / yarn, with YaRN's attention factor on cos and sin) unless
+    ``scaled`` is False (Gemma 3's local layers), llama.cpp's per-pair ``freq_factors``."""
+    if not scaled:
+        return LayerKind(window, rope_inv_freq(c.head_dim, theta or c.rope_theta))
+    inv = rope_inv_freq(c.head_dim, theta or c.rope_theta, c.rope_scaling_type, c.rope_scaling_factor,
+                        c.rope_orig_context, freq_factors=freq_factors, beta_fast=c.rope_beta_fast,
+                        beta_slow=c.rope_beta_slow)
+    m = (yarn_attention_factor(c.rope_scaling_factor, c.rope_attn_factor) if c.rope_scaling_type == "yarn"
+         else c.rope_attn_factor)
+    return LayerKind(window, inv, None if m == 1.0 else m)
 
 
 @dataclass

@@ -26,9 +26,9 @@ from pyengine.layers.activation import gated_activation
 from pyengine.layers.attention import attention
 from pyengine.layers.linear import Linear, make_linear
 from pyengine.layers.norm import rms_norm
-from pyengine.layers.rotary import apply_rope, rope_inv_freq
-from pyengine.models.base import (EAGER, LayerKind, TensorReader, TransformerModel, Weights, embedding_and_head,
-                                  gate_up_matrix, qkv_matrix)
+from pyengine.layers.rotary import apply_rope
+from pyengine.models.base import (EAGER, TensorReader, TransformerModel, Weights, embedding_and_head,
+                                  gate_up_matrix, qkv_matrix, rope_kind)
 
 ARCH = "gemma2"
 SWA_PATTERN = 2                 # layers i with (i + 1) % 2 != 0 (even i) use the sliding window
@@ -96,9 +96,7 @@ def load_weights(gguf, c: Gemma2Config, mode: str = "resident") -> Weights:
 class Gemma2Model(TransformerModel):
     def __init__(self, config: Gemma2Config, weights: Weights):
         c = config
-        inv = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling_type, c.rope_scaling_factor,
-                            c.rope_orig_context)
-        kinds = [LayerKind(c.sliding_window, inv), LayerKind(None, inv)]
+        kinds = [rope_kind(c, c.sliding_window), rope_kind(c)]
         super().__init__(config, weights, kinds, [0 if c.is_sliding(i) else 1 for i in range(c.n_layers)],
                          c.attn_scale)
         self.embed_scale = float(np.float32(c.d_model ** 0.5))

@@ -26,9 +26,9 @@ from pyengine.layers.activation import gated_activation
 from pyengine.layers.attention import attention
 from pyengine.layers.linear import Linear, make_linear
 from pyengine.layers.norm import rms_norm
-from pyengine.layers.rotary import apply_rope, rope_inv_freq
-from pyengine.models.base import (EAGER, LayerKind, TensorReader, TransformerModel, Weights, embedding_and_head,
-                                  gate_up_matrix, qkv_matrix)
+from pyengine.layers.rotary import apply_rope
+from pyengine.models.base import (EAGER, TensorReader, TransformerModel, Weights, embedding_and_head,
+                                  gate_up_matrix, qkv_matrix, rope_kind)
 
 ARCH = "gemma3"
 SWA_PATTERN = 6             # llama.cpp and HF: layers i with (i + 1) % 6 != 0 use the sliding window
@@ -102,9 +102,8 @@ def load_weights(gguf, c: Gemma3Config, mode: str = "resident") -> Weights:
 class Gemma3Model(TransformerModel):
     def __init__(self, config: Gemma3Config, weights: Weights):
         c = config
-        local = LayerKind(c.sliding_window, rope_inv_freq(c.head_dim, c.rope_local_theta))
-        full = LayerKind(None, rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling_type, c.rope_scaling_factor,
-                                             c.rope_orig_context))
+        local = rope_kind(c, c.sliding_window, c.rope_local_theta, scaled=False)
+        full = rope_kind(c)
         kind_of = [0 if c.is_sliding(i) else 1 for i in range(c.n_layers)]
         super().__init__(config, weights, [local, full], kind_of, c.attn_scale)
         self.embed_scale = float(np.float32(c.d_model ** 0.5))

@@ -25,9 +25,9 @@ from pyengine.layers.attention import attention
 from pyengine.layers.linear import Linear, make_linear
 from pyengine.layers.moe import MoE, MoEConfig
 from pyengine.layers.norm import rms_norm
-from pyengine.layers.rotary import apply_rope, rope_inv_freq
-from pyengine.models.base import (EAGER, LayerKind, TensorReader, TransformerModel, Weights, embedding_and_head,
-                                  gate_up_matrix, moe_weights, qkv_matrix)
+from pyengine.layers.rotary import apply_rope
+from pyengine.models.base import (EAGER, TensorReader, TransformerModel, Weights, embedding_and_head,
+                                  gate_up_matrix, moe_weights, qkv_matrix, rope_kind)
 
 ARCH = "llama"
 
@@ -84,9 +84,8 @@ def load_weights(gguf, c: LlamaConfig, mode: str = "resident", unpermute: bool =
 class LlamaModel(TransformerModel):
     def __init__(self, config: LlamaConfig, weights: Weights):
         c = config
-        inv = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling_type, c.rope_scaling_factor,
-                            c.rope_orig_context, freq_factors=weights.freq_factors)
-        super().__init__(config, weights, [LayerKind(None, inv)], [0] * c.n_layers, c.head_dim ** -0.5)
+        kind = rope_kind(c, freq_factors=weights.freq_factors)
+        super().__init__(config, weights, [kind], [0] * c.n_layers, c.head_dim ** -0.5)
 
     def forward_reference(self, token_ids, positions=None) -> np.ndarray:
         """Logits (T, V) for one whole sequence, recomputed from scratch: no cache, no fusion tricks."""

@@ -27,7 +27,7 @@ from pyengine.config import ModelConfig
 from pyengine.gguf import GGUFError
 from pyengine.layers.linear import QuantMatrix, make_linear
 from pyengine.layers.rotary import (longrope_attention_factor, longrope_inv_freq, partial_rotary_order,
-                                    partial_rotary_pad, rope_inv_freq)
+                                    partial_rotary_pad, rope_inv_freq, yarn_attention_factor)
 from pyengine.models import llama
 from pyengine.models.base import LayerKind, TensorReader, TransformerModel, Weights, embedding_and_head
 
@@ -109,13 +109,15 @@ class Phi3Model(llama.LlamaModel):
         c = self.config = config
         self.rope_kinds = {}
         for which in ("short", "long") if c.longrope else ("none",):
+            factor = c.attn_factor
             if c.longrope:
                 inv = longrope_inv_freq(c.rope_dim, c.rope_theta, weights.rope_factors[which])
             else:
                 inv = rope_inv_freq(c.rope_dim, c.rope_theta, c.rope_scaling_type, c.rope_scaling_factor,
-                                    c.rope_orig_context)
-            m = partial_rotary_pad(np.full(inv.size, c.attn_factor), c.head_dim, 1.0) if c.attn_factor != 1.0 \
-                else None
+                                    c.rope_orig_context, beta_fast=c.rope_beta_fast, beta_slow=c.rope_beta_slow)
+                if c.rope_scaling_type == "yarn":
+                    factor = yarn_attention_factor(c.rope_scaling_factor, c.attn_factor)
+            m = partial_rotary_pad(np.full(inv.size, factor), c.head_dim, 1.0) if factor != 1.0 else None
             self.rope_kinds[which] = LayerKind(c.sliding_window or None, partial_rotary_pad(inv, c.head_dim, 0.0), m)
         TransformerModel.__init__(self, config, weights, [self.kind_for(c.context_length)], [0] * c.n_layers,
                                   c.head_dim ** -0.5)

@@ -23,9 +23,9 @@ from pyengine.layers.attention import attention
 from pyengine.layers.linear import Linear, make_linear
 from pyengine.layers.moe import MoE, MoEConfig
 from pyengine.layers.norm import rms_norm
-from pyengine.layers.rotary import apply_rope, rope_inv_freq
-from pyengine.models.base import (EAGER, LayerKind, TensorReader, TransformerModel, Weights, embedding_and_head,
-                                  gate_up_matrix, moe_weights, qkv_matrix)
+from pyengine.layers.rotary import apply_rope
+from pyengine.models.base import (EAGER, TensorReader, TransformerModel, Weights, embedding_and_head,
+                                  gate_up_matrix, moe_weights, qkv_matrix, rope_kind)
 
 ARCH = "qwen3moe"
 
@@ -82,9 +82,7 @@ class Qwen3MoeModel(TransformerModel):
 
     def __init__(self, config: Qwen3MoeConfig, weights: Weights):
         c = config
-        inv = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling_type, c.rope_scaling_factor,
-                            c.rope_orig_context)
-        super().__init__(config, weights, [LayerKind(None, inv)], [0] * c.n_layers, c.head_dim ** -0.5)
+        super().__init__(config, weights, [rope_kind(c)], [0] * c.n_layers, c.head_dim ** -0.5)
 
     def forward_reference(self, token_ids, positions=None) -> np.ndarray:
         """Logits (T, V) for one whole sequence, recomputed from scratch: no cache, no fusion tricks."""

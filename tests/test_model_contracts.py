@@ -217,3 +217,28 @@ def test_mpi_new_architectures_equal_one_process(tmp_path, tp, pp):
             assert close(a, b), variant
         assert res["greedy"] == greedy and len(set(map(tuple, greedy))) > 1, variant
         assert len(res["stats"]) == tp * pp
+
+
+def test_every_architecture_declares_its_tensor_parallel_split(tiny):
+    """Issue 30.7: each model class says how every field of its layers splits (parallel/shard.py carries the
+    kinds out and names no architecture); an undeclared field is refused by name."""
+    import inspect
+
+    from pyengine.parallel import shard
+    variant, _, r = tiny
+    L = r.weights.layers[0]
+    split = shard.split_of(r.model, L)
+    assert set(L._fields) <= set(split) and set(split.values()) <= set(shard.SPLIT_KINDS)
+    src = inspect.getsource(shard)
+    assert not [a for a in ARCHITECTURES if f'"{a}"' in src or f"'{a}'" in src]
+
+    class Undeclared(type(r.model)):
+        tp_split = {k: v for k, v in split.items() if k != "wo"}
+    with pytest.raises(ValueError, match="declares no split for the layer fields \\['wo'\\]"):
+        shard.split_of(_with_config(Undeclared, r), L)
+
+
+def _with_config(cls, r):
+    m = cls.__new__(cls)
+    m.config = r.config
+    return m

@@ -360,6 +360,9 @@ class TransformerModel:
     residual_scale: float | None = None
     logit_scale: float | None = None
     final_softcap: float | None = None     # Gemma 2: logits = c * tanh(logits / c)
+    # S17: how tensor parallelism splits each field of this architecture's layers (parallel/shard.py
+    # SPLIT_KINDS: "qkv", "heads_rows", "gate_up", "ffn_rows", "replicate", ...); every model class declares it
+    tp_split: dict | None = None
 
     def __init__(self, config, weights: Weights, kinds: list[LayerKind], kind_of: list[int], scale: float):
         self.config, self.weights = config, weights

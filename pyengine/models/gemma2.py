@@ -94,6 +94,8 @@ def load_weights(gguf, c: Gemma2Config, mode: str = "resident") -> Weights:
 
 
 class Gemma2Model(TransformerModel):
+    tp_split = {"attn_norm": "replicate", "wqkv": "qkv", "wo": "heads_rows", "post_attn_norm": "replicate",
+                "ffn_norm": "replicate", "w_gate_up": "gate_up", "w_down": "ffn_rows", "post_ffn_norm": "replicate"}
     def __init__(self, config: Gemma2Config, weights: Weights):
         c = config
         kinds = [rope_kind(c, c.sliding_window), rope_kind(c)]

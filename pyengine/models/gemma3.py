@@ -100,6 +100,9 @@ def load_weights(gguf, c: Gemma3Config, mode: str = "resident") -> Weights:
 
 
 class Gemma3Model(TransformerModel):
+    tp_split = {"attn_norm": "replicate", "wqkv": "qkv", "q_norm": "replicate", "k_norm": "replicate",
+                "wo": "heads_rows", "post_attn_norm": "replicate", "ffn_norm": "replicate", "w_gate_up": "gate_up",
+                "w_down": "ffn_rows", "post_ffn_norm": "replicate"}
     def __init__(self, config: Gemma3Config, weights: Weights):
         c = config
         local = rope_kind(c, c.sliding_window, c.rope_local_theta, scaled=False)

@@ -82,6 +82,8 @@ def load_weights(gguf, c: LlamaConfig, mode: str = "resident", unpermute: bool =
 
 
 class LlamaModel(TransformerModel):
+    tp_split = {"attn_norm": "replicate", "wqkv": "qkv", "wo": "heads_rows", "ffn_norm": "replicate",
+                "w_gate_up": "gate_up", "w_down": "ffn_rows", "moe": "experts", "bqkv": "qkv_vector"}
     def __init__(self, config: LlamaConfig, weights: Weights):
         c = config
         kind = rope_kind(c, freq_factors=weights.freq_factors)

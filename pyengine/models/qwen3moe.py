@@ -79,6 +79,9 @@ def load_weights(gguf, c: Qwen3MoeConfig, mode: str = "resident", qk_norm_rows: 
 
 class Qwen3MoeModel(TransformerModel):
     qk_norm_width = "head"         # OLMoE (models/olmoe.py): "whole"
+    tp_split = {"attn_norm": "replicate", "wqkv": "qkv", "q_norm": "replicate", "k_norm": "replicate",
+                "wo": "heads_rows", "ffn_norm": "replicate", "moe": "experts", "w_gate_up": "gate_up",
+                "w_down": "ffn_rows"}
 
     def __init__(self, config: Qwen3MoeConfig, weights: Weights):
         c = config

@@ -49,7 +49,8 @@ def hf_model(variant: str, hf: dict):
             final_logit_softcapping=s["final_softcap"], attention_bias=False))
     elif s["arch"] == "phi3":
         common.pop("head_dim")
-        rope = {"rope_type": "longrope", "rope_theta": s["theta"], "partial_rotary_factor": s["rope_dim"] / s["head_dim"],
+        rope = {"rope_type": "longrope", "rope_theta": s["theta"],
+                "partial_rotary_factor": s["rope_dim"] / s["head_dim"],
                 "short_factor": hf["rope_factors_short.weight"].tolist(),
                 "long_factor": hf["rope_factors_long.weight"].tolist(),
                 "original_max_position_embeddings": s["orig_ctx"]}

@@ -77,7 +77,8 @@ def test_cos_sin_tables_match_hf(name):
     inv = rope_inv_freq(case["head_dim"], case["rope"]["rope_theta"], **pyengine_kwargs(case))
     cos, sin = rope_cos_sin(np.array(case["positions"]), inv)
     m = np.float32(attention_scaling(case))
-    cos, sin = cos * m, sin * m    # HF multiplies float32 frequencies by float32 positions: angles up to ~4000 rad carry ~4000 * 2^-24 of
+    cos, sin = cos * m, sin * m
+    # HF multiplies float32 frequencies by float32 positions: angles up to ~4000 rad carry ~4000 * 2^-24 of
     # rounding, so the tables agree to 5e-4 absolute at the largest position, far tighter below.
     for table, ref in ((cos, case["cos"]), (sin, case["sin"])):
         ref = np.array(ref)

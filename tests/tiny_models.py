@@ -18,8 +18,8 @@ N_EXPERTS, N_USED, EXPERT_F, SHARED_F = 8, 2, 32, 64    # MoE variants (S16)
 ARCH_OF = {"llama": "llama", "gemma3": "gemma3", "qwen3moe": "qwen3moe", "qwen2moe": "qwen2moe",
            "mixtral": "llama", "olmoe": "olmoe", "granitemoe": "granitemoe", "qwen2": "qwen2", "qwen3": "qwen3",
            "gemma2": "gemma2", "phi3": "phi3"}
-NEW = ("qwen2", "qwen3", "gemma2", "phi3")
-PHI3_ROPE_DIM, PHI3_ORIG_CTX, PHI3_WINDOW = 8, 64, 40    # partial rotary (8 of 16); LongRoPE past 64 positions     # issue 30's dense families: TP/PP run together (tests/test_model_contracts.py)
+NEW = ("qwen2", "qwen3", "gemma2", "phi3")   # issue 30's dense families: TP/PP run together (test_model_contracts.py)
+PHI3_ROPE_DIM, PHI3_ORIG_CTX, PHI3_WINDOW = 8, 64, 40    # partial rotary (8 of 16); LongRoPE past 64 positions
 HEAD_DIM = {"gemma3": HD, "qwen3moe": HD, "qwen3": 2 * HD}     # from attention.key_length; others: D / H
 MOE = ("qwen3moe", "qwen2moe", "mixtral", "olmoe", "granitemoe")
 

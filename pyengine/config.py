@@ -29,11 +29,14 @@ class ModelConfig:
     rope_scaling_factor: float     # 1.0 when there is no scaling
     rope_orig_context: int         # context the model was trained at (= context_length without scaling)
     rms_eps: float
-    rope_dim: int                  # dimensions RoPE rotates (= head_dim: partial rotary is refused)
+    rope_dim: int                  # dimensions RoPE rotates (= head_dim, or fewer: partial rotary, phi3 only)
     tie_embeddings: bool           # no output.weight: the LM head reuses token_embd.weight
     bos_token_id: int | None
     eos_token_id: int | None
     n_params: int                  # sum of all tensors' elements
+    rope_beta_fast: float = 32.0   # YaRN: pairs turning more than this often over the original context keep
+    rope_beta_slow: float = 1.0    #       their frequency, fewer than beta_slow are interpolated
+    rope_attn_factor: float = 1.0  # rope.scaling.attn_factor: cos and sin times this (YaRN: times its own too)
 
     @property
     def n_rep(self) -> int:
@@ -44,8 +47,10 @@ class ModelConfig:
         return asdict(self)
 
     @classmethod
-    def from_gguf(cls, gguf) -> "ModelConfig":
-        """Read from a GGUFFile (or anything GGUFFile accepts: path, bytes, ...)."""
+    def from_gguf(cls, gguf, partial_rotary: bool = False) -> "ModelConfig":
+        """Read from a GGUFFile (or anything GGUFFile accepts: path, bytes, ...). ``partial_rotary``: the
+        architecture rotates only the first rope.dimension_count dimensions of each head (else they must be
+        all of them)."""
         from pyengine.gguf.reader import GGUFFile
         if not isinstance(gguf, GGUFFile):
             gguf = GGUFFile(gguf)
@@ -89,9 +94,12 @@ class ModelConfig:
                                 "is missing")
             head_dim = d_model // n_heads
         rope_dim = number("rope.dimension_count", int, default=head_dim)
-        if rope_dim != head_dim:
+        if rope_dim != head_dim and not partial_rotary:
             raise GGUFError(f"{arch}.rope.dimension_count = {rope_dim} differs from the head dim {head_dim} "
-                            "(partial rotary embeddings are not supported)")
+                            f"(partial rotary embeddings are not supported for {arch})")
+        if rope_dim > head_dim or rope_dim % 2 or (head_dim - rope_dim) % 2:
+            raise GGUFError(f"{arch}.rope.dimension_count = {rope_dim} must be even and at most the head dim "
+                            f"{head_dim}, with an even remainder")
 
         scaling_type = md.get(f"{arch}.rope.scaling.type", "none")
         if not isinstance(scaling_type, str):
@@ -105,6 +113,12 @@ class ModelConfig:
         if not scaling_factor:          # absent, or 0 which llama.cpp also reads as "no scaling"
             scaling_factor = 1.0
         orig_context = number("rope.scaling.original_context_length", int, default=context_length)
+        beta_fast = number("rope.scaling.yarn_beta_fast", float, default=32.0)
+        beta_slow = number("rope.scaling.yarn_beta_slow", float, default=1.0)
+        attn_factor = number("rope.scaling.attn_factor", float, default=1.0)
+        if scaling_type == "yarn" and beta_slow >= beta_fast:
+            raise GGUFError(f"{arch}.rope.scaling.yarn_beta_slow = {beta_slow} must be below "
+                            f"{arch}.rope.scaling.yarn_beta_fast = {beta_fast}")
 
         vocab_size = _vocab_size(gguf, arch)
         bos = md.get("tokenizer.ggml.bos_token_id")
@@ -121,6 +135,7 @@ class ModelConfig:
             tie_embeddings="output.weight" not in gguf.tensors,
             bos_token_id=bos, eos_token_id=eos,
             n_params=sum(t.n_elements for t in gguf.tensors.values()),
+            rope_beta_fast=beta_fast, rope_beta_slow=beta_slow, rope_attn_factor=attn_factor,
         )
 
 

@@ -56,6 +56,20 @@ CASES = [
          rope={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 16.0, "low_freq_factor": 2.0,
                "high_freq_factor": 8.0, "original_max_position_embeddings": 4096}, context=65536,
          gguf=None),   # non-default band edges: llama.cpp's keys cannot express them
+    # YaRN (issue 30): Qwen2.5-7B-Instruct's documented long-context setting, SmolLM2's shape, and non-default
+    # betas (llama.cpp's rope.scaling.yarn_beta_fast / yarn_beta_slow keys)
+    dict(name="yarn_qwen25_7b_x4", head_dim=128, n_heads=28,
+         rope={"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
+               "original_max_position_embeddings": 32768}, context=131072,
+         gguf={"type": "yarn", "factor": 4.0, "orig": 32768}),
+    dict(name="yarn_smollm2_shape_x4", head_dim=64, n_heads=9,
+         rope={"rope_type": "yarn", "rope_theta": 100000.0, "factor": 4.0,
+               "original_max_position_embeddings": 2048}, context=8192,
+         gguf={"type": "yarn", "factor": 4.0, "orig": 2048}),
+    dict(name="yarn_betas_x8", head_dim=64, n_heads=8,
+         rope={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "beta_fast": 16.0, "beta_slow": 2.0,
+               "original_max_position_embeddings": 2048}, context=16384,
+         gguf={"type": "yarn", "factor": 8.0, "orig": 2048, "beta_fast": 16.0, "beta_slow": 2.0}),
 ]
 
 

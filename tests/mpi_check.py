@@ -6,6 +6,9 @@ pipeline stages the engine keeps one step of each group of sequences in flight (
 the logits passes are also run that way (``logits_cross.npz``).
 
     mpiexec -n 2 python tests/mpi_check.py --model M --tp 2 --pp 1 --out DIR [--prompts P.json] [--kw JSON]
+
+``--model`` given several times runs each model in turn in the same job (a fresh group each), writing to
+DIR/0, DIR/1, ...: one mpiexec start-up for several small models.
 """
 import argparse
 import json
@@ -17,7 +20,7 @@ import numpy as np
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model", required=True, action="append", help="GGUF file (repeat: several models in turn)")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--out", required=True)
@@ -27,12 +30,19 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--runner-greedy", action="store_true", help="greedy on the runner itself (no tokenizer)")
     a = ap.parse_args()
+    for k, model in enumerate(a.model):       # several models: one after the other, each in out/<k>
+        out_dir = a.out if len(a.model) == 1 else os.path.join(a.out, str(k))
+        os.makedirs(out_dir, exist_ok=True)
+        run_model(a, model, out_dir)
+
+
+def run_model(a, model: str, out_dir: str) -> None:
     from pyengine.engine.model_runner import ModelRunner
     from pyengine.parallel.executor import MPIExecutor
     from pyengine.parallel.mpi import MPIGroup
 
     group = MPIGroup(a.tp, a.pp)
-    runner = ModelRunner(a.model, shard=group, **json.loads(a.kw))
+    runner = ModelRunner(model, shard=group, **json.loads(a.kw))
     if group.rank != 0:
         group.worker_loop(runner)
         return
@@ -44,15 +54,15 @@ def main() -> None:
             ids = np.random.default_rng(seed).integers(3, runner.config.vocab_size, n)
             passes.append(ex.run(runner.contiguous_batch(ids, pos, logits_all=True)).copy())
             pos += n
-        np.savez(os.path.join(a.out, "logits.npz"), *passes)
+        np.savez(os.path.join(out_dir, "logits.npz"), *passes)
         if ex.pipeline_groups > 1:    # the same passes under cross-step pipelining, each with a step of
-            np.savez(os.path.join(a.out, "logits_cross.npz"), *cross_step_passes(ex, json.loads(a.logits)))
+            np.savez(os.path.join(out_dir, "logits_cross.npz"), *cross_step_passes(ex, json.loads(a.logits)))
         if a.prompts:
             prompts = json.load(open(a.prompts))
             out["greedy"] = (batched_greedy(ex, prompts, a.max_tokens) if a.runner_greedy
                              else greedy(ex, prompts, a.max_tokens, out))
         out["stats"] = group.stats()
-        json.dump(out, open(os.path.join(a.out, "result.json"), "w"))
+        json.dump(out, open(os.path.join(out_dir, "result.json"), "w"))
     finally:
         ex.close()
 

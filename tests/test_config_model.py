@@ -126,7 +126,7 @@ def test_inconsistent_files_are_refused(tmp_path):
     vt = gguf.GGUFValueType
     with pytest.raises(GGUFError, match="not a multiple of llama.attention.head_count_kv"):
         ModelConfig.from_gguf(_write(tmp_path, keys={**LLAMA_KEYS, "attention.head_count_kv": 3}))
-    with pytest.raises(GGUFError, match=r"'mamba' is not supported \(supported: gemma3, granitemoe, llama, olmoe, qwen2moe, qwen3moe\)"):
+    with pytest.raises(GGUFError, match=r"'mamba' is not supported \(supported: gemma2, gemma3, granitemoe, llama, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe\)"):
         load_config(GGUFFile(_write(tmp_path, arch="mamba")))      # the registry decides what runs
     with pytest.raises(GGUFError, match="token_embd.weight' has 40 rows but the vocab has 32"):
         ModelConfig.from_gguf(_write(tmp_path, embd_rows=40))

@@ -86,3 +86,17 @@ def test_info_errors_are_one_line(capsys, tmp_path):
     assert "not a GGUF file" in err and "Traceback" not in err
     assert main(["info", str(tmp_path / "missing.gguf")]) == 1
     assert "not found" in capsys.readouterr().err
+
+
+def test_info_lists_the_architectures_that_run_and_a_partial_rotary_head(capsys, tmp_path):
+    """Issue 30: the report names every architecture in the registry, and describes a phi3 file whose RoPE turns
+    only part of each head (a config the plain reader refuses for other architectures)."""
+    from pyengine.models import ARCHITECTURES
+    from tiny_models import PHI3_ROPE_DIM, write_tiny
+    path = write_tiny(tmp_path / "phi3.gguf", "phi3")
+    assert main(["info", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert _field(out, "architecture") == "phi3"
+    assert _field(out, "head dim") == f"16 (rotary: the first {PHI3_ROPE_DIM})"
+    listed = _field(out, "architectures run").split(", ")
+    assert listed == sorted(ARCHITECTURES) and {"qwen2", "qwen3", "gemma2", "phi3"} <= set(listed)

@@ -11,7 +11,7 @@ import pytest
 from pyengine.engine.forward_batch import ForwardBatch
 from pyengine.engine.model_runner import ModelRunner
 from pyengine.models import ARCHITECTURES
-from tiny_models import ARCH_OF, ARCHS, SLIDING_WINDOW, VOCAB, write_tiny
+from tiny_models import ARCH_OF, ARCHS, NEW, SLIDING_WINDOW, VOCAB, write_tiny
 
 BS = 8
 KW = dict(max_model_len=256, max_num_batched_tokens=160, max_num_seqs=8, num_blocks=120, block_size=BS,
@@ -156,12 +156,14 @@ def test_gemma3_sliding_layers_read_only_their_window(tmp_path):
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (4, 1), (1, 2), (2, 2)])
-def test_mpi_parallel_equals_one_process(tiny, tmp_path, tp, pp):
+@pytest.mark.parametrize("variant", [v for v in ARCHS if v not in NEW])
+def test_mpi_parallel_equals_one_process(variant, tmp_path, tp, pp):
     """S17 over MPI (tests/mpi_check.py under mpiexec): Megatron tensor parallelism by heads and FFN columns (4
     ranks: more than the 2 KV heads, so each KV head is replicated on 2 ranks that split its query heads),
-    pipeline stages, and both: a 33-token prompt, a decode and a 20-token pass equal one process."""
+    pipeline stages, and both: a 33-token prompt, a decode and a 20-token pass equal one process. (Issue 30's
+    architectures: test_mpi_new_architectures_equal_one_process, all in one job.)"""
     from test_mpi_parallel import reference, run_mpi
-    variant, path, _ = tiny
+    path = str(write_tiny(tmp_path / f"{variant}.gguf", variant, seed=3))
     passes = [[33, 5], [1, 6], [20, 7]]
     res, got = run_mpi(tmp_path, path, tp, pp, kw=KW, logits=passes)
     want, _ = reference(path, kw=KW, logits=passes)
@@ -193,3 +195,50 @@ def test_mpi_moe_greedy_and_logits_equal_one_process(tmp_path, variant, tp, pp):
         assert [p["experts"] for p in parts] == [[0, 4], [4, 8]]
         if variant == "qwen2moe":
             assert [p["shared"] for p in parts] == [[0, 32], [32, 64]]
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_mpi_new_architectures_equal_one_process(tmp_path, tp, pp):
+    """S17 on issue 30's architectures (tiny_models.NEW: Q|K|V biases and an output bias, per-head q/k norms and a
+    head dim != d / H, ...), every one in turn in one MPI job (one start-up): TP 2 splits each by the split its
+    layer declares, PP 2 by stages; a 33-token prompt, a decode and a 20-token pass (PP: also under cross-step
+    pipelining) within 2e-4 and batched greedy continuations identical to one process."""
+    from test_mpi_parallel import reference, run_mpi
+    paths = [str(write_tiny(tmp_path / f"{v}.gguf", v, seed=3)) for v in NEW]
+    passes = [[33, 5], [1, 6], [20, 7]]
+    prompts = [ids(n, 30 + n).tolist() for n in (3, 11, 26)]
+    results = run_mpi(tmp_path, paths, tp, pp, kw=KW, logits=passes, prompts=prompts, runner_greedy=True)
+    assert len(results) == len(NEW)
+    for variant, path, (res, got) in zip(NEW, paths, results):
+        want, greedy = reference(path, kw=KW, logits=passes, prompts=prompts, runner_greedy=True)
+        if pp > 1:
+            got, want = got + res["logits_cross"], want + want
+        for a, b in zip(got, want, strict=True):
+            assert close(a, b), variant
+        assert res["greedy"] == greedy and len(set(map(tuple, greedy))) > 1, variant
+        assert len(res["stats"]) == tp * pp
+
+
+def test_every_architecture_declares_its_tensor_parallel_split(tiny):
+    """Issue 30.7: each model class says how every field of its layers splits (parallel/shard.py carries the
+    kinds out and names no architecture); an undeclared field is refused by name."""
+    import inspect
+
+    from pyengine.parallel import shard
+    variant, _, r = tiny
+    L = r.weights.layers[0]
+    split = shard.split_of(r.model, L)
+    assert set(L._fields) <= set(split) and set(split.values()) <= set(shard.SPLIT_KINDS)
+    src = inspect.getsource(shard)
+    assert not [a for a in ARCHITECTURES if f'"{a}"' in src or f"'{a}'" in src]
+
+    class Undeclared(type(r.model)):
+        tp_split = {k: v for k, v in split.items() if k != "wo"}
+    with pytest.raises(ValueError, match="declares no split for the layer fields \\['wo'\\]"):
+        shard.split_of(_with_config(Undeclared, r), L)
+
+
+def _with_config(cls, r):
+    m = cls.__new__(cls)
+    m.config = r.config
+    return m

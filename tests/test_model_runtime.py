@@ -108,7 +108,7 @@ def test_refuses_unknown_architectures(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ValueError, match=r"'mamba' is not supported \(supported: gemma3, granitemoe, llama, olmoe, qwen2moe, qwen3moe\)"):
+    with pytest.raises(ValueError, match=r"'mamba' is not supported \(supported: gemma2, gemma3, granitemoe, llama, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe\)"):
         ModelRunner(str(path), max_model_len=32)
 
 

@@ -31,10 +31,13 @@ MAX_TOKENS = 8
 def run_mpi(tmp, model, tp, pp, tcp=False, kw=KW, logits=LOGITS, prompts=None, max_tokens=MAX_TOKENS,
             runner_greedy=False):
     """One MPI job of tp x pp ranks; returns (result dict, [logits arrays]). ``runner_greedy``: prompts are
-    token-id lists decoded on the runner (mpi_check.batched_greedy), not through the engine."""
+    token-id lists decoded on the runner (mpi_check.batched_greedy), not through the engine. ``model`` a list:
+    the models in turn in the one job, and a list of (result dict, [logits arrays]) per model."""
     from pyengine.parallel.launch import mpiexec_command, rank_env
-    args = [os.path.join(HERE, "mpi_check.py"), "--model", model, "--tp", str(tp), "--pp", str(pp), "--out",
-            str(tmp), "--kw", json.dumps(kw), "--logits", json.dumps(logits), "--max-tokens", str(max_tokens)]
+    models = [model] if isinstance(model, str) else list(model)
+    args = [os.path.join(HERE, "mpi_check.py"), *(x for m in models for x in ("--model", m)), "--tp", str(tp),
+            "--pp", str(pp), "--out", str(tmp), "--kw", json.dumps(kw), "--logits", json.dumps(logits),
+            "--max-tokens", str(max_tokens)]
     if prompts is not None:
         path = os.path.join(tmp, "prompts.json")
         json.dump(prompts, open(path, "w"))
@@ -43,6 +46,12 @@ def run_mpi(tmp, model, tp, pp, tcp=False, kw=KW, logits=LOGITS, prompts=None, m
     env["PYTHONPATH"] = os.pathsep.join([HERE, env.get("PYTHONPATH", "")])
     proc = subprocess.run(mpiexec_command(tp * pp, args), env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    if not isinstance(model, str):
+        return [_mpi_result(os.path.join(tmp, str(k)), logits) for k in range(len(models))]
+    return _mpi_result(tmp, logits)
+
+
+def _mpi_result(tmp, logits):
     res = json.load(open(os.path.join(tmp, "result.json")))
     npz = np.load(os.path.join(tmp, "logits.npz"))
     cross = os.path.join(tmp, "logits_cross.npz")   # pipeline stages: the passes under cross-step pipelining

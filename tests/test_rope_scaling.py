@@ -15,7 +15,8 @@ import pytest
 
 import gguf
 from pyengine.config import ModelConfig
-from pyengine.layers.rotary import rope_cos_sin, rope_inv_freq
+from pyengine.layers.rotary import rope_cos_sin, rope_inv_freq, yarn_attention_factor
+from pyengine.models.base import rope_kind
 from test_config_model import LLAMA_KEYS, _write
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "rope_scaling.json").read_text())
@@ -35,15 +36,26 @@ def pyengine_kwargs(case) -> dict:
     if kind == "llama3":
         return dict(scaling_type="llama3", factor=r["factor"], orig_context=r["original_max_position_embeddings"],
                     low_freq_factor=r["low_freq_factor"], high_freq_factor=r["high_freq_factor"])
+    if kind == "yarn":
+        return dict(scaling_type="yarn", factor=r["factor"], orig_context=r["original_max_position_embeddings"],
+                    beta_fast=r.get("beta_fast", 32.0), beta_slow=r.get("beta_slow", 1.0))
     raise AssertionError(f"golden case {case['name']!r}: rope_type {kind!r} has no pyengine mapping in this test")
+
+
+def attention_scaling(case) -> float:
+    """pyengine's factor on cos and sin for the case (YaRN's; 1 for the others)."""
+    r = case["rope"]
+    return yarn_attention_factor(r["factor"]) if r["rope_type"] == "yarn" else 1.0
 
 
 def test_golden_file_covers_every_scaling_type():
     assert GOLDEN["source"].startswith("transformers ")
     kinds = {c["rope"]["rope_type"] for c in GOLDEN["cases"]}
-    assert {"default", "linear", "llama3"} <= kinds
+    assert {"default", "linear", "llama3", "yarn"} <= kinds
     for c in GOLDEN["cases"]:
-        assert c["attention_scaling"] == 1.0      # none of these types rescales cos/sin; a case that does needs a test
+        # only YaRN rescales cos/sin among these types: the value pyengine applies is HF's
+        assert c["attention_scaling"] == pytest.approx(attention_scaling(c), rel=1e-12)
+        assert (c["attention_scaling"] != 1.0) == (c["rope"]["rope_type"] == "yarn")
         if c["rope"]["rope_type"] == "llama3":    # each llama3 case has all three bands
             ratio = np.array(c["unscaled_inv_freq"]) / np.array(c["inv_freq"])
             f = c["rope"]["factor"]
@@ -64,6 +76,8 @@ def test_cos_sin_tables_match_hf(name):
     case = CASES[name]
     inv = rope_inv_freq(case["head_dim"], case["rope"]["rope_theta"], **pyengine_kwargs(case))
     cos, sin = rope_cos_sin(np.array(case["positions"]), inv)
+    m = np.float32(attention_scaling(case))
+    cos, sin = cos * m, sin * m
     # HF multiplies float32 frequencies by float32 positions: angles up to ~4000 rad carry ~4000 * 2^-24 of
     # rounding, so the tables agree to 5e-4 absolute at the largest position, far tighter below.
     for table, ref in ((cos, case["cos"]), (sin, case["sin"])):
@@ -89,10 +103,17 @@ def test_config_reader_scaling_keys_reach_the_same_frequencies(tmp_path, name):
         extra.update({"llama.rope.scaling.type": (g["type"], vt.STRING),
                       "llama.rope.scaling.factor": (g["factor"], vt.FLOAT32),
                       "llama.rope.scaling.original_context_length": (g["orig"], vt.UINT32)})
+    for beta in ("beta_fast", "beta_slow"):
+        if beta in g:
+            extra[f"llama.rope.scaling.yarn_{beta}"] = (g[beta], vt.FLOAT32)
     c = ModelConfig.from_gguf(_write(tmp_path, keys=keys, extra=extra))
     assert c.head_dim == case["head_dim"]
-    inv = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling_type, c.rope_scaling_factor, c.rope_orig_context)
+    inv = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling_type, c.rope_scaling_factor, c.rope_orig_context,
+                        beta_fast=c.rope_beta_fast, beta_slow=c.rope_beta_slow)
     np.testing.assert_allclose(inv, case["inv_freq"], rtol=RTOL, atol=0)
+    kind = rope_kind(c)                  # what every architecture's layers use: frequencies and cos/sin factor
+    np.testing.assert_allclose(kind.inv_freq, case["inv_freq"], rtol=RTOL, atol=0)
+    assert (1.0 if kind.mscale is None else kind.mscale) == pytest.approx(case["attention_scaling"], rel=1e-6)
 
 
 @pytest.mark.parametrize("name", [n for n, c in CASES.items() if c["rope"]["rope_type"] == "llama3"])
@@ -107,7 +128,9 @@ def test_llama3_as_llama_cpp_freq_factors(name):
 
 
 def test_unsupported_scaling_is_refused_by_name():
-    with pytest.raises(ValueError, match="yarn"):
-        rope_inv_freq(64, 10000.0, "yarn", 4.0, 2048)
+    with pytest.raises(ValueError, match="dynamic"):
+        rope_inv_freq(64, 10000.0, "dynamic", 4.0, 2048)
+    with pytest.raises(ValueError, match="original context"):
+        rope_inv_freq(64, 10000.0, "yarn", 4.0, None)
     with pytest.raises(ValueError, match="original context"):
         rope_inv_freq(64, 10000.0, "llama3", 8.0, None)

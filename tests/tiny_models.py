@@ -16,7 +16,11 @@ SLIDING_WINDOW = 24          # gemma3: small, so that contexts of ~60 tokens cro
 N_EXPERTS, N_USED, EXPERT_F, SHARED_F = 8, 2, 32, 64    # MoE variants (S16)
 # variant -> GGUF general.architecture (Mixtral is a llama file with llama.expert_count)
 ARCH_OF = {"llama": "llama", "gemma3": "gemma3", "qwen3moe": "qwen3moe", "qwen2moe": "qwen2moe",
-           "mixtral": "llama", "olmoe": "olmoe", "granitemoe": "granitemoe"}
+           "mixtral": "llama", "olmoe": "olmoe", "granitemoe": "granitemoe", "qwen2": "qwen2", "qwen3": "qwen3",
+           "gemma2": "gemma2", "phi3": "phi3"}
+NEW = ("qwen2", "qwen3", "gemma2", "phi3")   # issue 30's dense families: TP/PP run together (test_model_contracts.py)
+PHI3_ROPE_DIM, PHI3_ORIG_CTX, PHI3_WINDOW = 8, 64, 40    # partial rotary (8 of 16); LongRoPE past 64 positions
+HEAD_DIM = {"gemma3": HD, "qwen3moe": HD, "qwen3": 2 * HD}     # from attention.key_length; others: D / H
 MOE = ("qwen3moe", "qwen2moe", "mixtral", "olmoe", "granitemoe")
 
 
@@ -30,7 +34,7 @@ def _arch_tensors(arch: str, rng) -> dict[str, np.ndarray]:
     t = {"token_embd.weight": mat(VOCAB, D, 0.5), "output_norm.weight": norm(D)}
     for i in range(LAYERS):
         p = f"blk.{i}."
-        hd = HD if arch in ("gemma3", "qwen3moe") else D // H
+        hd = HEAD_DIM.get(arch, D // H)
         t.update({p + "attn_norm.weight": norm(D), p + "attn_q.weight": mat(H * hd, D),
                   p + "attn_k.weight": mat(HKV * hd, D), p + "attn_v.weight": mat(HKV * hd, D),
                   p + "attn_output.weight": mat(D, H * hd), p + "ffn_norm.weight": norm(D)})
@@ -42,19 +46,30 @@ def _arch_tensors(arch: str, rng) -> dict[str, np.ndarray]:
         else:
             t.update({p + "ffn_gate.weight": mat(F, D), p + "ffn_up.weight": mat(F, D),
                       p + "ffn_down.weight": mat(D, F)})
-        if arch in ("gemma3", "qwen3moe"):
+        if arch in ("gemma3", "qwen3moe", "qwen3"):
             t.update({p + "attn_q_norm.weight": norm(hd), p + "attn_k_norm.weight": norm(hd)})
         if arch == "olmoe":                  # over the whole projection, not per head
             t.update({p + "attn_q_norm.weight": norm(H * hd), p + "attn_k_norm.weight": norm(HKV * hd)})
-        if arch == "gemma3":
+        if arch in ("gemma3", "gemma2"):
             t.update({p + "post_attention_norm.weight": norm(D), p + "post_ffw_norm.weight": norm(D)})
-        if arch == "qwen2moe":
+        if arch in ("qwen2moe", "qwen2"):
             t.update({p + "attn_q.bias": norm(H * hd, 0.0), p + "attn_k.bias": norm(HKV * hd, 0.0),
-                      p + "attn_v.bias": norm(HKV * hd, 0.0), p + "ffn_gate_inp_shexp.weight": norm(D, 0.0),
+                      p + "attn_v.bias": norm(HKV * hd, 0.0)})
+        if arch == "qwen2moe":
+            t.update({p + "ffn_gate_inp_shexp.weight": norm(D, 0.0),
                       p + "ffn_gate_shexp.weight": mat(SHARED_F, D), p + "ffn_up_shexp.weight": mat(SHARED_F, D),
                       p + "ffn_down_shexp.weight": mat(D, SHARED_F)})
-    if arch in ("llama", "mixtral", "qwen2moe"):
+    if arch == "phi3":             # fused Q|K|V and gate|up, as llama.cpp's converter writes them; LongRoPE factors
+        for i in range(LAYERS):
+            p = f"blk.{i}."
+            t[p + "attn_qkv.weight"] = np.concatenate([t.pop(p + f"attn_{n}.weight") for n in "qkv"])
+            t[p + "ffn_up.weight"] = np.concatenate([t.pop(p + "ffn_gate.weight"), t.pop(p + "ffn_up.weight")])
+        t["rope_factors_short.weight"] = norm(PHI3_ROPE_DIM // 2)
+        t["rope_factors_long.weight"] = norm(PHI3_ROPE_DIM // 2, 4.0)
+    if arch in ("llama", "mixtral", "qwen2moe", "qwen2", "phi3"):
         t["output.weight"] = mat(VOCAB, D, 0.3)        # untied (gemma3 ties its head to the embedding)
+    if arch == "qwen2":
+        t["output.bias"] = norm(VOCAB, 0.0)
     return t
 
 
@@ -88,9 +103,17 @@ def write_tiny(path: Path, variant: str, seed: int = 0, extra_meta: dict | None 
             w.add_uint32(f"{arch}.expert_feed_forward_length", EXPERT_F)
         if variant == "qwen2moe":
             w.add_uint32(f"{arch}.expert_shared_feed_forward_length", SHARED_F)
-    if variant == "qwen3moe":
-        w.add_uint32(f"{arch}.attention.key_length", HD)
-        w.add_uint32(f"{arch}.attention.value_length", HD)
+    if variant in ("qwen3moe", "qwen3"):
+        w.add_uint32(f"{arch}.attention.key_length", HEAD_DIM[arch])
+        w.add_uint32(f"{arch}.attention.value_length", HEAD_DIM[arch])
+    if arch == "phi3":
+        w.add_uint32(f"{arch}.rope.dimension_count", PHI3_ROPE_DIM)
+        w.add_uint32(f"{arch}.rope.scaling.original_context_length", PHI3_ORIG_CTX)
+        w.add_uint32(f"{arch}.attention.sliding_window", PHI3_WINDOW)
+    if arch == "gemma2":         # soft caps small enough to bend the tiny model's scores and logits
+        w.add_uint32(f"{arch}.attention.sliding_window", SLIDING_WINDOW)
+        w.add_float32(f"{arch}.attn_logit_softcapping", 2.0)
+        w.add_float32(f"{arch}.final_logit_softcapping", 3.0)
     if arch == "gemma3":
         w.add_uint32(f"{arch}.attention.key_length", HD)
         w.add_uint32(f"{arch}.attention.value_length", HD)

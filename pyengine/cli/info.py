@@ -33,7 +33,7 @@ def describe(gguf, path: str | None = None, tensors: bool = False) -> str:
     from pyengine.gguf.quants import type_name
     from pyengine.models import ARCHITECTURES, load_config
 
-    cfg = ModelConfig.from_gguf(gguf)
+    cfg = ModelConfig.from_gguf(gguf, partial_rotary=True)     # describes; the architecture decides what runs
     md = gguf.metadata
     try:                                                  # the architecture's own defaults (S16 experts)
         moe = getattr(load_config(gguf), "moe", None) if cfg.arch in ARCHITECTURES else None
@@ -50,7 +50,8 @@ def describe(gguf, path: str | None = None, tensors: bool = False) -> str:
         ("layers", str(cfg.n_layers)),
         ("hidden size", str(cfg.d_model)),
         ("heads (q/kv)", f"{cfg.n_heads}/{cfg.n_kv_heads}"),
-        ("head dim", str(cfg.head_dim)),
+        ("head dim", str(cfg.head_dim) + ("" if cfg.rope_dim == cfg.head_dim else
+                                          f" (rotary: the first {cfg.rope_dim})")),
         ("FFN size", str(cfg.ffn_dim)),
         *([("experts (S16)", f"{moe.n_experts} of {moe.expert_ffn} rows, top-{moe.n_used} ({moe.gating}"
                              f"{', renormalised' if moe.norm_weights else ''}), shared expert "
@@ -66,6 +67,7 @@ def describe(gguf, path: str | None = None, tensors: bool = False) -> str:
         ("bos / eos", f"{cfg.bos_token_id} / {cfg.eos_token_id}"),
         ("tied embeddings", "yes" if cfg.tie_embeddings else "no"),
         ("parameters", f"{cfg.n_params / 1e6:.1f}M ({cfg.n_params})"),
+        ("architectures run", ", ".join(sorted(ARCHITECTURES))),
     ]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}} : {v}" for k, v in rows]

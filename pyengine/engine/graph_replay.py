@@ -104,9 +104,10 @@ class BoundAttention:
     rebuilt by ``build`` when the group's padded block count or zero-copy start changes."""
 
     def __init__(self, step: "CapturedStep", kind: int, index: int, layer: int, q, kv, out, scratch, scale,
-                 prescaled: bool = False):
+                 prescaled: bool = False, softcap: float | None = None):
         self.step, self.kind, self.index, self.prescaled = step, kind, index, prescaled
         self.args = (layer, q, kv, out, scratch, scale)
+        self.softcap = softcap
         self.ops: list = []
         self.build()
 
@@ -117,6 +118,10 @@ class BoundAttention:
         def alloc(shape):          # the step's pooled temporaries: no allocation when rebuilt
             seen[shape] = seen.get(shape, -1) + 1
             return self.step.temp(shape, seen[shape])
+        if self.softcap:              # Gemma 2's soft-capped scores: the group as one call
+            self.ops = [partial(group_attention, layer, q, kv, group, out, scratch,
+                                1.0 if self.prescaled else scale, self.softcap)]
+            return
         try:
             self.ops = group_attention_ops(layer, q, kv, group, out, scratch, scale, alloc, self.prescaled,
                                            self.step.shared.setdefault((self.kind, self.index), {}))
@@ -374,7 +379,7 @@ class StepCapture(EagerOps):
             raise ValueError("a captured step rotates the heads of its plan's RoPE rows only")
         self._run(apply_rope_ops(x, *step.rope_rows[kind], out, step.temp(x.shape)))
 
-    def attention(self, i, q, kv, plan, out, scratch, scale) -> None:
+    def attention(self, i, q, kv, plan, out, scratch, scale, softcap=None) -> None:
         if plan.runs:
             raise ValueError("a step with long queries is not captured (step_key keeps it plain)")
         step = self.step
@@ -382,7 +387,8 @@ class StepCapture(EagerOps):
         if step.prescale is not None and scale != step.prescale:
             raise ValueError(f"attention scale {scale} is not the one folded into the RoPE rows ({step.prescale})")
         for index in range(len(plan.groups)):
-            bound = BoundAttention(step, kind, index, i, q, kv, out, scratch, scale, step.prescale is not None)
+            bound = BoundAttention(step, kind, index, i, q, kv, out, scratch, scale, step.prescale is not None,
+                                   softcap)
             step.attention.setdefault((kind, index), []).append(bound)
             self._run([bound])
 

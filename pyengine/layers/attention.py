@@ -14,6 +14,7 @@ Four forms, all computing the same numbers:
   decode_attention    S09: B sequences with a few new tokens each (decodes: one; speculative verification: a
                       few) at once over K/V padded to a common length plus a mask: two batched matmuls
                       instead of a Python loop of B small calls.
+``softcap`` c (Gemma 2): every form caps the scaled scores as c * tanh(s / c) before the mask and softmax.
 Scores are kept keys-major, (Hkv, Tk, Tq*g): the K operand is then a plain strided view of the KV cache
 (row stride Hkv*hd), which BLAS takes directly, instead of a transposed view NumPy would copy. The softmax's
 max and sum then run down the keys axis, whose rows are short (Tq*g floats); NumPy reduces such an axis one
@@ -30,7 +31,7 @@ from pyengine import tuning
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, offset: int | None = None,
-              scale: float | None = None, window: int | None = None) -> np.ndarray:
+              scale: float | None = None, window: int | None = None, softcap: float | None = None) -> np.ndarray:
     """Reference causal attention (allocates freely; for tests and forward_reference)."""
     Tq, H, hd = q.shape
     Tk, Hkv, _ = k.shape
@@ -39,6 +40,8 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, offset: int | None = 
     k = np.repeat(k, H // Hkv, axis=1)                                   # (Tk, H, hd)
     v = np.repeat(v, H // Hkv, axis=1)
     scores = np.einsum("qhd,khd->hqk", q, k) * scale                    # (H, Tq, Tk)
+    if softcap:
+        scores = np.tanh(scores / softcap) * softcap
     qpos = (offset + np.arange(Tq))[:, None]
     masked = np.arange(Tk)[None, :] > qpos                              # key after the query
     if window is not None:
@@ -47,6 +50,15 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, offset: int | None = 
     p = np.exp(scores - scores.max(axis=-1, keepdims=True))
     p /= p.sum(axis=-1, keepdims=True)
     return np.einsum("hqk,khd->qhd", p, v).astype(q.dtype)
+
+
+def cap_scores(s: np.ndarray, softcap: float | None) -> None:
+    """Gemma 2's attention-logit soft-capping in place: s = c * tanh(s / c) (nothing when c is None or 0)."""
+    if softcap:
+        c = np.float32(softcap)
+        np.divide(s, c, out=s)
+        np.tanh(s, out=s)
+        np.multiply(s, c, out=s)
 
 
 def _regroup_q(q: np.ndarray, n_kv: int, scale: float) -> np.ndarray:
@@ -104,7 +116,8 @@ def _causal_bias(k0: int, k1: int, q0: int, q1: int, offset: int, g: int,
 
 def grouped_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, offset: int | None = None,
                       scale: float | None = None, out: np.ndarray | None = None,
-                      scratch: np.ndarray | None = None, window: int | None = None) -> np.ndarray:
+                      scratch: np.ndarray | None = None, window: int | None = None,
+                      softcap: float | None = None) -> np.ndarray:
     """Plain softmax GQA attention. ``scratch``: float32 buffer of >= Hkv*Tk*Tq*g elements for the scores
     (with half as much again, the key reductions use it too instead of allocating)."""
     Tq, H, hd = q.shape
@@ -120,6 +133,7 @@ def grouped_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, offset: int |
     s = (np.empty(n, np.float32) if scratch is None else scratch.reshape(-1)[:n]).reshape(Hkv, Tk, Tq * g)
     tmp = None if scratch is None else scratch.reshape(-1)[n:]
     np.matmul(k.transpose(1, 0, 2), _regroup_q(q, Hkv, scale), out=s)   # (Hkv, Tk, Tq*g)
+    cap_scores(s, softcap)
     # keys before k0 are visible to every query (with a window, none is known to be)
     k0 = max(0, offset + 1) if window is None else 0
     bias = _causal_bias(k0, Tk, 0, Tq, offset, g, window)
@@ -138,7 +152,7 @@ def grouped_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, offset: int |
 def flash_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, offset: int | None = None,
                     scale: float | None = None, tile: int = 256, q_tile: int | None = 128,
                     out: np.ndarray | None = None, scratch: np.ndarray | None = None,
-                    window: int | None = None) -> np.ndarray:
+                    window: int | None = None, softcap: float | None = None) -> np.ndarray:
     """Tiled online-softmax attention; never holds more than a (Hkv, tile, q_tile*g) block of scores.
 
     For each query tile, key tiles are visited left to right (key 0 is visible to every query, so the running
@@ -180,6 +194,7 @@ def flash_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, offset: int | N
             k1 = min(k_end, k0 + tile)
             s = buf[:Hkv * (k1 - k0) * cols].reshape(Hkv, k1 - k0, cols)
             np.matmul(kt[:, k0:k1], qblk, out=s)
+            cap_scores(s, softcap)
             where = (k1 - k0, q1 - q0, offset + q0 - k0)
             if where not in biases:
                 biases[where] = _causal_bias(k0, k1, q0, q1, offset, g, window)
@@ -255,7 +270,7 @@ def _decode_write(acc: np.ndarray, out: np.ndarray) -> np.ndarray:
 
 def decode_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, lens: np.ndarray | None = None,
                      scale: float | None = None, out: np.ndarray | None = None, scratch: np.ndarray | None = None,
-                     pad: np.ndarray | None = None) -> np.ndarray:
+                     pad: np.ndarray | None = None, softcap: float | None = None) -> np.ndarray:
     """A few queries per sequence (one for a decode), for B sequences at once over padded contexts.
 
     q (B, H, hd), one query at the last position of each context, or (B, Q, H, hd); k, v (B, L, Hkv, hd) padded
@@ -274,6 +289,7 @@ def decode_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, lens: np.ndarr
     for l0 in range(0, L, chunk):
         l1 = min(L, l0 + chunk)
         np.matmul(qg, kt[..., l0:l1], out=s[..., l0:l1])                  # (B, Hkv, g*Q, keys)
+    cap_scores(s, softcap)
     denom = _decode_softmax(s, pad)                                       # (B, Hkv, g*Q, 1)
     acc = np.matmul(s[..., :chunk], vt[:, :, :chunk])                     # (B, Hkv, g*Q, hd): small
     for l0 in range(chunk, L, chunk):
@@ -372,7 +388,8 @@ def _block_scales(raw: np.ndarray, bl: int, out: np.ndarray) -> np.ndarray:
 
 def stored_decode_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, fmt: str, pad: np.ndarray, tile: int,
                             scale: float | None = None, out: np.ndarray | None = None,
-                            scratch: np.ndarray | None = None, tile_scratch: np.ndarray | None = None) -> np.ndarray:
+                            scratch: np.ndarray | None = None, tile_scratch: np.ndarray | None = None,
+                            softcap: float | None = None) -> np.ndarray:
     """decode_attention over K/V stored as ``fmt`` ("fp16", "q8_0", "q4_0"): k, v the stored rows
     (B, L, Hkv, row) of padded contexts (views of the cache or gathered copies), converted ``tile`` keys at a
     time and never as a whole. ``tile_scratch``: float32 buffer of >= stored_scratch_floats(...) elements."""
@@ -405,6 +422,7 @@ def stored_decode_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, fmt: st
     if fmt != "fp16":
         p = np.add(parts[:, :, :, 0], parts[:, :, :, 1], out=parts[:, :, :, 0]) if half else parts
         np.einsum("xhbgl,xhbl->xhgl", p, _block_scales(k, _block_bytes(fmt), rest), out=s)   # sum_b d_jb p_b
+    cap_scores(s, softcap)
     denom = _decode_softmax(s, pad)
     if fmt == "fp16":
         pd = s

@@ -68,7 +68,7 @@ def group_mask(lens: np.ndarray, key_starts: np.ndarray, q_len: int, L: int, win
 
 
 def group_attention(layer: int, q: np.ndarray, kv, group: QueryGroup, out: np.ndarray, scratch,
-                    scale: float) -> None:
+                    scale: float, softcap: float | None = None) -> None:
     """One QueryGroup: its context blocks gathered (whole blocks, into scratch) into a padded
     (G, n_blocks * block_size, Hkv, hd) buffer, or a lone sequence's consecutive blocks read in place; a cache
     stored as fp16 / q8_0 / q4_0 is read as stored, in tiles of whole blocks (stored_decode_attention)."""
@@ -86,7 +86,7 @@ def group_attention(layer: int, q: np.ndarray, kv, group: QueryGroup, out: np.nd
         need = stored_scratch_floats(kv.dtype, G, n // G, tile, kv.n_kv_heads, kv.head_dim,
                                      q.shape[1] // kv.n_kv_heads * Q)
         res = stored_decode_attention(qs, k, v, kv.dtype, group.mask, tile, scale=scale, out=o,
-                                      scratch=scratch.scores, tile_scratch=kv.tile_scratch(need))
+                                      scratch=scratch.scores, tile_scratch=kv.tile_scratch(need), softcap=softcap)
     else:
         if group.start is not None:             # zero-copy
             k, v = kv.read(layer, group.start, n, scratch.k_batch, scratch.v_batch)
@@ -94,29 +94,30 @@ def group_attention(layer: int, q: np.ndarray, kv, group: QueryGroup, out: np.nd
             k, v = kv.gather_blocks(layer, group.blocks, scratch.k_batch[:n], scratch.v_batch[:n])
         shape = (G, nb * bs) + k.shape[-2:]
         res = decode_attention(qs, k.reshape(shape), v.reshape(shape), scale=scale, scratch=scratch.scores,
-                               pad=group.mask, out=o)
+                               pad=group.mask, out=o, softcap=softcap)
     if not isinstance(group.rows, slice):
         out[group.rows] = res.reshape((G * Q,) + q.shape[1:])
 
 
 def run_attention(layer: int, q: np.ndarray, kv, run: QueryRun, out: np.ndarray, scratch, scale: float,
-                  window: int | None) -> None:
+                  window: int | None, softcap: float | None = None) -> None:
     """One QueryRun: plain softmax, or tiled flash attention for long queries."""
     k, v = run.keys.kv(kv, layer, scratch.k_ctx, scratch.v_ctx)
     qs, o = q[run.rows], out[run.rows]
     if run.flash:
         flash_attention(qs, k, v, offset=run.offset, scale=scale, tile=tuning.FLASH_TILE,
-                        q_tile=tuning.FLASH_Q_TILE, out=o, scratch=scratch.scores, window=window)
+                        q_tile=tuning.FLASH_Q_TILE, out=o, scratch=scratch.scores, window=window, softcap=softcap)
     else:
-        grouped_attention(qs, k, v, offset=run.offset, scale=scale, out=o, scratch=scratch.scores, window=window)
+        grouped_attention(qs, k, v, offset=run.offset, scale=scale, out=o, scratch=scratch.scores, window=window,
+                          softcap=softcap)
 
 
 def paged_attention(layer: int, q: np.ndarray, kv, plan: AttentionPlan, out: np.ndarray, scratch,
-                    scale: float) -> np.ndarray:
+                    scale: float, softcap: float | None = None) -> np.ndarray:
     """out (T, H, hd) = attention of every sequence's new queries q (T, H, hd) over its cached context (this
-    layer's K/V of the new tokens already written)."""
+    layer's K/V of the new tokens already written); ``softcap``: Gemma 2's attention-logit soft-capping."""
     for group in plan.groups:
-        group_attention(layer, q, kv, group, out, scratch, scale)
+        group_attention(layer, q, kv, group, out, scratch, scale, softcap)
     for run in plan.runs:
-        run_attention(layer, q, kv, run, out, scratch, scale, plan.window)
+        run_attention(layer, q, kv, run, out, scratch, scale, plan.window, softcap)
     return out

@@ -14,6 +14,10 @@ from pyengine.gguf import GGUFError
 ARCHITECTURES = {
     "llama": "pyengine.models.llama",
     "gemma3": "pyengine.models.gemma3",
+    "qwen2": "pyengine.models.qwen2",            # issue 30: the dense families people run
+    "qwen3": "pyengine.models.qwen3",
+    "gemma2": "pyengine.models.gemma2",
+    "phi3": "pyengine.models.phi3",
     "qwen2moe": "pyengine.models.qwen2moe",      # S16: mixtures of experts (Mixtral is a llama file)
     "qwen3moe": "pyengine.models.qwen3moe",
     "olmoe": "pyengine.models.olmoe",

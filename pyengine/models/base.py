@@ -19,8 +19,10 @@ from pyengine.layers.linear import BlockedLinear, DenseLinear, Embedding, LeanLi
 from pyengine.layers.activation import gated_activation
 from pyengine.layers.moe import Experts, ExpertLoad, MoE, MoEScratch, moe_forward, moe_reference
 from pyengine.layers.norm import rms_norm
+from pyengine.layers.attention import cap_scores
 from pyengine.layers.paged_attention import paged_attention
-from pyengine.layers.rotary import apply_rope, interleaved_to_half, rope_cos_sin
+from pyengine.layers.rotary import (apply_rope, interleaved_to_half, rope_cos_sin, rope_inv_freq,
+                                    yarn_attention_factor)
 
 
 class EagerOps:
@@ -43,8 +45,8 @@ class EagerOps:
     def rope(self, x, cos, sin, out, tmp) -> None:
         apply_rope(x, cos, sin, out=out, tmp=tmp)
 
-    def attention(self, i, q, kv, plan, out, scratch, scale) -> None:
-        paged_attention(i, q, kv, plan, out=out, scratch=scratch, scale=scale)
+    def attention(self, i, q, kv, plan, out, scratch, scale, softcap=None) -> None:
+        paged_attention(i, q, kv, plan, out=out, scratch=scratch, scale=scale, softcap=softcap)
 
 
 EAGER = EagerOps()
@@ -54,6 +56,30 @@ class LayerKind(NamedTuple):
     """Layers that attend alike: Llama has one kind; Gemma 3 a sliding-window kind and a global one."""
     window: int | None         # sliding window (keys visible while i - j < window), or None: the whole context
     inv_freq: np.ndarray       # (hd/2,) RoPE inverse frequencies of these layers
+    mscale: np.ndarray | float | None = None   # YaRN / LongRoPE: cos and sin times this (per pair), or None
+
+    def cos_sin(self, positions) -> tuple[np.ndarray, np.ndarray]:
+        """The RoPE tables (len(positions), hd/2) of these layers, ``mscale`` applied."""
+        cos, sin = rope_cos_sin(positions, self.inv_freq)
+        if self.mscale is not None:
+            m = np.asarray(self.mscale, dtype=np.float32)
+            cos, sin = cos * m, sin * m
+        return cos, sin
+
+
+def rope_kind(c, window: int | None = None, theta: float | None = None, freq_factors=None,
+              scaled: bool = True) -> LayerKind:
+    """The LayerKind of layers rotating all head_dim dims with the config's RoPE: base ``theta`` (default the
+    file's), its scaling (none / linear / llama3 / yarn, with YaRN's attention factor on cos and sin) unless
+    ``scaled`` is False (Gemma 3's local layers), llama.cpp's per-pair ``freq_factors``."""
+    if not scaled:
+        return LayerKind(window, rope_inv_freq(c.head_dim, theta or c.rope_theta))
+    inv = rope_inv_freq(c.head_dim, theta or c.rope_theta, c.rope_scaling_type, c.rope_scaling_factor,
+                        c.rope_orig_context, freq_factors=freq_factors, beta_fast=c.rope_beta_fast,
+                        beta_slow=c.rope_beta_slow)
+    m = (yarn_attention_factor(c.rope_scaling_factor, c.rope_attn_factor) if c.rope_scaling_type == "yarn"
+         else c.rope_attn_factor)
+    return LayerKind(window, inv, None if m == 1.0 else m)
 
 
 @dataclass
@@ -139,7 +165,9 @@ class Buffers:
 class Weights:
     """An architecture's weights: ``layers`` (a NamedTuple per layer, its matrices `Linear`s and its norms float32
     vectors), the embedding, the final norm and the LM head. ``mode``: "resident" (float32, dequantized once) or
-    "lean" (quantized rows, dequantized into scratch on use)."""
+    "lean" (quantized rows, dequantized into scratch on use). ``head_bias``: (V,) added to the logits (Qwen2's
+    optional output.bias), or None."""
+    head_bias: np.ndarray | None = None
 
     def __init__(self, config, mode: str, layers: list, embed: Embedding, output_norm: np.ndarray, head: Linear,
                  tied: bool, **extra):
@@ -176,6 +204,8 @@ class Weights:
         src = self.embed.source
         if not self.tied and id(src) not in seen:
             total += src.nbytes
+        if self.head_bias is not None:
+            total += self.head_bias.nbytes
         for L in self.layers:
             total += sum(v.nbytes for v in L if isinstance(v, (np.ndarray, MoE)))
         return total
@@ -328,10 +358,14 @@ class TransformerModel:
     """The shared fast path. Subclasses set ``kinds`` / ``kind_of`` and define ``layer`` (one layer's math) and
     ``forward_reference``; ``embed_scale`` (Gemma: sqrt(d)) multiplies the embeddings; Granite's
     ``residual_scale`` multiplies each sub-layer's output before its residual add and ``logit_scale`` divides
-    the logits."""
+    the logits; Gemma 2's ``final_softcap`` caps them."""
     embed_scale: float | None = None
     residual_scale: float | None = None
     logit_scale: float | None = None
+    final_softcap: float | None = None     # Gemma 2: logits = c * tanh(logits / c)
+    # S17: how tensor parallelism splits each field of this architecture's layers (parallel/shard.py
+    # SPLIT_KINDS: "qkv", "heads_rows", "gate_up", "ffn_rows", "replicate", ...); every model class declares it
+    tp_split: dict | None = None
 
     def __init__(self, config, weights: Weights, kinds: list[LayerKind], kind_of: list[int], scale: float):
         self.config, self.weights = config, weights
@@ -347,7 +381,7 @@ class TransformerModel:
     def prepare(self, b: Buffers) -> None:
         """Fill the RoPE tables (once: positions 0 .. max_model_len-1)."""
         for kind, (tcos, tsin) in zip(self.kinds, b.rope_tables):
-            cos, sin = rope_cos_sin(np.arange(tcos.shape[0]), kind.inv_freq)
+            cos, sin = kind.cos_sin(np.arange(tcos.shape[0]))
             tcos[...], tsin[...] = cos, sin
 
     def forward(self, plan, kv, b: Buffers, ops: EagerOps = EAGER) -> np.ndarray:
@@ -380,6 +414,10 @@ class TransformerModel:
         ops.call(np.take, x, idx, 0, hx)
         ops.rms_norm(hx, w.output_norm, c.rms_eps, hxn)
         ops.matmul(w.head, hxn, logits)
+        if w.head_bias is not None:
+            ops.call(np.add, logits, w.head_bias, logits)
+        if self.final_softcap:                    # Gemma 2: c * tanh(logits / c)
+            ops.call(cap_scores, logits, self.final_softcap)
         if self.logit_scale is not None:
             ops.call(np.divide, logits, np.float32(self.logit_scale), logits)
         return logits

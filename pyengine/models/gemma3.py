@@ -26,9 +26,9 @@ from pyengine.layers.activation import gated_activation
 from pyengine.layers.attention import attention
 from pyengine.layers.linear import Linear, make_linear
 from pyengine.layers.norm import rms_norm
-from pyengine.layers.rotary import apply_rope, rope_cos_sin, rope_inv_freq
-from pyengine.models.base import (EAGER, LayerKind, TensorReader, TransformerModel, Weights, embedding_and_head,
-                                  gate_up_matrix, qkv_matrix)
+from pyengine.layers.rotary import apply_rope
+from pyengine.models.base import (EAGER, TensorReader, TransformerModel, Weights, embedding_and_head,
+                                  gate_up_matrix, qkv_matrix, rope_kind)
 
 ARCH = "gemma3"
 SWA_PATTERN = 6             # llama.cpp and HF: layers i with (i + 1) % 6 != 0 use the sliding window
@@ -100,11 +100,13 @@ def load_weights(gguf, c: Gemma3Config, mode: str = "resident") -> Weights:
 
 
 class Gemma3Model(TransformerModel):
+    tp_split = {"attn_norm": "replicate", "wqkv": "qkv", "q_norm": "replicate", "k_norm": "replicate",
+                "wo": "heads_rows", "post_attn_norm": "replicate", "ffn_norm": "replicate", "w_gate_up": "gate_up",
+                "w_down": "ffn_rows", "post_ffn_norm": "replicate"}
     def __init__(self, config: Gemma3Config, weights: Weights):
         c = config
-        local = LayerKind(c.sliding_window, rope_inv_freq(c.head_dim, c.rope_local_theta))
-        full = LayerKind(None, rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling_type, c.rope_scaling_factor,
-                                             c.rope_orig_context))
+        local = rope_kind(c, c.sliding_window, c.rope_local_theta, scaled=False)
+        full = rope_kind(c)
         kind_of = [0 if c.is_sliding(i) else 1 for i in range(c.n_layers)]
         super().__init__(config, weights, [local, full], kind_of, c.attn_scale)
         self.embed_scale = float(np.float32(c.d_model ** 0.5))
@@ -118,7 +120,7 @@ class Gemma3Model(TransformerModel):
         x = w.embed(token_ids) * np.float32(self.embed_scale)
         for i, L in enumerate(w.layers):
             kind = self.kinds[self.kind_of[i]]
-            cos, sin = rope_cos_sin(positions, kind.inv_freq)
+            cos, sin = kind.cos_sin(positions)
             q, k, v = np.split(rms_norm(x, L.attn_norm, eps) @ L.wqkv, [H * hd, (H + Hkv) * hd], axis=1)
             q = apply_rope(rms_norm(q.reshape(T, H, hd), L.q_norm, eps), cos, sin)
             k = apply_rope(rms_norm(k.reshape(T, Hkv, hd), L.k_norm, eps), cos, sin)

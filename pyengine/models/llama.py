@@ -25,9 +25,9 @@ from pyengine.layers.attention import attention
 from pyengine.layers.linear import Linear, make_linear
 from pyengine.layers.moe import MoE, MoEConfig
 from pyengine.layers.norm import rms_norm
-from pyengine.layers.rotary import apply_rope, rope_cos_sin, rope_inv_freq
-from pyengine.models.base import (EAGER, LayerKind, TensorReader, TransformerModel, Weights, embedding_and_head,
-                                  gate_up_matrix, moe_weights, qkv_matrix)
+from pyengine.layers.rotary import apply_rope
+from pyengine.models.base import (EAGER, TensorReader, TransformerModel, Weights, embedding_and_head,
+                                  gate_up_matrix, moe_weights, qkv_matrix, rope_kind)
 
 ARCH = "llama"
 
@@ -55,8 +55,9 @@ class LlamaLayer(NamedTuple):
 
 
 def load_weights(gguf, c: LlamaConfig, mode: str = "resident", unpermute: bool = True,
-                 qkv_bias: bool = False) -> Weights:
-    """``unpermute``: Q/K rows stored for interleaved RoPE (llama); False for the half-split (NEOX) families."""
+                 qkv_bias: bool = False, head_bias: bool = False) -> Weights:
+    """``unpermute``: Q/K rows stored for interleaved RoPE (llama); False for the half-split (NEOX) families.
+    ``qkv_bias``: the layers have Q, K and V biases (required); ``head_bias``: the file may have an output.bias."""
     r = TensorReader(gguf)
     hd, d = c.head_dim, c.d_model
     layers = []
@@ -75,15 +76,18 @@ def load_weights(gguf, c: LlamaConfig, mode: str = "resident", unpermute: bool =
             ffn_norm=r.vector(p + "ffn_norm.weight", d), w_gate_up=gate_up, w_down=down, moe=moe, bqkv=bias))
     embed, head, tied = embedding_and_head(r, c, mode)
     freq = gguf.dequantize("rope_freqs.weight") if r.has("rope_freqs.weight") else None
-    return Weights(c, mode, layers, embed, r.vector("output_norm.weight", d), head, tied, freq_factors=freq)
+    bias = r.vector("output.bias", c.vocab_size) if head_bias and r.has("output.bias") else None
+    return Weights(c, mode, layers, embed, r.vector("output_norm.weight", d), head, tied, freq_factors=freq,
+                   head_bias=bias)
 
 
 class LlamaModel(TransformerModel):
+    tp_split = {"attn_norm": "replicate", "wqkv": "qkv", "wo": "heads_rows", "ffn_norm": "replicate",
+                "w_gate_up": "gate_up", "w_down": "ffn_rows", "moe": "experts", "bqkv": "qkv_vector"}
     def __init__(self, config: LlamaConfig, weights: Weights):
         c = config
-        inv = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling_type, c.rope_scaling_factor,
-                            c.rope_orig_context, freq_factors=weights.freq_factors)
-        super().__init__(config, weights, [LayerKind(None, inv)], [0] * c.n_layers, c.head_dim ** -0.5)
+        kind = rope_kind(c, freq_factors=weights.freq_factors)
+        super().__init__(config, weights, [kind], [0] * c.n_layers, c.head_dim ** -0.5)
 
     def forward_reference(self, token_ids, positions=None) -> np.ndarray:
         """Logits (T, V) for one whole sequence, recomputed from scratch: no cache, no fusion tricks."""
@@ -91,7 +95,7 @@ class LlamaModel(TransformerModel):
         token_ids = np.asarray(token_ids, dtype=np.int64)
         T, H, Hkv, hd = len(token_ids), c.n_heads, c.n_kv_heads, c.head_dim
         positions = np.arange(T) if positions is None else np.asarray(positions, dtype=np.int64)
-        cos, sin = rope_cos_sin(positions, self.kinds[0].inv_freq)
+        cos, sin = self.kinds[0].cos_sin(positions)
         x = w.embed(token_ids) * np.float32(self.embed_scale or 1.0)       # Granite's multipliers or 1
         res, logit = np.float32(self.residual_scale or 1.0), np.float32(self.logit_scale or 1.0)
         for L in w.layers:
@@ -99,10 +103,12 @@ class LlamaModel(TransformerModel):
             q, k, v = np.split(qkv if L.bqkv is None else qkv + L.bqkv, [H * hd, (H + Hkv) * hd], axis=1)
             q = apply_rope(q.reshape(T, H, hd), cos, sin)
             k = apply_rope(k.reshape(T, Hkv, hd), cos, sin)
-            h = attention(q, k, v.reshape(T, Hkv, hd), offset=0, scale=self.scale).reshape(T, H * hd)
+            h = attention(q, k, v.reshape(T, Hkv, hd), offset=0, scale=self.scale,
+                          window=self.kinds[0].window).reshape(T, H * hd)
             x = x + res * (h @ L.wo)
             x = x + res * self.ffn_reference(L, rms_norm(x, L.ffn_norm, c.rms_eps))
-        return (rms_norm(x, w.output_norm, c.rms_eps) @ w.head) / logit
+        logits = rms_norm(x, w.output_norm, c.rms_eps) @ w.head
+        return (logits if w.head_bias is None else logits + w.head_bias) / logit
 
     def layer(self, i, L, p, slots, kv, b, ops=EAGER) -> None:
         """One layer over the step's T tokens, in place on b.x. ``p``: this kind of layer's part of the plan;

@@ -29,6 +29,7 @@ def read_config(gguf) -> qwen3moe.Qwen3MoeConfig:
 
 class OlmoeModel(qwen3moe.Qwen3MoeModel):
     qk_norm_width = "whole"        # the reference and the fast layer norm all query / all key columns at once
+    tp_split = {**qwen3moe.Qwen3MoeModel.tp_split, "q_norm": "q_heads_norm", "k_norm": "k_heads_norm"}
 
 
 def build(gguf, mode: str = "resident"):

@@ -23,9 +23,9 @@ from pyengine.layers.attention import attention
 from pyengine.layers.linear import Linear, make_linear
 from pyengine.layers.moe import MoE, MoEConfig
 from pyengine.layers.norm import rms_norm
-from pyengine.layers.rotary import apply_rope, rope_cos_sin, rope_inv_freq
-from pyengine.models.base import (EAGER, LayerKind, TensorReader, TransformerModel, Weights, embedding_and_head,
-                                  gate_up_matrix, moe_weights, qkv_matrix)
+from pyengine.layers.rotary import apply_rope
+from pyengine.models.base import (EAGER, TensorReader, TransformerModel, Weights, embedding_and_head,
+                                  gate_up_matrix, moe_weights, qkv_matrix, rope_kind)
 
 ARCH = "qwen3moe"
 
@@ -79,12 +79,13 @@ def load_weights(gguf, c: Qwen3MoeConfig, mode: str = "resident", qk_norm_rows: 
 
 class Qwen3MoeModel(TransformerModel):
     qk_norm_width = "head"         # OLMoE (models/olmoe.py): "whole"
+    tp_split = {"attn_norm": "replicate", "wqkv": "qkv", "q_norm": "replicate", "k_norm": "replicate",
+                "wo": "heads_rows", "ffn_norm": "replicate", "moe": "experts", "w_gate_up": "gate_up",
+                "w_down": "ffn_rows"}
 
     def __init__(self, config: Qwen3MoeConfig, weights: Weights):
         c = config
-        inv = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling_type, c.rope_scaling_factor,
-                            c.rope_orig_context)
-        super().__init__(config, weights, [LayerKind(None, inv)], [0] * c.n_layers, c.head_dim ** -0.5)
+        super().__init__(config, weights, [rope_kind(c)], [0] * c.n_layers, c.head_dim ** -0.5)
 
     def forward_reference(self, token_ids, positions=None) -> np.ndarray:
         """Logits (T, V) for one whole sequence, recomputed from scratch: no cache, no fusion tricks."""
@@ -92,7 +93,7 @@ class Qwen3MoeModel(TransformerModel):
         token_ids = np.asarray(token_ids, dtype=np.int64)
         T, H, Hkv, hd, eps = len(token_ids), c.n_heads, c.n_kv_heads, c.head_dim, c.rms_eps
         positions = np.arange(T) if positions is None else np.asarray(positions, dtype=np.int64)
-        cos, sin = rope_cos_sin(positions, self.kinds[0].inv_freq)
+        cos, sin = self.kinds[0].cos_sin(positions)
         x = w.embed(token_ids)
         for L in w.layers:
             q, k, v = np.split(rms_norm(x, L.attn_norm, eps) @ L.wqkv, [H * hd, (H + Hkv) * hd], axis=1)

@@ -3,8 +3,10 @@
 The weights are read quantized (the lean loader: views of the file, nothing dequantized), then only this rank's
 part is dequantized to float32, matrix by matrix, so a rank never holds the whole model in float32. The model
 object is the architecture's own class built from the rank's config (layout.rank_config: its head counts, FFN
-width and layer count), so models/*.py run unchanged on a slice: every matrix of a layer is a `Linear`, and
-which kind of tensor-parallel `Linear` a field gets is said here, by field name.
+width and layer count), so models/*.py run unchanged on a slice: every matrix of a layer is a `Linear`. How
+each field of a layer splits is declared by the architecture's model class (``tp_split``, as mlx-lm's
+``Model.shard()``: field -> one of SPLIT_KINDS); this module only carries the kinds out, and knows no
+architecture by name.
 """
 from __future__ import annotations
 
@@ -16,10 +18,21 @@ from pyengine.layers.parallel_linear import (ColumnParallelLinear, ExpertSlice, 
                                              VocabParallelHead)
 from pyengine.parallel.layout import rank_config
 
-# field of a layer -> how tensor parallelism splits it (the fields every architecture in the registry uses)
-SPLITS = {"wqkv": "qkv", "w_gate_up": "gate_up", "wo": "heads_rows", "w_down": "ffn_rows"}
-# in an MoE layer the gate|up and down matrices are its shared expert's: split by the shared expert's columns
-MOE_SPLITS = {**SPLITS, "w_gate_up": "shared_gate_up", "w_down": "shared_rows"}
+# what a model class's ``tp_split`` may say of a layer field:
+SPLIT_KINDS = {
+    "replicate": "kept whole on every rank (norms of d, per-head q/k norms)",
+    "qkv": "a Q|K|V matrix: the columns of this rank's query heads and KV heads",
+    "gate_up": "a gate|up matrix: this rank's FFN columns of both halves",
+    "heads_rows": "the attention output matrix: the rows of this rank's query heads (partial sums, Allreduce)",
+    "ffn_rows": "the down matrix: the rows of this rank's FFN columns (partial sums, Allreduce)",
+    "qkv_vector": "a vector over Q|K|V columns (biases): this rank's entries",
+    "q_heads_norm": "an RMSNorm over all query columns: this rank's entries, the statistic summed over the ranks",
+    "k_heads_norm": "the same over all key columns (with the q one)",
+    "experts": "the routed experts: this rank's range of whole experts (expert parallelism), the router whole",
+}
+MATRIX_SPLITS = ("qkv", "gate_up", "heads_rows", "ffn_rows")
+# in a layer with experts the gated MLP fields are its shared expert's: split by the shared expert's columns
+SHARED = {"gate_up": "shared_gate_up", "ffn_rows": "shared_rows"}
 
 
 def _ranges(part, c, how: str) -> list[tuple[int, int]]:
@@ -54,13 +67,27 @@ def shard_linear(lean, part, c, how: str, comm):
                              None if how == "shared_rows" else comm)
 
 
+def split_of(model, layer) -> dict:
+    """The model class's ``tp_split``, checked: every field of its layers has a known kind."""
+    split, arch = type(model).tp_split, model.config.arch
+    if not isinstance(split, dict):
+        raise ValueError(f"{arch}: {type(model).__name__} declares no tensor-parallel split (tp_split)")
+    bad = {k: v for k, v in split.items() if v not in SPLIT_KINDS}
+    missing = [f for f in (layer._fields if layer is not None else ()) if f not in split]
+    if bad or missing:
+        raise ValueError(f"{arch}: {type(model).__name__}.tp_split " + (f"has unknown kinds {bad}" if bad else
+                         f"declares no split for the layer fields {missing}"))
+    return split
+
+
 def load_shard(gguf, part, comm, stage_first: bool):
     """(rank config, weights, model) of this rank: the layers of its stage, each split for its tensor rank;
     stage 0 (``stage_first``) also the embedding (quantized rows, read per token) and its LM-head columns.
-    An MoE layer's routed experts are not `Linear`s: with tensor parallelism each rank keeps its range of whole
-    experts (expert parallelism, layout.py; dequantized once, E / N of them), the router whole, and its columns
-    of the shared expert; OLMoE's q/k norms over all heads get their statistic summed over the ranks
-    (SplitNorm). Pipeline stages alone keep every expert quantized, as one process does."""
+    Each field splits as the model class's ``tp_split`` says (SPLIT_KINDS). An MoE layer's routed experts are
+    not `Linear`s: with tensor parallelism each rank keeps its range of whole experts (expert parallelism,
+    layout.py; dequantized once, E / N of them), the router whole, and its columns of the shared expert; q/k
+    norms over all heads get their statistic summed over the ranks (SplitNorm). Pipeline stages alone keep
+    every expert quantized, as one process does."""
     from pyengine.models import architecture
 
     c, w, full = architecture(gguf).build(gguf, "lean")     # quantized rows: only this rank's get dequantized
@@ -70,30 +97,29 @@ def load_shard(gguf, part, comm, stage_first: bool):
     hd = c.head_dim
     qkv_cols = np.concatenate([np.arange(x, y) for x, y in _ranges(part, c, "qkv")])
     split_norm = None
+    split = split_of(full, w.layers[0] if w.layers else None)
     for L in w.layers[a:b]:
         fields = {}
         moe = getattr(L, "moe", None)
-        splits = SPLITS if moe is None else MOE_SPLITS
         for name, value in zip(L._fields, L):
-            if hasattr(value, "q") and whole:
-                fields[name] = DenseLinear.from_quant(value.q, value.act)
-            elif hasattr(value, "q"):
-                if name not in splits:
-                    raise ValueError(f"{c.arch}: no tensor-parallel split is defined for the matrix {name!r}")
-                fields[name] = shard_linear(value, part, c, splits[name], comm)
-        if not whole:
-            if moe is not None:
-                fields["moe"] = moe._replace(experts=ExpertSlice(moe.experts, *part.experts, comm))
-            if getattr(L, "bqkv", None) is not None:                  # Qwen2-MoE: biases of its Q|K|V columns
-                fields["bqkv"] = np.ascontiguousarray(L.bqkv[qkv_cols])
-            qn = getattr(L, "q_norm", None)
-            if qn is not None and qn.shape[0] == c.n_heads * hd:      # OLMoE: norms over all heads at once
-                q0, k0 = part.q_heads[0] * hd, part.kv_heads[0] * hd
-                fields["q_norm"] = qn[q0:q0 + len(part.q_heads) * hd].copy()
-                fields["k_norm"] = L.k_norm[k0:k0 + len(part.kv_heads) * hd].copy()
+            how = split[name]
+            if value is None or how == "replicate":
+                continue
+            if whole:                                       # pipeline stage only: every matrix dequantized
+                if hasattr(value, "q"):
+                    fields[name] = DenseLinear.from_quant(value.q, value.act)
+            elif how in MATRIX_SPLITS:
+                fields[name] = shard_linear(value, part, c, SHARED.get(how, how) if moe is not None else how, comm)
+            elif how == "experts":
+                fields[name] = value._replace(experts=ExpertSlice(value.experts, *part.experts, comm))
+            elif how == "qkv_vector":
+                fields[name] = np.ascontiguousarray(value[qkv_cols])
+            elif how in ("q_heads_norm", "k_heads_norm"):
+                first, heads = (part.q_heads[0], part.q_heads) if how == "q_heads_norm" else \
+                    (part.kv_heads[0], part.kv_heads)
+                fields[name] = value[first * hd:(first + len(heads)) * hd].copy()
                 # a KV head replicated on r ranks (more ranks than KV heads) counts 1/r from each
-                split_norm = SplitNorm(c.n_heads * hd, c.n_kv_heads * hd,
-                                       min(1.0, c.n_kv_heads / comm.tp), comm)
+                split_norm = SplitNorm(c.n_heads * hd, c.n_kv_heads * hd, min(1.0, c.n_kv_heads / comm.tp), comm)
         layers.append(L._replace(**fields))
     rc = rank_config(c, part)
     w.layers, w.config, w.mode = layers, rc, "resident"

@@ -62,7 +62,7 @@ def test_engine_greedy_batched_chunked_and_prefix_cached_matches_hf(arch, mode):
     then each prompt again, its full blocks now served from the prefix cache."""
     variant, path, golden = arch
     eng = LLMEngine(path, max_model_len=128, block_size=4, max_num_seqs=8, max_num_batched_tokens=8,
-                    weights_mode=mode)
+                    weights_mode=mode, kv_cache_dtype="auto")    # float32 KV: lean's default is q8_0 (S21)
     cases = golden["cases"]
     params = SamplingParams(temperature=0.0, max_tokens=N_GREEDY, ignore_eos=True)
     filler = np.random.default_rng(5).integers(3, 40000, 40).tolist()

@@ -51,7 +51,7 @@ for variant in VARIANTS:
             bad += [f'{variant} worker: {f}' for f in check_greedy(done[f'g{k}'], c, 16, stops)]
     else:
         eng = LLMEngine(data, max_model_len=64, block_size=8, max_num_seqs=2, max_num_batched_tokens=32,
-                        weights_mode='lean')
+                        weights_mode='lean', kv_cache_dtype='auto')     # float32 KV (lean's default is q8_0)
         other = golden['cases'][1]
         eng.add_request('other', {'prompt_token_ids': other['prompt_ids']},
                         SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))

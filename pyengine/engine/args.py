@@ -37,9 +37,9 @@ def default_max_model_len(gguf, block_size: int = 16, floor: int = 2048) -> int:
     """The model's trained context, when one full-length sequence's KV cache fits the runner's default KV
     budget and a quarter of the memory available now; else the longest halving of it that does (at
     least `floor`, or the context if shorter)."""
-    from pyengine.config import ModelConfig
+    from pyengine.models import load_config
 
-    c = ModelConfig.from_gguf(gguf)
+    c = load_config(gguf)                 # the architecture's own reading (e.g. phi3's partial rotary)
     context = int(c.context_length or floor)
     per_token = PagedKVCache.bytes_per_block(c.n_layers, block_size, c.n_kv_heads, c.head_dim) / block_size
     budget = DEFAULT_KV_BUDGET_BYTES
@@ -141,23 +141,23 @@ class EngineArgs:
         cache fits the KV budget, as ``pyengine generate`` has done), the model's recommended sampling
         defaults, the batch limits (`DEFAULT_LIMITS`, or an injected runner's own); ValueError if
         ``max_model_len`` exceeds the trained context. Returns self."""
-        from pyengine.config import ModelConfig
         from pyengine.engine.lean_mode import mode_defaults
+        from pyengine.models import load_config
         from pyengine.sampling_params import model_sampling_defaults
 
         if gguf is None:          # an injected runner has its own KV type and batch: the resident defaults
             self.kv_cache_dtype = self.kv_cache_dtype or "auto"
         else:                     # S21: lean mode's q8_0 KV cache and short batches (engine/lean_mode.py)
-            from pyengine.models import load_config
+            config = load_config(gguf)
             self.kv_cache_dtype, self.max_num_batched_tokens = mode_defaults(
-                self.weights_mode, self.kv_cache_dtype, self.max_num_batched_tokens, load_config(gguf).head_dim)
+                self.weights_mode, self.kv_cache_dtype, self.max_num_batched_tokens, config.head_dim)
         for name, default in DEFAULT_LIMITS.items():
             if getattr(self, name) is None and (name != "max_model_len" or gguf is None):
                 have = getattr(runner, name, None)
                 setattr(self, name, have if isinstance(have, int) else default)
         if gguf is None:
             return self
-        self.model_context = int(ModelConfig.from_gguf(gguf).context_length or 0) or None
+        self.model_context = int(config.context_length or 0) or None
         if self.max_model_len is None:
             self.max_model_len = default_max_model_len(gguf, self.block_size)
         elif self.model_context and self.max_model_len > self.model_context:

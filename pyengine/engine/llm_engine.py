@@ -91,6 +91,10 @@ class LLMEngine:
         fakes) or ``executor=`` (e.g. `parallel.launch.mpi_runner`'s) injected; ``tokenizer=``; ``draft_runner=``
         (S14's draft model)."""
         if not isinstance(config, EngineArgs):
+            if "model" in options:                  # LLMEngine(model=path, ...): the keyword form of the first one
+                if config is not None:
+                    raise TypeError("LLMEngine got the model twice (positionally and as model=)")
+                config = options.pop("model")
             config = EngineArgs(model=config, **options)
             executor = config.local_executor(runner) if executor is None else config.attach(executor)
         elif options or runner is not None:

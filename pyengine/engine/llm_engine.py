@@ -527,6 +527,9 @@ class LLMEngine:
             req.cumulative_logprob[seq.index] += info.logprob
         checker = req.checkers[seq.index]
         res = checker.append(tok)
+        if req.matchers is not None:            # S15: a failed grammar finishes its sequence ("error")
+            from pyengine.structured.processor import grammar_outcome
+            res = grammar_outcome(req.matchers[seq.index], checker, res)
         delta = res.delta_text
         if not res.finished and seq.num_tokens >= self.max_model_len:
             res = checker.finish("length")

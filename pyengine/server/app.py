@@ -29,6 +29,7 @@ from pyengine.server.engine_loop import EngineLoop, engine_failure
 from pyengine.server.guard import ServerLimits
 from pyengine.server.metrics import ServerMetrics, stats_line
 from pyengine.server.streaming import DisconnectWatcher, EventStreamResponse
+from pyengine.server.structured import GrammarCompiler
 
 log = logging.getLogger("pyengine.server")
 
@@ -130,11 +131,12 @@ class ServerState:
 def create_app(engine, *, model_id: str | None = None, aliases=(), api_key: str | None = None,
                max_model_len: int | None = None, max_body_bytes: int = MAX_BODY_BYTES, demo_app=None,
                metrics: ServerMetrics | None = None, limits: ServerLimits | None = None,
-               sampling_defaults: dict | None = None) -> Starlette:
+               sampling_defaults: dict | None = None, grammars=None) -> Starlette:
     """The API around a ready `LLMEngine`-shaped engine. `demo_app` (an ASGI app, e.g. the web demo)
     is mounted at / so the demo and the API share one process and port. `limits`: timeouts, queue
     bounds, Host/CORS policy (guard.ServerLimits); `api_key` covers every route but /health.
-    `sampling_defaults`: for fields a request leaves out (default: the model GGUF's general.sampling.*)."""
+    `sampling_defaults`: for fields a request leaves out (default: the model GGUF's general.sampling.*).
+    `grammars`: the S15 grammar compiler (server/structured.GrammarCompiler: its budgets)."""
     from pyengine.sampling_params import model_sampling_defaults
 
     max_model_len = max_model_len or getattr(engine, "max_model_len", None) or 2048
@@ -144,6 +146,7 @@ def create_app(engine, *, model_id: str | None = None, aliases=(), api_key: str 
         sampling_defaults = model_sampling_defaults(getattr(gguf, "metadata", None))
     state = ServerState(engine, model_id or "pyengine", list(aliases), int(max_model_len), max_body_bytes,
                         metrics or ServerMetrics(), limits, sampling_defaults)
+    state.grammars = grammars or GrammarCompiler()     # S15: grammars compile off the loop, under budgets
 
     async def api(request: Request, handler) -> Response:
         """Run one API handler: its APIErrors become OpenAI-shaped answers (and count in the metrics)."""
@@ -162,6 +165,7 @@ def create_app(engine, *, model_id: str | None = None, aliases=(), api_key: str 
             parsed = await state.parse(parse, body)
         except ValueError as exc:   # e.g. the chat template refusing a message sequence
             raise P.APIError(400, str(exc), param="messages" if kind == "chat" else "prompt") from None
+        await state.grammars.prepare(parsed, body)
         gen = S.Generation(state.loop, state.metrics, parsed, P.new_id(kind), arrival, state.admission)
         await gen.start()
         created = P.now()
@@ -257,6 +261,7 @@ def create_app(engine, *, model_id: str | None = None, aliases=(), api_key: str 
             await state.loop.stop()
             if state.parser is not None:
                 state.parser.close()
+            state.grammars.close()
 
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),

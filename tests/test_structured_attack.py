@@ -159,8 +159,8 @@ def fake_llm():
 
 def test_a_grammar_failing_at_run_time_ends_only_its_sequence(monkeypatch):
     """The ambiguous grammar is let through compile time (no probe) with a stack budget of 1: its first
-    token ("s", the only one allowed) needs more stacks and fails. That sequence finishes with "error"; three neighbours in the same
-    batch give exactly what they give alone."""
+    token ("s", the only one allowed) needs more stacks and fails. That sequence finishes with "error";
+    three neighbours in the same batch give exactly what they give alone."""
     ambiguous = 'root ::= e\ne ::= "s" e "x" | "s" g "y" | "sb"\ng ::= "s" e "z" | "s" g "w" | "sb"'
     neighbours = [SamplingParams(temperature=0, max_tokens=12),
                   SamplingParams(temperature=0.8, seed=3, max_tokens=12),
@@ -181,4 +181,24 @@ def test_a_grammar_failing_at_run_time_ends_only_its_sequence(monkeypatch):
         assert got.outputs[0].token_ids == want.token_ids and got.outputs[0].finish_reason == want.finish_reason
     assert not llm.llm_engine.has_unfinished_requests()
     M._cache.clear()
+    M._cache.clear()
+
+
+def test_a_failed_matcher_takes_every_token_and_rolls_back(monkeypatch):
+    """The speculative paths (draft masks, a drafter's mask_after) roll back what they advanced: a matcher
+    whose grammar failed mid-draft must still roll back cleanly and allow only EOS."""
+    from structured_support import vocab
+    monkeypatch.setattr(A, "PROBE_STATES", 0)
+    monkeypatch.setattr(A, "MAX_STACKS", 1)
+    M._cache.clear()
+    M._refusals.clear()
+    v = vocab()
+    g = M.CompiledGrammar(M.compile_automaton("grammar", 'root ::= e\ne ::= "s" e "x" | "s" g "y" | "sb"\n'
+                                              'g ::= "s" e "z" | "s" g "w" | "sb"'), v)
+    m = M.GrammarMatcher(g)
+    s_tok = next(t for t, b in enumerate(v.token_bytes) if b == b"s")
+    masks = m.draft_masks([s_tok, s_tok])
+    assert m.error is not None and "too ambiguous" in m.error and not m.history
+    assert masks[-1].nonzero()[0].tolist() == sorted(v.eos_token_ids)
+    assert m.mask_after([s_tok]).nonzero()[0].tolist() == sorted(v.eos_token_ids) and not m.history
     M._cache.clear()

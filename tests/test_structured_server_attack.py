@@ -200,8 +200,9 @@ _schema_st = st.recursive(
                             st.dictionaries(st.text(max_size=3), inner, max_size=3)),
     max_leaves=12)
 _regex = st.text(alphabet="ab()[]{}|*+?^$\\.-,0123456789dws:", max_size=24)
-_gbnf = st.builds(lambda a, b: f"root ::= {a}\nr ::= {b}", st.text(alphabet='ab"()[]{}|*+?r -,0123456789\\', max_size=16),
-                  st.text(alphabet='ab"()[]{}|*+?r -,0123456789\\', max_size=12))
+_GBNF_CHARS = 'ab"()[]{}|*+?r -,0123456789\\'
+_gbnf = st.builds(lambda a, b: f"root ::= {a}\nr ::= {b}", st.text(alphabet=_GBNF_CHARS, max_size=16),
+                  st.text(alphabet=_GBNF_CHARS, max_size=12))
 _tools = st.lists(st.one_of(_scalar, st.fixed_dictionaries({"type": st.just("function"), "function": st.one_of(
     _scalar, st.fixed_dictionaries({"name": st.one_of(st.just("f"), _scalar), "parameters": _schema_st}))})),
     max_size=3)

@@ -12,7 +12,8 @@ made). Past a limit it raises `GrammarTooLarge` or `GrammarTooSlow`, both `Gramm
 names the limit (the server's option), so the client's 400 says what to change.
 
 The budget is carried in a ContextVar: a compile thread, the compile process and Pyodide's synchronous
-path each see their own. Without one in force the defaults below apply (no time limit).
+path each see their own. Without one in force (the offline engine, Pyodide) the state budget applies
+and no time limit: a compile there blocks only its own caller.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from contextlib import contextmanager
 from .ir import GrammarError
 
 DEFAULT_MAX_STATES = 200_000        # NFA states of one grammar (~100 bytes each while compiling)
-DEFAULT_COMPILE_S = 10.0            # the server's --max-grammar-compile-s default
+DEFAULT_COMPILE_S = 20.0            # the server's --max-grammar-compile-s default (a backstop: bombs
+                                    # are refused by the state budget first, in well under a second)
 
 
 class GrammarTooLarge(GrammarError):
@@ -59,7 +61,7 @@ _current: contextvars.ContextVar[Budget | None] = contextvars.ContextVar("pyengi
 
 def current() -> Budget:
     b = _current.get()
-    return b if b is not None else Budget(DEFAULT_COMPILE_S)
+    return b if b is not None else Budget()
 
 
 @contextmanager

@@ -19,7 +19,7 @@ import numpy as np
 
 from . import ir
 from .automaton import compile_rules
-from .budget import DEFAULT_COMPILE_S, Budget, GrammarTooLarge, compile_budget
+from .budget import Budget, GrammarTooLarge, compile_budget
 from .gbnf import parse_gbnf
 from .ir import GrammarError
 from .json_schema import compile_json_schema, dumps, json_object_rules
@@ -98,7 +98,7 @@ def compile_automaton(kind: str, spec, budget: Budget | None = None):
     if hit is not None:
         return hit
     try:
-        with compile_budget(budget or Budget(seconds=DEFAULT_COMPILE_S)):
+        with compile_budget(budget or Budget()):
             automaton = compile_rules(*grammar_rules(kind, spec))
     except GrammarError as e:
         install(key, refusal=e)
@@ -217,13 +217,13 @@ class GrammarMatcher:
     def advance(self, token_id: int) -> bool:
         """Consume a token; False (state unchanged) if the grammar does not allow it. After a failure
         (``error``) every token is taken: the sequence ends on it."""
-        if self.error is not None:
-            return True
-        try:
-            return self._advance(token_id)
-        except Exception as e:
-            self._fail(e)
-            return True
+        if self.error is None:
+            try:
+                return self._advance(token_id)
+            except Exception as e:
+                self._fail(e)
+        self.history.append(self.state)      # taken without moving: a rollback (speculation) stays valid
+        return True
 
     def _advance(self, token_id: int) -> bool:
         token_id = int(token_id)

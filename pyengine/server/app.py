@@ -250,6 +250,7 @@ def create_app(engine, *, model_id: str | None = None, aliases=(), api_key: str 
     async def lifespan(app):
         if state.parser is not None:
             await state.parser.start()
+        await state.grammars.start()
         state.loop.ensure_started()
         stats_task = (asyncio.get_running_loop().create_task(log_stats(limits.stats_interval))
                       if limits.stats_interval > 0 and hasattr(engine, "stats") else None)

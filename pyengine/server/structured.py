@@ -263,9 +263,20 @@ def _compile_job(kind: str, spec, seconds: float, max_states: int):
         return "refused", type(e).__name__, str(e), e.keyword
 
 
+WORKER_NICE = 10     # the compile worker yields the CPU to the engine's step on a busy host
+
+
 def _worker_init(parent: int) -> None:
     from pyengine.server.tokenizer_process import _exit_with_parent
     _exit_with_parent(parent)
+    try:
+        os.nice(WORKER_NICE)
+    except OSError:
+        pass
+
+
+def _ready() -> bool:
+    return True
 
 
 class GrammarCompiler:
@@ -310,6 +321,11 @@ class GrammarCompiler:
             proc.kill()
         pool.shutdown(wait=False, cancel_futures=True)
         self.kills += 1
+
+    async def start(self) -> None:
+        """Start the worker now (it imports pyengine: about a second), not on the first constrained request."""
+        if self.mode == "process":
+            await asyncio.get_running_loop().run_in_executor(self._executor(), _ready)
 
     def close(self) -> None:
         if self._pool is not None:

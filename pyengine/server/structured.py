@@ -325,7 +325,11 @@ class GrammarCompiler:
     async def start(self) -> None:
         """Start the worker now (it imports pyengine: about a second), not on the first constrained request."""
         if self.mode == "process":
-            await asyncio.get_running_loop().run_in_executor(self._executor(), _ready)
+            try:
+                await asyncio.get_running_loop().run_in_executor(self._executor(), _ready)
+            except Exception as e:       # the server still serves: a later request retries the worker
+                log.warning("grammar compile worker did not start: %r", e)
+                self._pool = None
 
     def close(self) -> None:
         if self._pool is not None:

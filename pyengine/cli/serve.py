@@ -21,6 +21,7 @@ from pathlib import Path
 
 from pyengine.cli.generate import add_model_arguments, add_speculative_argument, add_target_itl_argument
 from pyengine.engine.args import EngineArgs
+from pyengine.structured.budget import DEFAULT_COMPILE_S, DEFAULT_MAX_STATES
 
 # The web demo's dev-server app factory (the demo owns that module): create_app(model=path, pyodide=None).
 DEMO_MODULE = "pyengine.web_server"
@@ -106,6 +107,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="extra Host names accepted ('*': any); on loopback only loopback names are by default")
     p.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
                    help="browser origins allowed cross-origin access (CORS; default none)")
+    p.add_argument("--max-grammar-compile-s", type=float, default=DEFAULT_COMPILE_S,
+                   help="S15: seconds a request's grammar (JSON schema, regex, GBNF, choice) may take to compile; "
+                        f"slower ones get 400 (default {DEFAULT_COMPILE_S:g})")
+    p.add_argument("--max-grammar-states", type=int, default=DEFAULT_MAX_STATES,
+                   help="S15: automaton states a request's grammar may need; larger ones get 400 "
+                        f"(default {DEFAULT_MAX_STATES})")
     p.add_argument("--special-tokens-in-content", action="store_true",
                    help="read control-token strings inside chat messages as control tokens (lets any client "
                         "forge turns; off by default)")
@@ -160,6 +167,12 @@ def server_limits(args):
     return limits_from_args(args)
 
 
+def grammar_compiler(args):
+    from pyengine.server.structured import GrammarCompiler
+    return GrammarCompiler(max_compile_s=getattr(args, "max_grammar_compile_s", DEFAULT_COMPILE_S),
+                           max_states=getattr(args, "max_grammar_states", DEFAULT_MAX_STATES))
+
+
 def make_app(args):
     """Engine + API app (+ the demo) from parsed arguments."""
     from pyengine.server.app import create_app, served_names
@@ -172,7 +185,7 @@ def make_app(args):
     app = create_app(engine, model_id=model_id, aliases=aliases, api_key=getattr(args, "api_key", None),
                      max_model_len=args.max_model_len, max_body_bytes=getattr(args, "max_body_bytes", 1 << 20),
                      demo_app=demo, limits=server_limits(args),
-                     prompt_cache_dir=getattr(args, "prompt_cache_dir", None))
+                     prompt_cache_dir=getattr(args, "prompt_cache_dir", None), grammars=grammar_compiler(args))
     return app, engine, model_id
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pyengine.engine.outputs import CompletionOutput, RequestOutput, snapshot_metrics
 from pyengine.engine.stop_checker import StopChecker
+from pyengine.structured.processor import grammar_outcome
 
 
 class OutputProcessor:
@@ -34,6 +35,8 @@ class OutputProcessor:
             req.cumulative_logprob[seq.index] += info.logprob
         checker = req.checkers[seq.index]
         res = checker.append(tok)
+        if req.matchers is not None:            # S15: a failed grammar finishes its sequence ("error")
+            res = grammar_outcome(req.matchers[seq.index], checker, res)
         delta = res.delta_text
         if not res.finished and seq.num_tokens >= self.max_model_len:
             res = checker.finish("length")

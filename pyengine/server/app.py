@@ -32,6 +32,7 @@ from pyengine.server.engine_loop import EngineLoop
 from pyengine.server.guard import ServerLimits
 from pyengine.server.metrics import ServerMetrics, stats_line
 from pyengine.server.streaming import DisconnectWatcher, EventStreamResponse
+from pyengine.server.structured import GrammarCompiler
 
 log = logging.getLogger("pyengine.server")
 
@@ -151,11 +152,13 @@ class ServerState:
 def create_app(engine: EngineClient, *, model_id: str | None = None, aliases=(), api_key: str | None = None,
                max_model_len: int | None = None, max_body_bytes: int = MAX_BODY_BYTES, demo_app=None,
                metrics: ServerMetrics | None = None, limits: ServerLimits | None = None,
-               sampling_defaults: dict | None = None, prompt_cache_dir: str | None = None) -> Starlette:
+               sampling_defaults: dict | None = None, prompt_cache_dir: str | None = None,
+               grammars=None) -> Starlette:
     """The API around a ready engine (an `EngineClient`: LLMEngine, or S18's Router). `demo_app` (an ASGI app,
     e.g. the web demo) is mounted at / so the demo and the API share one process and port. `limits`: timeouts, queue
     bounds, Host/CORS policy (guard.ServerLimits); `api_key` covers every route but /health.
-    `sampling_defaults`: for fields a request leaves out (default: the model GGUF's general.sampling.*)."""
+    `sampling_defaults`: for fields a request leaves out (default: the model GGUF's general.sampling.*).
+    `grammars`: the S15 grammar compiler (server/structured.GrammarCompiler: its budgets)."""
     from pyengine.sampling_params import model_sampling_defaults
 
     check_engine_client(engine)
@@ -165,6 +168,7 @@ def create_app(engine: EngineClient, *, model_id: str | None = None, aliases=(),
         sampling_defaults = model_sampling_defaults(engine.model_metadata())
     state = ServerState(engine, model_id or "pyengine", list(aliases), int(max_model_len), max_body_bytes,
                         metrics or ServerMetrics(model_name=model_id or "pyengine"), limits, sampling_defaults)
+    state.grammars = grammars or GrammarCompiler()     # S15: grammars compile off the loop, under budgets
 
     async def api(request: Request, handler) -> Response:
         """Run one API handler: its APIErrors become OpenAI-shaped answers (and count in the metrics)."""
@@ -184,6 +188,7 @@ def create_app(engine: EngineClient, *, model_id: str | None = None, aliases=(),
         parse = P.parse_completion if kind == "completion" else P.parse_chat
         try:
             parsed = await state.parse(parse, parse_body)
+            await state.grammars.prepare(parsed, parse_body)     # S15: compiled off the loop, under budgets
         except P.APIError as err:   # a Responses body's fields keep their own names in errors
             if kind == "responses":
                 err.param = R.PARAMS.get(err.param, err.param)
@@ -298,6 +303,7 @@ def create_app(engine: EngineClient, *, model_id: str | None = None, aliases=(),
     async def lifespan(app):
         if state.parser is not None:
             await state.parser.start()
+        await state.grammars.start()
         state.loop.ensure_started()
         stats_task = (asyncio.get_running_loop().create_task(log_stats(limits.stats_interval))
                       if limits.stats_interval > 0 else None)
@@ -309,6 +315,7 @@ def create_app(engine: EngineClient, *, model_id: str | None = None, aliases=(),
             await state.loop.stop()
             if state.parser is not None:
                 state.parser.close()
+            state.grammars.close()
 
     handlers = {"chat_completions": chat_completions, "completions": completions, "responses": responses,
                 "models": models, "tokenize": tokenize, "detokenize": detokenize, "health": health,

@@ -27,11 +27,23 @@ reply is complete (only then is it known to be a call).
 """
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+import multiprocessing
+import os
 import uuid
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 
 from pyengine.sampling_params import StructuredOutputsParams
+from pyengine.structured.automaton import TooAmbiguous
+from pyengine.structured.budget import DEFAULT_COMPILE_S, DEFAULT_MAX_STATES, Budget, GrammarTooLarge, GrammarTooSlow
+from pyengine.structured.ir import GrammarError
+from pyengine.structured.matcher import cached_automaton, compile_automaton, install, spec_key
+
+log = logging.getLogger("pyengine.server")
 
 MAX_TOOLS = 128
 _VLLM_ALIASES = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -90,11 +102,10 @@ def _valid(args: dict, schema) -> bool:
     schema compiled to rules and matched byte by byte."""
     if schema is None:
         return True
-    from pyengine.structured.automaton import compile_rules
-    from pyengine.structured.json_schema import compile_json_schema, dumps
-    try:
-        automaton = compile_rules(*compile_json_schema(schema))
-    except ValueError:
+    from pyengine.structured.json_schema import dumps
+    try:     # compiled (or refused) off the loop by `GrammarCompiler.prepare`: this is a cache hit
+        automaton = compile_automaton("json", schema)
+    except GrammarError:
         return False
     state = automaton.step(automaton.initial(), dumps(args).encode())
     return bool(state) and automaton.is_accepting(state)
@@ -167,7 +178,7 @@ def parse_structured(body: dict, chat: bool) -> tuple[StructuredOutputsParams | 
         if isinstance(tc, dict):
             fn = tc.get("function") if tc.get("type") == "function" else None
             name = fn.get("name") if isinstance(fn, dict) else None
-            if name not in params:
+            if not isinstance(name, str) or name not in params:
                 raise _bad("tool_choice", f"tool_choice names no function of tools: {tc!r}")
             plan = ToolPlan("named", names, name, parallel, params)
             found.append(("tool_choice", StructuredOutputsParams(json=params[name])))
@@ -206,11 +217,17 @@ def prepare_chat(body: dict, plan: ToolPlan | None) -> dict:
     for m in msgs:
         if isinstance(m, dict) and m.get("role") == "assistant" and m.get("tool_calls"):
             calls = []
+            if not isinstance(m["tool_calls"], list):
+                raise _bad("messages", "an assistant message's tool_calls must be a list")
             for c in m["tool_calls"]:
-                fn = c.get("function", {}) if isinstance(c, dict) else {}
+                fn = c.get("function") if isinstance(c, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+                        or not isinstance(fn.get("arguments", ""), (str, dict)):
+                    raise _bad("messages", "each tool_calls entry must be {\"type\": \"function\", \"function\": "
+                                           "{\"name\": <string>, \"arguments\": <JSON text>}}")
                 try:
                     args = json.loads(fn.get("arguments") or "{}")
-                except (TypeError, json.JSONDecodeError):
+                except (TypeError, ValueError, RecursionError):
                     args = fn.get("arguments")
                 calls.append({"name": fn.get("name"), "arguments": args})
             m = {"role": "assistant", "content": json.dumps(calls if len(calls) > 1 else calls[0])}
@@ -231,6 +248,163 @@ def prepare_chat(body: dict, plan: ToolPlan | None) -> dict:
         else:
             out.insert(0, {"role": "system", "content": text})
     return {**body, "messages": out}
+
+
+# --- compilation off the serving loop --------------------------------------------------------------
+GRAMMAR_FIELDS = ("response_format", "structured_outputs", *_VLLM_ALIASES, "tool_choice", "tools")
+HARD_KILL_GRACE_S = 2.0      # past its budget plus this, a compile the budget checks missed is killed
+
+
+def _compile_job(kind: str, spec, seconds: float, max_states: int):
+    """In the compile worker: ("ok", automaton) or ("refused", error class name, message, keyword)."""
+    try:
+        return "ok", compile_automaton(kind, spec, Budget(seconds, max_states))
+    except GrammarError as e:
+        return "refused", type(e).__name__, str(e), e.keyword
+
+
+WORKER_NICE = 10     # the compile worker yields the CPU to the engine's step on a busy host
+
+
+def _worker_init(parent: int) -> None:
+    from pyengine.server.tokenizer_process import _exit_with_parent
+    _exit_with_parent(parent)
+    try:
+        os.nice(WORKER_NICE)
+    except OSError:
+        pass
+
+
+def _ready() -> bool:
+    return True
+
+
+class GrammarCompiler:
+    """S15 grammars compiled away from the serving loop and the engine lock, under a budget.
+
+    `await prepare(parsed, body)` compiles the request's grammar (and, for tool_choice "auto", each tool's
+    parameters schema) before the request reaches the engine, and leaves the automaton in the compile
+    cache, where `LLMEngine.add_request` finds it (`pyengine.structured.matcher`). A refusal is cached
+    too, so the same bad grammar is answered from the cache; identical grammars in flight share one
+    compilation. A grammar past ``max_states`` automaton states or ``max_compile_s`` seconds is a 400
+    naming the limit.
+
+    ``mode``: "process" (default) compiles in a worker process: the compiler is pure Python, and in a
+    thread it would take the GIL from the engine's step and the event loop (measured in
+    docs/performance.md); a worker that overruns its budget is killed and replaced. "thread" is kept for
+    that measurement. Pyodide has neither: there `LLMEngine.add_request` compiles synchronously, under
+    the same budget.
+    """
+
+    def __init__(self, max_compile_s: float = DEFAULT_COMPILE_S, max_states: int = DEFAULT_MAX_STATES,
+                 mode: str = "process"):
+        if max_compile_s <= 0 or max_states <= 0:
+            raise ValueError("the grammar compile limits must be positive")
+        if mode not in ("process", "thread"):
+            raise ValueError(f"unknown grammar compile mode {mode!r}")
+        self.max_compile_s, self.max_states, self.mode = float(max_compile_s), int(max_states), mode
+        self._pool: ProcessPoolExecutor | None = None
+        self._inflight: dict[str, asyncio.Future] = {}
+        self.compiles = self.refusals = self.kills = 0
+
+    def _executor(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=_worker_init, initargs=(os.getpid(),))
+        return self._pool
+
+    def _kill(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        for proc in list(getattr(pool, "_processes", {}).values()):
+            proc.kill()
+        pool.shutdown(wait=False, cancel_futures=True)
+        self.kills += 1
+
+    async def start(self) -> None:
+        """Start the worker now (it imports pyengine: about a second), not on the first constrained request."""
+        if self.mode == "process":
+            try:
+                await asyncio.get_running_loop().run_in_executor(self._executor(), _ready)
+            except Exception as e:       # the server still serves: a later request retries the worker
+                log.warning("grammar compile worker did not start: %r", e)
+                self._pool = None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    async def _run(self, kind: str, spec):
+        loop = asyncio.get_running_loop()
+        pool = None if self.mode == "thread" else self._executor()
+        fut = loop.run_in_executor(pool, _compile_job, kind, spec, self.max_compile_s, self.max_states)
+        try:
+            return await asyncio.wait_for(fut, self.max_compile_s + HARD_KILL_GRACE_S)
+        except asyncio.TimeoutError:
+            if self.mode == "process":
+                self._kill()
+            return "refused", "GrammarTooSlow", GrammarTooSlow.message(self.max_compile_s), None
+        except BrokenProcessPool:
+            self._pool = None
+            return "refused", "GrammarError", "the grammar compiler failed on this grammar", None
+
+    async def compile(self, kind: str, spec) -> None:
+        """Compile (kind, spec) into the cache; GrammarError if it is refused (now or before)."""
+        key = spec_key(kind, spec)
+        if cached_automaton(key) is not None:     # raises a cached refusal
+            return
+        fut = self._inflight.get(key)
+        if fut is None:                           # the first asker compiles; the same grammar in flight waits
+            fut = self._inflight[key] = asyncio.get_running_loop().create_future()
+            result = ("refused", "GrammarError", "the grammar's compilation was cancelled", None)
+            try:
+                result = await self._run(kind, spec)
+            except Exception as e:
+                result = ("refused", "GrammarError", f"the grammar could not be compiled ({type(e).__name__})",
+                          None)
+            finally:
+                self._inflight.pop(key, None)
+                fut.set_result(result)
+            self.compiles += 1
+        else:
+            result = await asyncio.shield(fut)
+        if result[0] == "ok":
+            install(key, result[1])
+            return
+        _, name, message, keyword = result
+        err = _ERRORS.get(name, GrammarError)(message, keyword)
+        self.refusals += 1
+        install(key, refusal=err)
+        raise err
+
+    async def prepare(self, parsed, body: dict) -> None:
+        """Compile the grammars a parsed request needs; a refusal is a 400 naming the request's field."""
+        so = getattr(parsed.params, "structured_outputs", None)
+        plan = getattr(parsed, "tool_plan", None)
+        if so is not None:
+            try:
+                await self.compile(*so.request)
+            except GrammarError as e:
+                raise _bad(grammar_field(body), str(e)) from None
+        if plan is not None and plan.choice == "auto":
+            for schema in plan.parameters.values():     # read back by ToolPlan.calls: compile them here
+                try:
+                    await self.compile("json", schema)
+                except GrammarError:
+                    pass                                 # such a tool's replies are not read as calls
+
+
+_ERRORS = {c.__name__: c for c in (GrammarError, GrammarTooLarge, GrammarTooSlow, TooAmbiguous)}
+
+
+def grammar_field(body: dict) -> str:
+    """The body field a request's constraint came from (the first of them, as `parse_structured` reads)."""
+    for name in GRAMMAR_FIELDS:
+        if body.get(name) is not None:
+            return name
+    return "structured_outputs"
 
 
 # --- streaming -------------------------------------------------------------------------------------

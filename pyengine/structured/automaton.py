@@ -17,16 +17,25 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import budget as _budget
 from .ir import GrammarError
 
-MAX_NFA_STATES = 200_000
 MAX_DFA_STATES = 20_000          # past this a regular grammar is compiled rule by rule (pushdown) instead
 MAX_STACK_DEPTH = 64             # nesting of recursive rules (JSON depth); deeper outputs are not allowed
 MAX_STACKS = 4096                # stacks in one pushdown state (ambiguous grammars multiply them)
+PROBE_STATES = 512               # pushdown states explored at compile time to catch ambiguity early
 
 
-class _TooLarge(GrammarError):
-    """An automaton past the size limits."""
+class _TooLarge(_budget.GrammarTooLarge):
+    """A DFA past MAX_DFA_STATES (the grammar is then compiled rule by rule instead)."""
+
+
+class TooAmbiguous(GrammarError):
+    """A pushdown state with more than MAX_STACKS parse stacks (the per-sequence stack budget)."""
+
+    def __init__(self, message: str | None = None, keyword: str | None = None):
+        super().__init__(message or f"grammar is too ambiguous (more than {MAX_STACKS} parse stacks at once)",
+                         keyword)
 
 
 # --- NFA (Thompson construction) ---------------------------------------------------------------------
@@ -37,10 +46,24 @@ class _NFA:
         self.edges: list[list[tuple[int, int]]] = []     # (byte mask, target)
         self.calls: list[list[tuple[str, int]]] = []     # (rule name, target)
         self._inlining: list[str] = []
+        self.budget = _budget.current()
+
+    def start(self, node) -> tuple[int, int]:
+        """(start, final) states of a new automaton for ``node``, refused before it is built when its
+        estimated size is past the state budget."""
+        size = estimate_states(node, self.rules, self.inline)
+        if len(self.eps) + size > self.budget.max_states:
+            raise self.budget.too_large(f"about {size} automaton states")
+        s, f = self.new(), self.new()
+        self.build(node, s, f)
+        return s, f
 
     def new(self) -> int:
-        if len(self.eps) >= MAX_NFA_STATES:
-            raise _TooLarge(f"grammar too large (more than {MAX_NFA_STATES} automaton states)")
+        n = len(self.eps)
+        if n >= self.budget.max_states:
+            raise self.budget.too_large(f"more than {self.budget.max_states} automaton states")
+        if not n & 4095:
+            self.budget.check_time()
         self.eps.append([])
         self.edges.append([])
         self.calls.append([])
@@ -181,8 +204,11 @@ def _determinize(nfa: _NFA, start: int, final: int):
     todo = [1]
     rows.append(None)
     calls.append(None)
+    budget = _budget.current()
     while todo:
         d = todo.pop()
+        if not d & 255:
+            budget.check_time()
         nxt: list[set | None] = [None] * n_cls
         call_targets: dict[str, set] = {}
         for s in sets[d]:
@@ -241,7 +267,9 @@ def _minimize(table: np.ndarray, accepting: np.ndarray) -> tuple[np.ndarray, np.
     part[0] = -1                                   # dead is its own class
     _, part = np.unique(part, return_inverse=True)
     part = part.astype(np.int32)
+    budget = _budget.current()
     while True:
+        budget.check_time()
         new = _rows_id(np.concatenate([part[:, None], part[table]], axis=1)).astype(np.int32)
         if new.max() == part.max():
             break
@@ -339,7 +367,7 @@ class PushdownMatcher:
                 continue
             seen.add(st)
             if len(seen) > MAX_STACKS * 4:
-                raise GrammarError("grammar is too ambiguous (too many parse stacks)")
+                raise TooAmbiguous()
             name, s = st[-1]
             r = rules[name]
             if r.has_bytes[s]:
@@ -360,7 +388,7 @@ class PushdownMatcher:
         i = self._ids.get(stacks)
         if i is None:
             if len(stacks) > MAX_STACKS:
-                raise GrammarError("grammar is too ambiguous (too many parse stacks)")
+                raise TooAmbiguous()
             i = self._ids[stacks] = len(self._sets)
             self._sets.append(stacks)
             self._accepting[i] = any(len(st) == 1 and self.rules[st[0][0]].accepting[st[0][1]] for st in stacks)
@@ -494,18 +522,93 @@ def compile_rules(rules: dict, root: str):
     large (a big rule inlined at many places) is compiled as a pushdown matcher with every rule its own
     small DFA instead."""
     rec = recursive_rules(rules, root)
+    if not productive(rules, root):
+        raise GrammarError("the grammar matches nothing (its language is empty)")
     inline = set(rules) - rec
     try:
         if rec:
             return _pushdown(rules, root, rec, inline)
         nfa = _NFA(rules, inline)
-        s, f = nfa.new(), nfa.new()
-        nfa.build(rules[root], s, f)
+        s, f = nfa.start(rules[root])
         table, cls, acc, _ = _determinize(nfa, s, f)
     except _TooLarge:
-        return _pushdown(rules, root, reachable_rules(rules, root), set())
+        every = reachable_rules(rules, root)
+        if len(every) == 1:          # rule by rule would build the same automaton again
+            raise
+        return _pushdown(rules, root, every, set())
     table, acc = _minimize(table, acc)
     return ByteDFA(table[:, cls], acc)
+
+
+def estimate_states(node, rules: dict, inline: set) -> int:
+    """The NFA states ``_NFA.build`` makes for ``node`` (inlined rules expanded, calls free), computed
+    without building: shared subtrees are sized once."""
+    memo: dict[int, int] = {}
+    keep = []
+
+    def size(n) -> int:
+        got = memo.get(id(n))
+        if got is not None:
+            return got
+        kind = n[0]
+        if kind == "b":
+            out = 0
+        elif kind == "seq":
+            out = sum(size(m) for m in n[1]) + max(len(n[1]) - 1, 0)
+        elif kind == "alt":
+            out = sum(size(m) for m in n[1]) + 2 * len(n[1])
+        elif kind == "rep":
+            sub, lo, hi = size(n[1]), n[2], n[3]
+            out = lo * (sub + 1) + ((sub + 3) if hi is None else (hi - lo) * (sub + 1))
+        elif kind == "ref":
+            out = 2 + size(rules[n[1]]) if n[1] in inline and n[1] in rules else 0
+        elif kind == "list":
+            items, sep = n[1], n[3]
+            out = 3 * len(items) + sum(2 * size(m) for m in items) + len(items) * size(sep)
+        else:
+            out = 0
+        memo[id(n)] = out
+        keep.append(n)
+        return out
+
+    return size(node)
+
+
+def productive(rules: dict, root: str) -> bool:
+    """Whether ``root`` matches at least one string (the least fixpoint of the productive rules)."""
+    names = reachable_rules(rules, root)
+    good: set = set()
+
+    def ok(n) -> bool:
+        kind = n[0]
+        if kind == "b":
+            return n[1] != 0
+        if kind == "seq":
+            return all(ok(m) for m in n[1])
+        if kind == "alt":
+            return any(ok(m) for m in n[1])
+        if kind == "rep":
+            return n[2] == 0 or ok(n[1])
+        if kind == "ref":
+            return n[1] in good
+        if kind == "list":
+            items, required, sep = n[1], n[2], n[3]
+            at_least_one = len(n) > 4 and n[4]
+            if any(r and not ok(m) for m, r in zip(items, required)):
+                return False
+            if sum(required) >= 2 and not ok(sep):
+                return False
+            return not (at_least_one and not any(required)) or any(ok(m) for m in items)
+        return False
+
+    changed = True
+    while changed:
+        changed = False
+        for name in names:
+            if name not in good and ok(rules[name]):
+                good.add(name)
+                changed = True
+    return root in good
 
 
 def reachable_rules(rules: dict, root: str) -> set:
@@ -523,12 +626,33 @@ def _pushdown(rules, root, rec, inline):
     dfas = {}
     for name in names:
         nfa = _NFA(rules, inline - {name})
-        s, f = nfa.new(), nfa.new()
-        nfa.build(rules[name], s, f)
+        s, f = nfa.start(rules[name])
         table, cls, acc, calls = _determinize(nfa, s, f)
         dfas[name] = _RuleDFA(table[:, cls], acc, calls)
     _check_left_recursion(dfas)
-    return PushdownMatcher(dfas, root)
+    matcher = PushdownMatcher(dfas, root)
+    _probe(matcher)
+    return matcher
+
+
+def _probe(m: PushdownMatcher) -> None:
+    """Ambiguity bounded at compile time where it shows early: walk the first PROBE_STATES pushdown
+    states breadth-first (each over the bytes its top frames can read) and refuse the grammar if one of
+    them needs more than MAX_STACKS parse stacks. Deeper blow-ups are caught per sequence at run time."""
+    budget = _budget.current()
+    seen, todo = {m.start}, [m.start]
+    while todo and len(seen) < PROBE_STATES:
+        state = todo.pop(0)
+        budget.check_time()
+        bytes_out = set()
+        for name, s in {st[-1] for st in m._sets[state]}:
+            row = m.rules[name].rows[s]
+            bytes_out.update(b for b in range(256) if row[b])
+        for b in sorted(bytes_out):
+            nxt = m.step_byte(state, b)        # raises TooAmbiguous
+            if nxt and nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
 
 
 def _check_left_recursion(dfas: dict) -> None:

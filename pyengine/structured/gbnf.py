@@ -22,6 +22,7 @@ class _GBNF:
             raise GrammarError(f"a GBNF grammar must be a string, got {type(text).__name__}")
         self.s = text
         self.i = 0
+        self.depth = 0
         self.rules: dict[str, tuple] = {}
 
     def error(self, msg: str) -> GrammarError:
@@ -135,11 +136,15 @@ class _GBNF:
             return ir.char_class([(0, ir.MAX_UNICODE)])
         if c == "(":
             self.i += 1
+            self.depth += 1
+            if self.depth > ir.MAX_NESTING:
+                raise self.error(f"parentheses nested deeper than {ir.MAX_NESTING}")
             node = self.alternation(top=False)
             self.space()
             if not self.s.startswith(")", self.i):
                 raise self.error("missing )")
             self.i += 1
+            self.depth -= 1
             return node
         name = self.name()
         if name is None:
@@ -178,11 +183,10 @@ class _GBNF:
                 if j < 0:
                     raise self.error("unterminated {m,n}")
                 parts = self.s[self.i + 1:j].replace(" ", "").split(",")
-                try:
-                    lo = int(parts[0]) if parts[0] else 0
-                    hi = lo if len(parts) == 1 else (int(parts[1]) if parts[1] else None)
-                except ValueError:
-                    raise self.error("bad repetition {m,n}") from None
+                if len(parts) > 2 or not all(p.isascii() and (p.isdigit() or p == "") for p in parts):
+                    raise self.error("bad repetition {m,n}: counts are non-negative integers")
+                lo = int(parts[0]) if parts[0] else 0
+                hi = lo if len(parts) == 1 else (int(parts[1]) if parts[1] else None)
                 if len(parts) > 2 or (hi is not None and hi < lo) or (hi or lo) > 1000:
                     raise self.error("bad repetition {m,n}")
                 self.i = j + 1

@@ -22,6 +22,7 @@ GrammarNode = tuple
 EMPTY: GrammarNode = ("seq", ())
 NOTHING: GrammarNode = ("alt", ())
 MAX_UNICODE = 0x10FFFF
+MAX_NESTING = 100          # groups in groups (regex, GBNF), subschemas in subschemas: deeper is refused
 
 
 class GrammarError(ValueError):
@@ -49,13 +50,12 @@ def seq(*nodes) -> GrammarNode:
 
 
 def alt(*nodes) -> GrammarNode:
-    out = []
+    """Alternation, flattened and deduplicated in O(n) by hashing the nodes (first occurrence kept)."""
+    out: dict = {}
     for n in nodes:
-        items = n[1] if n[0] == "alt" else (n,)
-        for m in items:
-            if m not in out:
-                out.append(m)
-    return out[0] if len(out) == 1 else ("alt", tuple(out))
+        for m in (n[1] if n[0] == "alt" else (n,)):
+            out.setdefault(m, None)
+    return next(iter(out)) if len(out) == 1 else ("alt", tuple(out))
 
 
 def rep(node: GrammarNode, lo: int, hi: int | None) -> GrammarNode:
@@ -70,9 +70,14 @@ def opt(node: GrammarNode) -> GrammarNode:
     return rep(node, 0, 1)
 
 
+_BYTES = [("b", 1 << b) for b in range(256)]     # shared: a literal's bytes cost no new tuples
+
+
 def literal(text: str | bytes) -> GrammarNode:
     data = text.encode("utf-8") if isinstance(text, str) else text
-    return seq(*[("b", 1 << b) for b in data]) if data else EMPTY
+    if not data:
+        return EMPTY
+    return _BYTES[data[0]] if len(data) == 1 else ("seq", tuple(_BYTES[b] for b in data))
 
 
 def ref(name: str) -> GrammarNode:
@@ -152,3 +157,38 @@ def char_class(ranges) -> GrammarNode:
             multi.append(seq(*[byte_set(a, b) for a, b in s]))
     parts = ([("b", single)] if single else []) + multi
     return alt(*parts) if parts else NOTHING
+
+
+def literals(items) -> GrammarNode:
+    """Any one of the strings (or bytes) ``items``, as a trie: shared prefixes are spelled once, so N
+    literals cost O(total length) to build and to compile (an alternation of N literals would give the
+    NFA N parallel branches and the alternation's deduplication O(N) node hashes of O(length) each)."""
+    data = sorted({x.encode("utf-8") if isinstance(x, str) else bytes(x) for x in items})
+    if not data:
+        return NOTHING
+
+    def common(a: bytes, b: bytes, d: int) -> int:
+        n = min(len(a), len(b))
+        while d < n and a[d] == b[d]:
+            d += 1
+        return d
+
+    def node(lo: int, hi: int, d: int) -> GrammarNode:
+        # data[lo:hi] share their first d bytes; sorted, so their common prefix is that of the ends
+        deep = common(data[lo], data[hi - 1], d)
+        prefix = literal(data[lo][d:deep])
+        parts = []
+        if len(data[lo]) == deep:
+            parts.append(EMPTY)
+            lo += 1
+        start = lo
+        while start < hi:                    # group by the byte at position ``deep``
+            b, end = data[start][deep], start + 1
+            while end < hi and data[end][deep] == b:
+                end += 1
+            parts.append(node(start, end, deep))
+            start = end
+        # the parts are distinct by construction: no deduplication (hashing nested tuples is not O(1))
+        return seq(prefix, parts[0] if len(parts) == 1 else ("alt", tuple(parts)))
+
+    return node(0, len(data), 0)

@@ -23,6 +23,7 @@ import math
 from urllib.parse import unquote
 
 from . import ir
+from .automaton import compile_rules
 from .ir import GrammarError, alt, literal, opt, ref, rep, seq
 from .regex import MAX_REPEAT, regex_to_ir
 
@@ -46,6 +47,7 @@ TYPE_KEYWORDS = {
     "string": {"minLength", "maxLength", "pattern", "format"},
     "number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"},
 }
+MAX_BOUND_DIGITS = 400        # a numeric bound costs O(digits^2) automaton states
 DIGITS = ir.byte_set(0x30, 0x39)
 DIGITS19 = ir.byte_set(0x31, 0x39)
 
@@ -141,20 +143,43 @@ def any_json_rules(rules: dict) -> None:
 
 # --- integer ranges as digit strings ---------------------------------------------------------------
 def _digits_range(lo: str, hi: str) -> ir.GrammarNode:
-    """Digit strings of equal length n with lo <= s <= hi (lexicographic = numeric at equal length)."""
-    if not lo:
-        return ir.EMPTY
+    """Digit strings of equal length n with lo <= s <= hi (lexicographic = numeric at equal length): the
+    common prefix, then the first differing digit (lo's, between, hi's) with the tails of `_at_least` /
+    `_at_most`. O(digits) pieces, and nested only three deep whatever the length."""
     if lo == hi:
         return literal(lo)
-    a, b = int(lo[0]), int(hi[0])
-    rest_lo, rest_hi = lo[1:], hi[1:]
-    n = len(rest_lo)
-    if a == b:
-        return seq(literal(lo[0]), _digits_range(rest_lo, rest_hi))
-    parts = [seq(literal(lo[0]), _digits_range(rest_lo, "9" * n))]
+    d = 0
+    while lo[d] == hi[d]:
+        d += 1
+    a, b, k = int(lo[d]), int(hi[d]), len(lo) - d - 1
+    parts = [seq(literal(lo[d]), _at_least(lo[d + 1:]))]
     if b - a > 1:
-        parts.append(seq(ir.byte_set(0x30 + a + 1, 0x30 + b - 1), rep(DIGITS, n, n)))
-    parts.append(seq(literal(hi[0]), _digits_range("0" * n, rest_hi)))
+        parts.append(seq(ir.byte_set(0x30 + a + 1, 0x30 + b - 1), rep(DIGITS, k, k)))
+    parts.append(seq(literal(hi[d]), _at_most(hi[d + 1:])))
+    return seq(literal(lo[:d]), alt(*parts))
+
+
+def _at_least(s: str) -> ir.GrammarNode:
+    """Digit strings t of len(s) with t >= s: s itself, or s's first i digits, a greater digit, anything."""
+    n = len(s)
+    if s == "0" * n:
+        return rep(DIGITS, n, n)
+    parts = [literal(s)]
+    for i, c in enumerate(s):
+        if c != "9":
+            parts.append(seq(literal(s[:i]), ir.byte_set(ord(c) + 1, 0x39), rep(DIGITS, n - 1 - i, n - 1 - i)))
+    return alt(*parts)
+
+
+def _at_most(s: str) -> ir.GrammarNode:
+    """Digit strings t of len(s) with t <= s."""
+    n = len(s)
+    if s == "9" * n:
+        return rep(DIGITS, n, n)
+    parts = [literal(s)]
+    for i, c in enumerate(s):
+        if c != "0":
+            parts.append(seq(literal(s[:i]), ir.byte_set(0x30, ord(c) - 1), rep(DIGITS, n - 1 - i, n - 1 - i)))
     return alt(*parts)
 
 
@@ -169,17 +194,23 @@ def nat_range(lo: int, hi: int | None) -> ir.GrammarNode:
         lo = 1
     if hi is not None and hi < lo:
         return alt(*parts)
-    n = len(str(lo))
-    while hi is None or n <= len(str(hi)):
-        top = 10 ** n - 1
-        if hi is None and lo == 10 ** (n - 1):      # every n-digit number and longer
-            parts.append(seq(DIGITS19, rep(DIGITS, n - 1, None)))
-            break
-        end = top if hi is None else min(top, hi)
-        parts.append(_digits_range(str(lo), str(end)))
-        if end == hi:
-            break
-        lo, n = top + 1, n + 1
+    # lo's length (from lo), the lengths strictly between (every number), hi's length (up to hi): one
+    # node each, O(digits) in all
+    n, m = len(str(lo)), None if hi is None else len(str(hi))
+    if m == n:
+        parts.append(_digits_range(str(lo), str(hi)))
+        return alt(*parts)
+    if lo == 10 ** (n - 1):
+        first = n                           # lo's length is whole: it joins the free lengths
+    else:
+        parts.append(_digits_range(str(lo), "9" * n))
+        first = n + 1
+    if m is None:
+        parts.append(seq(DIGITS19, rep(DIGITS, first - 1, None)))
+    else:
+        if first <= m - 1:
+            parts.append(seq(DIGITS19, rep(DIGITS, first - 1, m - 2)))
+        parts.append(_digits_range("1" + "0" * (m - 1), str(hi)))
     return alt(*parts)
 
 
@@ -290,6 +321,7 @@ class SchemaCompiler:
             raise GrammarError(f"a JSON Schema must be an object or a boolean, got {type(schema).__name__}")
         self.schema = schema
         self.rules: dict[str, ir.GrammarNode] = {}
+        self.depth = 0
 
     def compile(self) -> tuple[dict, str]:
         root = self._ref_rule("#")
@@ -317,6 +349,8 @@ class SchemaCompiler:
         return node
 
     def _ref_rule(self, pointer: str) -> str:
+        if not isinstance(pointer, str):
+            raise GrammarError(f"$ref must be a string, got {type(pointer).__name__}", "$ref")
         name = "ref:" + pointer
         if name not in self.rules:
             self.rules[name] = ir.NOTHING              # placeholder: recursion refers to the name
@@ -337,6 +371,15 @@ class SchemaCompiler:
 
     # schemas ---------------------------------------------------------------------------------------
     def node(self, s) -> ir.GrammarNode:
+        self.depth += 1
+        try:
+            if self.depth > ir.MAX_NESTING:
+                raise GrammarError(f"the schema nests subschemas and $ref deeper than {ir.MAX_NESTING} levels")
+            return self._node(s)
+        finally:
+            self.depth -= 1
+
+    def _node(self, s) -> ir.GrammarNode:
         if s is True or s == {}:
             any_json_rules(self.rules)
             return ref("json:value")
@@ -408,7 +451,7 @@ class SchemaCompiler:
         for v in values:
             if isinstance(v, float) and not math.isfinite(v):
                 raise GrammarError("enum/const values must be finite numbers", "enum")
-        return alt(*[literal(dumps(v)) for v in values]) if values else ir.NOTHING
+        return ir.literals([dumps(v) for v in values]) if values else ir.NOTHING   # a trie: O(total length)
 
     def _check_exclusive(self, branches) -> None:
         info = [(self._branch_types(b), self._branch_values(b), self._discriminators(b), self._closed(b))
@@ -526,13 +569,11 @@ class SchemaCompiler:
         if lo is None and hi is None:
             return JSON_INTEGER if integer else JSON_NUMBER
         if integer:
-            ilo = None if lo is None else (math.floor(lo) + 1 if lo_excl and float(lo).is_integer()
-                                           else math.ceil(lo))
-            ihi = None if hi is None else (math.ceil(hi) - 1 if hi_excl and float(hi).is_integer()
-                                           else math.floor(hi))
+            ilo = None if lo is None else (math.floor(lo) + 1 if lo_excl and _integral(lo) else math.ceil(lo))
+            ihi = None if hi is None else (math.ceil(hi) - 1 if hi_excl and _integral(hi) else math.floor(hi))
             return int_range(ilo, ihi)
         for name, v in (("minimum", lo), ("maximum", hi)):
-            if v is not None and not float(v).is_integer():
+            if v is not None and not _integral(v):
                 raise GrammarError(f"{name}: non-integer bounds on numbers are not supported ({v})", name)
         return number_range(None if lo is None else int(lo), lo_excl, None if hi is None else int(hi), hi_excl)
 
@@ -584,7 +625,6 @@ class SchemaCompiler:
         pp = s.get("patternProperties")
         if not pp:
             return None
-        import re
         if not isinstance(pp, dict):
             raise GrammarError("patternProperties must be an object", "patternProperties")
         if addl is not False:
@@ -596,11 +636,8 @@ class SchemaCompiler:
                                "patternProperties")
         keys = []
         for pattern in pp:
-            try:
-                rx = re.compile(pattern)
-            except re.error as e:
-                raise GrammarError(f"patternProperties: bad pattern {pattern!r}: {e}", "patternProperties") from None
-            if any(rx.search(n) for n in names):
+            search = _searcher(pattern, "patternProperties")
+            if any(search(n) for n in names):
                 raise GrammarError(f"patternProperties: pattern {pattern!r} matches a listed property",
                                    "patternProperties")
             try:
@@ -721,18 +758,31 @@ class SchemaCompiler:
         if not isinstance(pn, dict) or set(pn) - allowed - ANNOTATIONS or pn.get("type", "string") != "string":
             raise GrammarError("propertyNames other than a string pattern / minLength / maxLength is not supported",
                                "propertyNames")
-        import re
-        try:
-            rx = re.compile(pn["pattern"]) if "pattern" in pn else None
-        except re.error as e:
-            raise GrammarError(f"propertyNames: bad pattern: {e}", "propertyNames") from None
+        search = _searcher(pn["pattern"], "propertyNames") if "pattern" in pn else None
         lo, hi = _count(pn, "minLength", 0), _count(pn, "maxLength", None)
 
         def ok(name: str) -> bool:
-            return (rx is None or rx.search(name) is not None) and lo <= len(name) and (hi is None or len(name) <= hi)
+            return (search is None or search(name)) and lo <= len(name) and (hi is None or len(name) <= hi)
 
         key = self._string({k: v for k, v in pn.items() if k != "type"})
         return ok, key
+
+
+def _searcher(pattern, keyword: str):
+    """``re.search(pattern, text) is not None`` by the project's own regex engine: the pattern compiled
+    to an automaton (linear in the text; never Python's backtracking ``re`` on a client's pattern)."""
+    if not isinstance(pattern, str):
+        raise GrammarError(f"{keyword}: a pattern must be a string", keyword)
+    try:
+        automaton = compile_rules({"root": regex_to_ir(pattern, search=True)}, "root")
+    except GrammarError as e:
+        raise type(e)(f"{keyword}: pattern {pattern[:80]!r}: {e}", keyword) from None
+
+    def search(text: str) -> bool:
+        state = automaton.step(automaton.initial(), text.encode("utf-8", "surrogatepass"))
+        return bool(state) and automaton.is_accepting(state)
+
+    return search
 
 
 def _joined(nodes, sep) -> ir.GrammarNode:
@@ -791,9 +841,16 @@ def _bound(s, inclusive: str, exclusive: str, lower: bool):
     if ex is not None and not isinstance(ex, bool):
         if best is None or (ex >= best[0] if lower else ex <= best[0]):
             best = (ex, True)
-    if best is not None and not math.isfinite(best[0]):
+    if best is not None and isinstance(best[0], float) and not math.isfinite(best[0]):
         raise GrammarError(f"{inclusive} must be finite", inclusive)
+    if best is not None and abs(best[0]) >= 10 ** MAX_BOUND_DIGITS:
+        raise GrammarError(f"{inclusive}: bounds of {MAX_BOUND_DIGITS} digits and more are not supported", inclusive)
     return best if best is not None else (None, False)
+
+
+def _integral(v) -> bool:
+    """Whether a bound is a whole number (ints of any size: float() would overflow past 1e308)."""
+    return isinstance(v, int) or v.is_integer()
 
 
 def _validating(s: dict) -> bool:
@@ -901,6 +958,10 @@ def compile_json_schema(schema) -> tuple[dict, str]:
         try:
             schema = json.loads(schema)
         except json.JSONDecodeError as e:
+            raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
+        except RecursionError:
+            raise GrammarError("the JSON schema text nests too deeply") from None
+        except ValueError as e:            # e.g. an integer past Python's digit limit
             raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
     return SchemaCompiler(schema).compile()
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from . import ir
 from .automaton import compile_rules
+from .budget import Budget, GrammarTooLarge, compile_budget
 from .gbnf import parse_gbnf
 from .ir import GrammarError
 from .json_schema import compile_json_schema, dumps, json_object_rules
@@ -42,14 +43,78 @@ def grammar_rules(kind: str, spec) -> tuple[dict, str]:
     if kind == "choice":
         if not isinstance(spec, (list, tuple)) or not spec or not all(isinstance(c, str) for c in spec):
             raise GrammarError("choice must be a non-empty list of strings")
-        return {"root": ir.alt(*[ir.literal(c) for c in spec])}, "root"
+        return {"root": ir.literals(spec)}, "root"          # a trie: O(total length)
     if kind == "grammar":
         return parse_gbnf(spec)
     raise GrammarError(f"unknown structured output kind {kind!r} (one of {', '.join(KINDS)})")
 
 
 def spec_key(kind: str, spec) -> str:
-    return kind + ":" + (spec if isinstance(spec, str) else json.dumps(spec, sort_keys=True))
+    try:
+        return kind + ":" + (spec if isinstance(spec, str) else json.dumps(spec, sort_keys=True))
+    except (TypeError, ValueError, RecursionError) as e:
+        raise GrammarError(f"{kind}: not JSON-serialisable ({type(e).__name__})") from None
+
+
+_refusals: OrderedDict = OrderedDict()      # spec key -> (GrammarError class, message, keyword)
+REFUSAL_CACHE_SIZE = 256
+
+
+def _remember(cache: OrderedDict, key, value, size: int) -> None:
+    cache[key] = value
+    cache.move_to_end(key)
+    while len(cache) > size:
+        cache.popitem(last=False)
+
+
+def cached_automaton(key: str):
+    """The automaton compiled for ``key`` (re-raising its refusal), or None if neither is cached."""
+    refused = _refusals.get(key)
+    if refused is not None:
+        _refusals.move_to_end(key)
+        cls, message, keyword = refused
+        raise cls(message, keyword)
+    hit = _cache.get((key, None))         # automata are vocabulary-free: (key, None) in the compile cache
+    if hit is not None:
+        _cache.move_to_end((key, None))
+    return hit
+
+
+def install(key: str, automaton=None, refusal: GrammarError | None = None) -> None:
+    """Cache an automaton (or a refusal) compiled elsewhere, e.g. by the server's compile worker."""
+    if refusal is not None:
+        _remember(_refusals, key, (type(refusal), str(refusal), getattr(refusal, "keyword", None)),
+                  REFUSAL_CACHE_SIZE)
+    else:
+        _remember(_cache, (key, None), automaton, 2 * COMPILE_CACHE_SIZE)
+
+
+def compile_automaton(kind: str, spec, budget: Budget | None = None):
+    """(kind, spec) -> automaton under a time/state budget, through the LRU caches of automata and of
+    refusals (the same bad grammar is refused from the cache). Every failure is a `GrammarError`: deep
+    nesting the parsers did not catch, memory, or a bug in a compiler must not become a 500."""
+    key = spec_key(kind, spec)
+    hit = cached_automaton(key)
+    if hit is not None:
+        return hit
+    try:
+        with compile_budget(budget or Budget()):
+            automaton = compile_rules(*grammar_rules(kind, spec))
+    except GrammarError as e:
+        install(key, refusal=e)
+        raise
+    except RecursionError:
+        e = GrammarError(f"{kind}: the grammar nests too deeply")
+        install(key, refusal=e)
+        raise e from None
+    except MemoryError:
+        raise GrammarTooLarge(f"{kind}: grammar too large (out of memory while compiling)") from None
+    except (TypeError, KeyError, IndexError, AttributeError, OverflowError, ValueError) as e:
+        err = GrammarError(f"{kind}: cannot compile this grammar ({type(e).__name__}: {str(e)[:200]})")
+        install(key, refusal=err)
+        raise err from None
+    install(key, automaton)
+    return automaton
 
 
 class CompiledGrammar:
@@ -107,29 +172,42 @@ def compile_grammar(request, vocab: TokenVocabulary) -> CompiledGrammar:
     if hit is not None:
         _cache.move_to_end(key)
         return hit
-    rules, root = grammar_rules(kind, spec)
-    compiled = CompiledGrammar(compile_rules(rules, root), vocab)
-    _cache[key] = compiled
-    if len(_cache) > COMPILE_CACHE_SIZE:
-        _cache.popitem(last=False)
+    compiled = CompiledGrammar(compile_automaton(kind, spec), vocab)
+    _remember(_cache, key, compiled, 2 * COMPILE_CACHE_SIZE)     # with the automata (key, None)
     return compiled
 
 
 class GrammarMatcher:
-    """The grammar state of one generated sequence (each of a request's n sequences has its own)."""
+    """The grammar state of one generated sequence (each of a request's n sequences has its own).
+
+    A grammar's failure is its sequence's: an error while masking or advancing (the run-time stack budget
+    of an ambiguous grammar, or any bug) is kept in ``error`` instead of raised into the engine's step.
+    From then on only EOS is allowed and every token is taken, and the engine finishes the sequence with
+    finish_reason "error" (`processor.grammar_outcome`); the other sequences of the batch go on."""
 
     def __init__(self, grammar: CompiledGrammar):
         self.grammar = grammar
         self.state = grammar.automaton.initial()
         self.history: list[int] = []          # states before each accepted token (for rollback)
         self.terminated = False               # EOS accepted
+        self.error: str | None = None         # why the grammar failed for this sequence
+
+    def _fail(self, exc: Exception) -> None:
+        self.error = f"{type(exc).__name__}: {exc}"
+
+    def _eos_only(self) -> np.ndarray:
+        mask = np.zeros(self.grammar.vocab.size, dtype=bool)
+        mask[self.grammar._eos] = True
+        return mask
 
     def allowed_mask(self) -> np.ndarray:
-        if self.terminated:
-            mask = np.zeros(self.grammar.vocab.size, dtype=bool)
-            mask[self.grammar._eos] = True
-            return mask
-        return self.grammar.allowed(self.state)
+        if self.terminated or self.error is not None:
+            return self._eos_only()
+        try:
+            return self.grammar.allowed(self.state)
+        except Exception as e:
+            self._fail(e)
+            return self._eos_only()
 
     def mask_logits(self, logits: np.ndarray) -> np.ndarray:
         """A copy of one logits row with -inf on the forbidden tokens."""
@@ -137,7 +215,17 @@ class GrammarMatcher:
         return apply_allowed_mask(logits, self.allowed_mask())
 
     def advance(self, token_id: int) -> bool:
-        """Consume a token; False (state unchanged) if the grammar does not allow it."""
+        """Consume a token; False (state unchanged) if the grammar does not allow it. After a failure
+        (``error``) every token is taken: the sequence ends on it."""
+        if self.error is None:
+            try:
+                return self._advance(token_id)
+            except Exception as e:
+                self._fail(e)
+        self.history.append(self.state)      # taken without moving: a rollback (speculation) stays valid
+        return True
+
+    def _advance(self, token_id: int) -> bool:
         token_id = int(token_id)
         if token_id in self.grammar.vocab.eos_token_ids:
             if self.is_complete() or not self.grammar.token_mask(self.state).any():

@@ -64,6 +64,17 @@ def check_draft(matcher: GrammarMatcher, draft_ids: list[int], draft_probs):
     return prefix, q / q.sum(axis=-1, keepdims=True), masks
 
 
+def grammar_outcome(matcher, checker, res):
+    """S15: the stop result of a token, turned into finish_reason "error" when the sequence's grammar
+    failed (`GrammarMatcher.error`): that sequence ends here, nothing else is touched."""
+    if matcher is None or matcher.error is None:
+        return res
+    if res.finished:
+        checker.finish_reason = res.finish_reason = "error"
+        return res
+    return checker.finish("error")
+
+
 def mask_rows(rows: np.ndarray, masks) -> np.ndarray:
     """Verification rows (k+1, V) with -inf on what each row's grammar state forbids (row i: the mask
     after the first i drafts), float64 as the plain sampler's masked rows are."""

@@ -52,9 +52,11 @@ class _Parser:
             raise GrammarError(f"regex must be a string, got {type(pattern).__name__}")
         self.p = pattern
         self.i = 0
+        self.depth = 0
 
     def error(self, what: str) -> GrammarError:
-        return GrammarError(f"regex {self.p!r}: {what} (at position {self.i})")
+        shown = self.p if len(self.p) <= 80 else self.p[:77] + "..."
+        return GrammarError(f"regex {shown!r}: {what} (at position {self.i})")
 
     def peek(self) -> str | None:
         return self.p[self.i] if self.i < len(self.p) else None
@@ -113,7 +115,7 @@ class _Parser:
             return None
         body = self.p[self.i + 1:j]
         parts = body.split(",")
-        if len(parts) > 2 or not all(s.isdigit() or s == "" for s in parts) or parts == [""] or \
+        if len(parts) > 2 or not all((s.isascii() and s.isdigit()) or s == "" for s in parts) or parts == [""] or \
                 (len(parts) == 2 and parts == ["", ""]):
             return None
         self.i = j + 1
@@ -126,6 +128,9 @@ class _Parser:
     def atom(self):
         c = self.take()
         if c == "(":
+            self.depth += 1
+            if self.depth > ir.MAX_NESTING:
+                raise self.error(f"groups nested deeper than {ir.MAX_NESTING}")
             if self.p.startswith("?:", self.i):
                 self.i += 2
             elif self.p.startswith("?P<", self.i):
@@ -139,6 +144,7 @@ class _Parser:
             if self.peek() != ")":
                 raise self.error("missing )")
             self.i += 1
+            self.depth -= 1
             return node
         if c == ")":
             raise self.error("unbalanced )")

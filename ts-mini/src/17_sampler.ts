@@ -136,12 +136,15 @@ const INV_LN2 = 1.44269504088896338700e+00;
 export const LAW_EXP_FLOOR = -700;
 const EXP_COEFS: number[] = [];
 for (let n = 13; n >= 0; n--) { let f = 1; for (let i = 2; i <= n; i++) f *= i; EXP_COEFS.push(1 / f); }
-const bits = new DataView(new ArrayBuffer(8));
-
-function pow2(k: number): number {
-  bits.setUint32(0, (k + 1023) << 20); // big-endian: the high word carries sign, exponent and top mantissa
-  bits.setUint32(4, 0);
-  return bits.getFloat64(0);
+// 2^k for k in [-1010, 0], written bit by bit (exponent field k + 1023, mantissa 0): exact, looked up per weight
+const POW2 = new Float64Array(1011);
+{
+  const bits = new DataView(new ArrayBuffer(8));
+  for (let k = -1010; k <= 0; k++) {
+    bits.setUint32(0, (k + 1023) << 20); // big-endian: the high word carries sign, exponent and top mantissa
+    bits.setUint32(4, 0);
+    POW2[k + 1010] = bits.getFloat64(0);
+  }
 }
 
 /** exp(d) for d <= 0 from exact IEEE operations only; d < -700 (or NaN) gives 0. */
@@ -151,7 +154,7 @@ export function lawExp(d: number): number {
   const r = (d - k * LN2_HI) - k * LN2_LO;
   let p = EXP_COEFS[0];
   for (let i = 1; i < EXP_COEFS.length; i++) p = p * r + EXP_COEFS[i];
-  return p * pow2(k);
+  return p * POW2[k + 1010]; // k >= -1010 since d >= -700
 }
 
 // ---- the pipeline ----

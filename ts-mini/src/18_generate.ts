@@ -266,7 +266,7 @@ export class Generation {
     const V = model.config.vocabSize;
     for (const id of promptIds) if (!Number.isInteger(id) || id < 0 || id >= V) throw new RangeError(`prompt token id ${id} out of range 0..${V - 1}`);
     if (promptIds.length >= model.maxSeq) throw new RangeError(`prompt has ${promptIds.length} tokens; maxSeqLen is ${model.maxSeq}`);
-    if (o.seed != null && !(Number.isSafeInteger(o.seed) && o.seed >= 0)) throw new RangeError(`seed must be a non-negative integer, got ${o.seed}`);
+    if (o.seed != null && !(Number.isSafeInteger(o.seed) && o.seed >= 0)) throw new RangeError(`seed must be an integer >= 0 (the sampling law: NumPy's default_rng(seed)), got ${o.seed}`);
     this.rng = streamFor(o.seed ?? Math.floor(Math.random() * 2 ** 53));
     this.stopIds = new Set([...(o.ignoreEos ? [] : eosIds), ...(o.stopTokenIds ?? [])]);
     this.prompt = promptIds;

@@ -58,3 +58,47 @@ def test_bad_option_fails_before_loading(capsys, flag, value, name):
 def test_missing_model_file(capsys):
     rc = main(["generate", "hi", "--model", "/nonexistent/model.gguf"])
     assert rc == 1 and "not found" in capsys.readouterr().err
+
+
+def test_prompt_from_a_file_or_standard_input(capsys, llm, monkeypatch, tmp_path):
+    """Issue 33: -f FILE and standard input (`-`, or no argument with stdin not a terminal) give the same
+    answer as the argument; nothing at all is a clear error."""
+    import io
+    want = main(["generate", "The capital of France is", "--temperature", "0", "--max-tokens", "4"]) or \
+        capsys.readouterr().out
+    path = tmp_path / "q.txt"
+    path.write_text("The capital of France is\n")          # a file's final newline is not part of the prompt
+    assert main(["generate", "-f", str(path), "--temperature", "0", "--max-tokens", "4"]) == 0
+    assert capsys.readouterr().out == want
+    for argv in (["generate", "-"], ["generate"]):
+        monkeypatch.setattr("sys.stdin", io.StringIO("The capital of France is"))
+        assert main(argv + ["--temperature", "0", "--max-tokens", "4"]) == 0
+        assert capsys.readouterr().out == want
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert main(["generate", "--max-tokens", "4"]) == 1
+    assert "the prompt is empty" in capsys.readouterr().err
+    assert main(["generate", "x", "-f", str(path)]) == 1
+    assert "not both" in capsys.readouterr().err
+
+
+def test_speculative_config_shorthand_and_kv_memory_line(capsys):
+    """`--speculative-config ngram[:K]` without JSON; the loading line gives the KV cache's memory, which
+    q8_0 makes 3.8x smaller for the same blocks."""
+    from pyengine.engine.spec_decode import parse_speculative_config
+    assert parse_speculative_config("ngram") == {"method": "ngram", "num_speculative_tokens": 4}
+    assert parse_speculative_config("ngram:6") == {"method": "ngram", "num_speculative_tokens": 6}
+    with pytest.raises(ValueError, match="neither ngram"):
+        parse_speculative_config("draft_model")
+    mib = {}
+    for kv in ("auto", "q8_0"):
+        rc = main(["generate", "The capital of France is", "--temperature", "0", "--max-tokens", "3",
+                   "--max-model-len", "512", "--kv-cache-dtype", kv, "--speculative-config", "ngram"])
+        out, err = capsys.readouterr()
+        assert rc == 0 and out.startswith(" Paris"), (out, err)
+        assert "speculative decoding: ngram, up to 4 drafts a step" in err
+        import re
+        m = re.search(rf"KV cache (\d+) blocks of 16 tokens \({kv}, ([\d.]+) MiB: one 512-token sequence\)", err)
+        assert m, err
+        mib[kv] = (int(m.group(1)), float(m.group(2)))
+    assert mib["auto"][0] == mib["q8_0"][0] == 32
+    assert 3.7 < mib["auto"][1] / mib["q8_0"][1] < 3.9

@@ -13,6 +13,7 @@ import time
 
 from pyengine.engine import prompt_cache
 from pyengine.engine.args import EngineArgs, default_max_model_len  # noqa: F401  (default_max_model_len: its home)
+from pyengine.engine.kv_cache import PagedKVCache
 
 MODEL_DEFAULT = "default: the model's, else "
 SAMPLING_OPTIONS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -58,7 +59,9 @@ def check_target_itl(args) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("prompt", help="prompt text (use --chat to send it as a user message)")
+    p.add_argument("prompt", nargs="?", default=None,
+                   help="prompt text (use --chat to send it as a user message); - or none: read standard input")
+    p.add_argument("-f", "--prompt-file", default=None, metavar="FILE", help="read the prompt from FILE (- : stdin)")
     add_sampling_arguments(p, max_tokens=128)
     p.add_argument("--chat", action="store_true", help="apply the chat template to PROMPT")
     p.add_argument("--system", default=None, metavar="TEXT", help="system message (with --chat)")
@@ -119,8 +122,11 @@ def load_llm(args):
               f"{describe()}", t)
     runner = eargs.create_runner(gguf)
     c = runner.config
+    kv_bytes = runner.num_blocks * PagedKVCache.bytes_per_block(c.n_layers, runner.block_size, c.n_kv_heads,
+                                                               c.head_dim, runner.kv_cache_dtype)
     t = stage(f"weights: {c.arch}, {c.n_layers} layers, d={c.d_model} ({eargs.weights_mode}); KV cache "
-              f"{runner.num_blocks} blocks ({runner.kv_cache_dtype})", t)
+              f"{runner.num_blocks} blocks of {runner.block_size} tokens ({runner.kv_cache_dtype}, "
+              f"{kv_bytes / 2**20:.1f} MiB: one {eargs.max_model_len}-token sequence)", t)
     tok = runner.tokenizer
     stage(f"tokenizer: {tok.vocab_size} tokens", t)
     llm = LLM.from_engine_args(eargs, LocalExecutor(runner))
@@ -181,7 +187,28 @@ def report(line: str | None) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
+def read_prompt(args, stdin=None) -> str:
+    """The prompt: the argument, else -f FILE, else standard input (``-`` either way); ValueError if none."""
+    stdin = stdin if stdin is not None else sys.stdin
+    if args.prompt is not None and args.prompt_file is not None:
+        raise ValueError("give the prompt as an argument or with -f FILE, not both")
+    source = args.prompt_file if args.prompt_file is not None else (args.prompt if args.prompt == "-" else None)
+    if args.prompt is not None and args.prompt != "-":
+        return args.prompt
+    if source is None and stdin.isatty():
+        raise ValueError("no prompt: give it as an argument, with -f FILE, or on standard input")
+    if source is None or source == "-":
+        text = stdin.read()
+    else:
+        with open(source, encoding="utf-8") as f:
+            text = f.read()
+    if not text.strip():
+        raise ValueError("the prompt is empty" + (f" ({source} holds no text)" if source not in (None, "-") else ""))
+    return text[:-1] if text.endswith("\n") else text      # a file's final newline is not part of the prompt
+
+
 def run(args) -> int:
+    args.prompt = read_prompt(args)
     sampling_params(args)                # bad values fail before the model loads
     check_target_itl(args)
     llm = load_llm(args)

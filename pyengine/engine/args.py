@@ -260,8 +260,9 @@ class EngineArgs:
                            help="BLAS threads (default: the cores this process may use, 1 when they are busy)")
         if "speculative" in groups:
             p.add_argument("--speculative-config", default=None, metavar="JSON",
-                           help='S14 speculative decoding, vLLM\'s dict, e.g. \'{"method": "ngram", '
-                                '"num_speculative_tokens": 4}\' or {"method": "draft_model", "model": PATH, ...}')
+                           help='S14 speculative decoding: ngram (prompt lookup, 4 drafts a step), ngram:K, or '
+                                'vLLM\'s dict, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
+                                '{"method": "draft_model", "model": PATH, ...}')
         if "target_itl" in groups:
             p.add_argument("--target-itl-ms", type=float, default=None, metavar="MS",
                            help="S11: size each step's prompt chunks so a step with running decodes is predicted "

@@ -35,6 +35,7 @@ from pyengine import tuning
 from pyengine.engine.proposers import make_proposer      # the registry of proposers by method
 
 METHODS = ("ngram", "draft_model")
+NGRAM_SHORTHAND_K = 4           # `--speculative-config ngram`: the drafts a step of the README's example
 # the back-off's measured constants (PRIOR_COST, ALPHA_PRIOR, ALPHA_WEIGHT, TIME_DRIFT, REMEASURE_AFTER,
 # PROBE_GAP, PROBE_GAP_MAX, MIN_GAIN, PROBE_MIN_GAIN, BASELINE_EVERY) live in pyengine/tuning.py
 
@@ -87,14 +88,21 @@ class SpeculativeConfig:
 
 
 def parse_speculative_config(text: str | None) -> dict | None:
-    """The ``--speculative-config '<json>'`` command-line value, validated (ValueError naming the problem)."""
+    """The ``--speculative-config`` command-line value, validated (ValueError naming the problem): vLLM's JSON
+    dict, or the shorthand ``ngram`` / ``ngram:K`` (prompt lookup, K drafts a step, default NGRAM_SHORTHAND_K)."""
     if text is None:
         return None
     import json
-    try:
-        d = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--speculative-config is not valid JSON ({exc.msg}): {text!r}") from None
+    import re
+    m = re.fullmatch(r"\s*ngram(?::(\d+))?\s*", text)
+    if m:
+        d = {"method": "ngram", "num_speculative_tokens": int(m.group(1) or NGRAM_SHORTHAND_K)}
+    else:
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--speculative-config is neither ngram[:K] nor valid JSON ({exc.msg}): {text!r}"
+                             ) from None
     SpeculativeConfig.from_dict(d)
     return d
 

@@ -101,12 +101,20 @@ def test_badge_on_a_forced_divergence(page):
     shot(page, "02-badge-diverged")
 
 
+# the sampling law in the tab (docs/sampling.md): a few seeds and cuts; the bulk runs under Node (test_sampling_law)
+SEEDED_CASES = [
+    {"prompt": "Once upon a time", "temperature": 0.8, "topP": 0.9, "seed": 7},
+    {"prompt": "The best thing about NumPy is", "temperature": 1.0, "topK": 20, "seed": 3},
+    {"prompt": "def fib(n):", "temperature": 1.3, "topP": 0.95, "topK": 50, "seed": 12345},
+]
+
+
 def test_badge_identical_on_seeded_runs(page):
-    r = _js(page, "(o) => window.pyengineDemo.run(o)", {"prompt": "Once upon a time", "maxTokens": 16,
-                                                        "temperature": 0.8, "topP": 0.9, "seed": 7})
-    assert r["python"]["tokenIds"] == r["ts"]["tokenIds"], r
-    assert r["agreement"]["state"] == "identical"
-    assert "seeded (seed 7, temperature 0.8)" in page.inner_text("#agreement")
+    for case in SEEDED_CASES:
+        r = _js(page, "(o) => window.pyengineDemo.run(o)", {**case, "maxTokens": 16})
+        assert r["python"]["tokenIds"] == r["ts"]["tokenIds"], (case, r)
+        assert r["agreement"]["state"] == "identical", case
+        assert f"seeded (seed {case['seed']}, temperature {case['temperature']:g})" in page.inner_text("#agreement")
     shot(page, "03-badge-seeded")
 
 

@@ -64,13 +64,15 @@ class Hub:
                     self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
                 self.end_headers()
 
+            def _not_found(self):
+                self.send_response(404)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
             def do_HEAD(self):
                 name, data = self._file()
                 if data is None:
-                    self.send_response(404)
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
-                    return
+                    return self._not_found()
                 self._headers(name, data, 200)
 
             def do_GET(self):
@@ -86,10 +88,7 @@ class Hub:
                     return
                 name, data = self._file()
                 if data is None:
-                    self.send_response(404)
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
-                    return
+                    return self._not_found()
                 rng = self.headers.get("Range")
                 if rng:
                     hub.ranges.append(rng)

@@ -59,10 +59,7 @@ class KVBlocks:
         """(2, n, layers, block_size, KV heads, row): K and V of cache blocks ``blocks``."""
         if self.group is not None:
             return self.group.kv_gather(self.kv, blocks)
-        out = self.kv.block_data(len(blocks))
-        for j, (k, v) in enumerate(self.views(blocks)):
-            out[0, j], out[1, j] = k, v
-        return out
+        return self.kv.read_blocks(blocks)
 
     def views(self, blocks) -> list[tuple[np.ndarray, np.ndarray]]:
         """(K, V) of each of cache blocks ``blocks``, each (layers, block_size, KV heads, row), to be packed at

@@ -81,11 +81,7 @@ class LocalExecutor:
         raise RuntimeError("a local executor runs one step at a time (pipeline_groups = 1)")
 
     def read_blocks(self, blocks) -> np.ndarray:
-        kv = self.runner.kv_cache
-        out = kv.block_data(len(blocks))
-        for j, b in enumerate(blocks):
-            out[0, j], out[1, j] = kv.k[:, b], kv.v[:, b]
-        return out
+        return self.runner.kv_cache.read_blocks(blocks)
 
     def write_blocks(self, blocks, data: np.ndarray) -> None:
         self.runner.kv_cache.write_blocks(np.asarray(blocks), data)

@@ -111,6 +111,14 @@ class PagedKVCache:
         L, _, bs, h, row = self.k.shape
         return np.empty((2, n, L, bs, h if heads is None else heads, row), self.k.dtype)
 
+    def read_blocks(self, blocks) -> np.ndarray:
+        """K and V of cache blocks ``blocks``, as `block_data` holds them (the inverse of `write_blocks`)."""
+        ids = np.asarray(blocks, np.int64)
+        out = self.block_data(len(ids))
+        for j, cache in enumerate((self.k, self.v)):
+            out[j] = cache[:, ids].swapaxes(0, 1)
+        return out
+
     def write_blocks(self, blocks, data: np.ndarray) -> None:
         """Cache blocks ``blocks`` <- ``data`` (as `block_data` holds it, with this cache's KV heads)."""
         ids = np.asarray(blocks, np.int64)

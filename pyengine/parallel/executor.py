@@ -50,11 +50,7 @@ class MPIExecutor:
         """K and V of whole blocks, every layer, all KV heads (the other tensor ranks' heads gathered)."""
         if self.group.tp > 1:
             return self.group.kv_gather(self.runner.kv_cache, blocks)
-        kv = self.runner.kv_cache
-        out = kv.block_data(len(blocks))
-        for j, b in enumerate(blocks):
-            out[0, j], out[1, j] = kv.k[:, b], kv.v[:, b]
-        return out
+        return self.runner.kv_cache.read_blocks(blocks)
 
     def write_blocks(self, blocks, data: np.ndarray) -> None:
         if self.group.tp > 1:

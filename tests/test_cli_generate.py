@@ -97,7 +97,7 @@ def test_speculative_config_shorthand_and_kv_memory_line(capsys):
         assert rc == 0 and out.startswith(" Paris"), (out, err)
         assert "speculative decoding: ngram, up to 4 drafts a step" in err
         import re
-        m = re.search(rf"KV cache (\d+) blocks of 16 tokens \({kv}, ([\d.]+) MiB: one 512-token sequence\)", err)
+        m = re.search(rf"KV cache (\d+) blocks of 16 tokens \({kv}\) = ([\d.]+) MiB, one 512-token sequence", err)
         assert m, err
         mib[kv] = (int(m.group(1)), float(m.group(2)))
     assert mib["auto"][0] == mib["q8_0"][0] == 32

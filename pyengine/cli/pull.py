@@ -21,10 +21,10 @@ import re
 import sys
 import time
 
-from pyengine.model_files import find_models, looks_pullable, store_dir
+from pyengine.model_files import extras_hint, find_models, looks_pullable, store_dir
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-HUB_HINT = "`pyengine pull` needs huggingface_hub and httpx: pip install -e '.[hub]' (from the pyengine checkout)"
+HUB_HINT = f"`pyengine pull` needs huggingface_hub and httpx: {extras_hint('hub')}"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

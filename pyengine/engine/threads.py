@@ -110,7 +110,7 @@ def apply_threads(threads: int | None = None) -> int:
         try:
             from threadpoolctl import threadpool_limits     # lazy: a CPython extra, absent in Pyodide
         except ImportError:
-            _CHOSEN.update(threads=None, how="not set (pip install threadpoolctl)", why=why)
+            _CHOSEN.update(threads=None, wanted=threads, how=None, why=why)
             return threads
         threadpool_limits(limits=threads, user_api="blas")
         how = "threadpoolctl"
@@ -123,7 +123,10 @@ def describe() -> str:
     if not _CHOSEN:
         return "BLAS threads: not set (the library's own default)"
     n = _CHOSEN["threads"]
-    return f"BLAS threads: {n if n is not None else '?'} ({_CHOSEN['why']}; set by {_CHOSEN['how']})"
+    if n is None:                        # NumPy was loaded and threadpoolctl is missing: nothing could be set
+        return (f"BLAS threads: the BLAS library's own default, not the {_CHOSEN['wanted']} chosen "
+                f"({_CHOSEN['why']}): pip install threadpoolctl to let pyengine set it")
+    return f"BLAS threads: {n} ({_CHOSEN['why']}; set by {_CHOSEN['how']})"
 
 
 def blas_threads() -> int | None:

@@ -122,7 +122,8 @@ def test_killed_followers_fail_their_instances_requests_cleanly(server, referenc
     rest = [ch.choices[0].text for ch in it if ch.choices]
     assert len(rest) + 1 == 60                                     # the running stream lost nothing
     assert [complete(c, p) for p in PROMPTS] == reference["greedy"]   # the decode instance prefills them now
-    assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+    h = httpx.get(server.url + "/health", timeout=5)      # issue 27.7: serving, but degraded (was 200 "ok")
+    assert h.status_code == 503 and h.json()["status"] == "degraded" and "rank 1" in h.json()["reason"]
     eventually(lambda: prefill_down_decode_empty(server.url, 3))
     # then the decode instance's follower, mid-stream: that instance goes down too, its stream ends with the error,
     # and with no decode instance left the server is unhealthy (its leader lives on, down)

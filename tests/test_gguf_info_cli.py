@@ -98,5 +98,5 @@ def test_info_lists_the_architectures_that_run_and_a_partial_rotary_head(capsys,
     out = capsys.readouterr().out
     assert _field(out, "architecture") == "phi3"
     assert _field(out, "head dim") == f"16 (rotary: the first {PHI3_ROPE_DIM})"
-    listed = _field(out, "architectures run").split(", ")
+    listed = _field(out, "runs (S03)").split(", ")
     assert listed == sorted(ARCHITECTURES) and {"qwen2", "qwen3", "gemma2", "phi3"} <= set(listed)

@@ -561,7 +561,7 @@ def test_tokenize_detokenize_and_clear_404(smol_tokenizer):
                      "token_strs": [smol_tokenizer.token_bytes(t).decode() for t in ids]}
         assert httpx.post(srv.url + "/detokenize", json={"tokens": ids}).json() == {"prompt": "Hello world"}
         check_error(httpx.post(srv.url + "/detokenize", json={"tokens": [10 ** 9]}), 400, "tokens")
-        err = check_error(httpx.post(srv.url + "/v1/responses", json={}), 404)
+        err = check_error(httpx.post(srv.url + "/v1/assistants", json={}), 404)   # /v1/responses is served now
         assert "POST /v1/chat/completions" in err["message"] and "POST /tokenize" in err["message"]
 
 

@@ -29,8 +29,10 @@ def free_port() -> int:
 
 
 def ranks_of(pid: int) -> dict[int, int]:
-    """MPI rank -> pid of every rank started under the process ``pid`` (from their environments)."""
-    out = {}
+    """MPI rank -> pid of every rank started under the process ``pid`` (from their environments). A rank's own
+    helper processes (the tokenizer and grammar workers rank 0 spawns) inherit its environment: the rank is the
+    one whose parent is not a process of the same rank."""
+    found: dict[int, list[int]] = {}
     for d in os.listdir("/proc"):
         if not d.isdigit():
             continue
@@ -40,8 +42,14 @@ def ranks_of(pid: int) -> dict[int, int]:
             continue
         vals = dict(e.split(b"=", 1) for e in env if b"=" in e)
         if vals.get(b"PYENGINE_TEST_SERVER") == str(pid).encode() and b"OMPI_COMM_WORLD_RANK" in vals:
-            out[int(vals[b"OMPI_COMM_WORLD_RANK"])] = int(d)
-    return out
+            found.setdefault(int(vals[b"OMPI_COMM_WORLD_RANK"]), []).append(int(d))
+
+    def parent(p: int) -> int | None:
+        try:
+            return int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return None
+    return {rank: next((p for p in pids if parent(p) not in pids), pids[0]) for rank, pids in found.items()}
 
 
 class Server:

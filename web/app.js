@@ -571,8 +571,9 @@ function participants() {
 
 function aloneNote() {
   const { use, out } = participants();
-  if (use.length === 1) {
-    const [k, why] = Object.entries(out)[0];
+  const other = Object.entries(out)[0];   // none when the page was asked for one engine (?engines=ts)
+  if (use.length === 1 && other) {
+    const [k, why] = other;
     return `${use[0].label} runs alone: ${ENGINES[k].label} ${why}.`;
   }
   return "";

@@ -67,7 +67,7 @@ def describe(gguf, path: str | None = None, tensors: bool = False) -> str:
         ("bos / eos", f"{cfg.bos_token_id} / {cfg.eos_token_id}"),
         ("tied embeddings", "yes" if cfg.tie_embeddings else "no"),
         ("parameters", f"{cfg.n_params / 1e6:.1f}M ({cfg.n_params})"),
-        ("architectures run", ", ".join(sorted(ARCHITECTURES))),
+        ("runs (S03)", ", ".join(sorted(ARCHITECTURES))),    # the architectures pyengine runs
     ]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}} : {v}" for k, v in rows]

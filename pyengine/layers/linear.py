@@ -305,10 +305,13 @@ class LeanLinear(Linear):
                     elif fold:
                         part = np.matmul(w.reshape(n, k // g, g).transpose(1, 0, 2), per_group[g][0])  # (G, n, T)
                         np.copyto(o, np.matmul(scales[a - c0:b - c0, None, :], part.transpose(1, 0, 2))[:, 0].T)
-                    else:
-                        w.reshape(n, k // g, g)[...] *= scales[a - c0:b - c0, :, None]
+                    else:                                           # prefill: the block dequantized, one sgemm
+                        wg = w.reshape(n, k // g, g)
+                        wg *= scales[a - c0:b - c0, :, None]
+                        if biases is not None:   # mins inside the weights, as dequantization has them: adding
+                            wg += biases[a - c0:b - c0, :, None]   # them after the product cancels over long rows
                         self._product(x, w, o)
-                if folded and biases is not None:
+                if folded and fold and biases is not None:
                     out[:, base + c0:base + c1] += per_group[g][1] @ biases.T
             base += raw.shape[0]
         return out

@@ -267,7 +267,12 @@ WORKER_NICE = 10     # the compile worker yields the CPU to the engine's step on
 
 
 def _worker_init(parent: int) -> None:
+    import signal
+
     from pyengine.server.tokenizer_process import _exit_with_parent
+    # a terminal's Ctrl-C reaches the whole process group: the server stops gracefully and shuts this worker
+    # down (as the tokenizer worker does); a KeyboardInterrupt here would only print its traceback
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_with_parent(parent)
     try:
         os.nice(WORKER_NICE)

@@ -74,7 +74,10 @@ def test_stalled_uploads_cannot_starve_health_or_other_clients():
                 with other:
                     r = other.post(srv.url + "/v1/completions", json=COMP)
                     assert r.status_code == 200, r.text
-            refused = [answer(s, 5) for s in stalled[4:12]]
+            # which 4 of the uploads the server kept depends on the order it accepted them, not on creation order
+            answers = [answer(s, 2) for s in stalled[:12]]
+            refused = [a for a in answers if a]
+            assert len(refused) >= 8, answers                           # at most 4 kept (no answer: still open)
             assert all(a.startswith(b"HTTP/1.1 429") and b'"too_many_uploads"' in a for a in refused), refused
             assert len(srv.server.server_state.connections) < 64       # the refused ones are closed
         finally:

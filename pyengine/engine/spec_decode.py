@@ -101,7 +101,7 @@ def parse_speculative_config(text: str | None) -> dict | None:
         try:
             d = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"--speculative-config is neither ngram[:K] nor valid JSON ({exc.msg}): {text!r}"
+            raise ValueError(f"--speculative-config is not valid JSON ({exc.msg}) nor ngram[:K]: {text!r}"
                              ) from None
     SpeculativeConfig.from_dict(d)
     return d

@@ -337,9 +337,15 @@ class GrammarCompiler:
                 self._pool = None
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        """Stop the worker and reap it before the server exits: a compile in flight is dropped (its request ends
+        with the server), so a busy worker is killed first. (Not waiting left it alive after the server.)"""
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        if self._inflight:
+            for proc in list(getattr(pool, "_processes", {}).values()):
+                proc.kill()
+        pool.shutdown(wait=True, cancel_futures=True)     # joins the worker (a killed one too)
 
     async def _run(self, kind: str, spec):
         loop = asyncio.get_running_loop()

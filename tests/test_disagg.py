@@ -602,6 +602,41 @@ def test_n_choices_under_a_grammar(runners):
     c.assert_no_blocks()
 
 
+def test_instances_take_the_routers_automaton_instead_of_compiling(runners, monkeypatch):
+    """Issue 27 in S18: the router (whose server compiled the grammar in its worker) sends the automaton with
+    the request; the instances install it and never compile on their step loops. Here the three share one
+    process, so the compile caches are emptied after the router's check and compiling is made to fail: the
+    request still finishes, with the colocated engine's tokens."""
+    import re
+    from pyengine.sampling_params import StructuredOutputsParams
+    from pyengine.structured import matcher
+    rx = r"[a-z]{3}-[0-9]{4}"
+    p = runners[0].tokenizer.encode("A code: ", add_special_tokens=False)
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=16,
+                            structured_outputs=StructuredOutputsParams(regex=rx))
+    ref = colocated(runners[0], [p], params)[0]
+    c = Cluster(runners)
+    sent, send = [], c.router.t.send
+    monkeypatch.setattr(c.router.t, "send", lambda rank, msg: (sent.append((rank, msg["op"])), send(rank, msg)))
+    c.router.add_request("g", p, params)
+    matcher._cache.clear()
+    matcher._refusals.clear()
+
+    def no_compiling(kind, spec):
+        raise AssertionError("an instance compiled the grammar on its step loop")
+    monkeypatch.setattr(matcher, "grammar_rules", no_compiling)
+    c.settle()
+    c.router.add_request("g2", p, params)        # the same grammar again: not sent again
+    c.settle()
+    assert not c.failed, c.failed
+    for rid in ("g", "g2"):
+        got = c.final[rid].outputs[0]
+        assert got.token_ids == ref.token_ids and re.fullmatch(rx, got.text)
+    ops = [m for m in sent if m[1] in ("grammar", "prefill")]
+    assert ops == [(1, "grammar"), (2, "grammar"), (1, "prefill"), (1, "prefill")]   # prefill rank 1, decode 2
+    c.assert_no_blocks()
+
+
 def test_six_choices_identical_to_colocated(runners):
     """n = 6: the colocated engine's steps carry 18-23 rows (5 decodes beside a 16-token tail), where a row's
     bits once depended on the batch (a product of 21+ rows through the 1536-input down projection left the

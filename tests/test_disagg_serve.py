@@ -88,6 +88,11 @@ def test_openai_client_streams_from_prefill_and_decode_instances(reference):
             for rank, role in ((1, "prefill"), (2, "decode")):
                 assert metric(m, "pyengine_instance_kv_cache_used_blocks", f'{{rank="{rank}",role="{role}"}}') == 0.0
         eventually(moved_both)
+        # a constrained request: the router's server compiled the regex, the automaton went to both ranks over MPI
+        rx = r"[0-9]{3}-[0-9]{4}"
+        text = c.completions.create(model="SmolLM2-135M-Instruct", prompt="A phone number: ", max_tokens=12,
+                                    temperature=0, extra_body={"structured_outputs": {"regex": rx}}).choices[0].text
+        assert re.fullmatch(rx, text), text
     finally:
         s.stop()
     eventually(lambda: all_gone(ranks))

@@ -171,10 +171,33 @@ def test_bombs_leave_streams_and_health_at_their_idle_cadence(server):
         print(f"round {round_}: worst gap idle {max(idle_gaps):.3f}s bombs {max(bomb_gaps):.3f}s; "
               f"/health idle {max(idle_health):.3f}s bombs {max(bomb_health):.3f}s")
         gap_ok = max(bomb_gaps) <= 2 * max(idle_gaps)
-        health_ok = max(bomb_health) <= 2 * max(max(idle_health), max(idle_gaps))
+        health_ok = max(bomb_health) <= 2 * max(idle_health)
         if gap_ok and health_ok:
             break
     assert gap_ok and health_ok
+
+
+def test_jobs_queued_behind_a_killed_worker_are_compiled_not_failed():
+    """A worker killed for one grammar's overrun takes the jobs queued behind it down with it; those jobs are
+    other requests': they are compiled again on the fresh worker (they were cancelled, which the handler met as
+    a 500, when a round of bombs ran on a loaded host)."""
+    from pyengine.structured import matcher
+
+    async def run():
+        compiler = GrammarCompiler(max_compile_s=5.0)
+        try:
+            await compiler.start()
+            slow = asyncio.create_task(compiler.compile("regex", "(a|b)*a(a|b){12}"))   # ~0.7 s in the worker
+            jobs = [asyncio.create_task(compiler.compile("regex", f"q{i}[0-9]{{{i + 2}}}")) for i in range(4)]
+            await asyncio.sleep(0.2)                  # submitted, queued behind the slow one
+            compiler._kill()                          # as when another grammar overran its budget
+            await asyncio.gather(slow, return_exceptions=True)
+            return await asyncio.gather(*jobs, return_exceptions=True), compiler.kills
+        finally:
+            compiler.close()
+    results, kills = asyncio.run(run())
+    assert results == [None] * 4 and kills == 1
+    assert all(matcher.cached_automaton(matcher.spec_key("regex", f"q{i}[0-9]{{{i + 2}}}")) for i in range(4))
 
 
 def test_the_ambiguous_grammar_beside_three_streams(server):

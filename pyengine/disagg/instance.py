@@ -14,6 +14,7 @@ import time
 from pyengine.disagg.kv_transfer import TransferError, parse_message
 from pyengine.disagg.step_trace import StepTrace
 from pyengine.parallel.mpi import IDLE_SLEEP_S, ParallelError
+from pyengine.structured.matcher import install
 
 ROUTER = 0
 HEARTBEAT_S = 0.5              # an idle instance still reports this often (the router's liveness check)
@@ -63,12 +64,14 @@ class Instance:
         return rid
 
     def handle_common(self, msg: dict) -> bool:
-        """Stop and abort, for both roles; False if the message is the role's own."""
+        """Stop, abort and grammars, for both roles; False if the message is the role's own."""
         op = msg["op"]
         if op == "stop":
             self.stopped = True
         elif op == "abort":
             self.abort(msg["xid"])
+        elif op == "grammar":                     # compiled by the router's server: not compiled again here
+            install(msg["key"], msg["automaton"])
         else:
             return False
         return True

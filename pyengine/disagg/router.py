@@ -31,6 +31,7 @@ decode instance as whole requests ("run": it then prefills too). With no decode 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from pyengine.disagg.instance import HEARTBEAT_S
@@ -38,6 +39,7 @@ from pyengine.engine.input_processor import InputProcessor
 from pyengine.engine.llm_engine import EngineOverloaded
 from pyengine.parallel.launcher_link import say_abort
 from pyengine.parallel.mpi import ParallelError, proc_state
+from pyengine.structured.matcher import COMPILE_CACHE_SIZE, export
 from pyengine.server.engine_loop import EngineFailure
 
 STEP_WAIT_S = 0.02             # a step returns after this long without news (the server loop then steps again)
@@ -55,6 +57,7 @@ class InstanceState:
     dead: str | None = None
     prompt_tokens: int = 0                          # prefill: prompt tokens of the requests in its hands
     seqs: int = 0                                   # decode: sequences of the requests routed to it, not finished
+    grammars: OrderedDict = field(default_factory=OrderedDict)  # keys of the automata sent to it, newest last
 
 
 @dataclass
@@ -179,6 +182,9 @@ class Router:
         self._next_xid += 1
         if prefills:
             pre = min(prefills, key=lambda i: (i.prompt_tokens, i.rank))
+            self._send_grammar(pre, params)
+        self._send_grammar(dec, params)
+        if prefills:
             r = Routed(xid, request_id, len(ids), pre.rank, dec.rank, "prefill", params.n)
             pre.prompt_tokens += len(ids)
             self.t.send(pre.rank, {"op": "prefill", "xid": xid, "rid": request_id, "ids": ids, "params": params,
@@ -188,6 +194,25 @@ class Router:
             self.t.send(dec.rank, {"op": "run", "xid": xid, "rid": request_id, "ids": ids, "params": params})
         dec.seqs += r.seqs
         self.requests[request_id], self.by_xid[xid] = r, r
+
+    def _send_grammar(self, inst: InstanceState, params) -> None:
+        """Give an instance the automaton of a constrained request before the request itself, once per grammar:
+        compiled here (by the server's compile worker, off every loop), it is not compiled again on the
+        instance's step loop. Instances keep it in their compile cache, which holds more grammars than the
+        COMPILE_CACHE_SIZE newest ones remembered here; one evicted there is compiled there again (correct, only
+        slower)."""
+        so = params.structured_outputs
+        carried = export(so.request) if so is not None else None
+        if carried is None:
+            return
+        key, automaton = carried
+        if key in inst.grammars:
+            inst.grammars.move_to_end(key)
+            return
+        self.t.send(inst.rank, {"op": "grammar", "key": key, "automaton": automaton})
+        inst.grammars[key] = True
+        while len(inst.grammars) > COMPILE_CACHE_SIZE:
+            inst.grammars.popitem(last=False)
 
     def abort_request(self, request_id: str):
         r = self.requests.get(request_id)

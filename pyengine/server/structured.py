@@ -263,6 +263,7 @@ def _compile_job(kind: str, spec, seconds: float, max_states: int):
         return "refused", type(e).__name__, str(e), e.keyword
 
 
+RESUBMITS = 3       # how often a compile job whose worker was killed for another job is submitted again
 WORKER_NICE = 10     # the compile worker yields the CPU to the engine's step on a busy host
 
 
@@ -311,6 +312,7 @@ class GrammarCompiler:
         self._pool: ProcessPoolExecutor | None = None
         self._inflight: dict[str, asyncio.Future] = {}
         self.compiles = self.refusals = self.kills = 0
+        self._queued = 0                          # compile jobs submitted to the worker and not answered
 
     def _executor(self) -> ProcessPoolExecutor:
         if self._pool is None:
@@ -348,18 +350,34 @@ class GrammarCompiler:
         pool.shutdown(wait=True, cancel_futures=True)     # joins the worker (a killed one too)
 
     async def _run(self, kind: str, spec):
+        """One compile job in the worker. A job queued behind another grammar that overran its budget loses its
+        worker with it (the pool is killed and its queue cancelled): that job is not this request's fault, so it
+        is submitted again to the fresh worker, up to RESUBMITS times."""
         loop = asyncio.get_running_loop()
-        pool = None if self.mode == "thread" else self._executor()
-        fut = loop.run_in_executor(pool, _compile_job, kind, spec, self.max_compile_s, self.max_states)
-        try:
-            return await asyncio.wait_for(fut, self.max_compile_s + HARD_KILL_GRACE_S)
-        except asyncio.TimeoutError:
-            if self.mode == "process":
-                self._kill()
-            return "refused", "GrammarTooSlow", GrammarTooSlow.message(self.max_compile_s), None
-        except BrokenProcessPool:
-            self._pool = None
-            return "refused", "GrammarError", "the grammar compiler failed on this grammar", None
+        for _ in range(RESUBMITS + 1):
+            pool = None if self.mode == "thread" else self._executor()
+            # the worker runs one job at a time and each keeps its own budget, so a job waits its turn behind
+            # the ones queued before it: its deadline counts them (a deadline from submission alone would kill
+            # the worker under someone else's job)
+            deadline = (self.max_compile_s + HARD_KILL_GRACE_S) * (1 + (self._queued if pool is not None else 0))
+            fut = loop.run_in_executor(pool, _compile_job, kind, spec, self.max_compile_s, self.max_states)
+            self._queued += 1
+            try:
+                return await asyncio.wait_for(fut, deadline)
+            except asyncio.TimeoutError:
+                if self.mode == "process" and self._pool is pool:
+                    self._kill()
+                return "refused", "GrammarTooSlow", GrammarTooSlow.message(self.max_compile_s), None
+            except asyncio.CancelledError:
+                if asyncio.current_task().cancelling() or pool is None or self._pool is pool:
+                    raise                         # this request itself was cancelled
+            except BrokenProcessPool:
+                if self._pool is pool:            # this grammar broke it
+                    self._pool = None
+                    return "refused", "GrammarError", "the grammar compiler failed on this grammar", None
+            finally:
+                self._queued -= 1
+        return "refused", "GrammarError", "the grammar compile worker was restarted too often; try again", None
 
     async def compile(self, kind: str, spec) -> None:
         """Compile (kind, spec) into the cache; GrammarError if it is refused (now or before)."""

@@ -89,6 +89,15 @@ def install(key: str, automaton=None, refusal: GrammarError | None = None) -> No
         _remember(_cache, (key, None), automaton, 2 * COMPILE_CACHE_SIZE)
 
 
+def export(request) -> tuple[str, object] | None:
+    """(key, automaton) of a request (kind, spec) compiled in this process, for another process to `install`:
+    S18's router compiles off its loop (the server's worker), and its instances take the automaton with the
+    request instead of compiling it again on their step loop. None if it is not in the cache."""
+    key = spec_key(*request)
+    automaton = cached_automaton(key)
+    return None if automaton is None else (key, automaton)
+
+
 def compile_automaton(kind: str, spec, budget: Budget | None = None):
     """(kind, spec) -> automaton under a time/state budget, through the LRU caches of automata and of
     refusals (the same bad grammar is refused from the cache). Every failure is a `GrammarError`: deep

@@ -28,11 +28,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def ranks_of(pid: int) -> dict[int, int]:
-    """MPI rank -> pid of every rank started under the process ``pid`` (from their environments). A rank's own
-    helper processes (the tokenizer and grammar workers rank 0 spawns) inherit its environment: the rank is the
-    one whose parent is not a process of the same rank."""
-    found: dict[int, list[int]] = {}
+def tagged(pid: int) -> dict[int, int]:
+    """pid -> MPI rank of every process started under the process ``pid`` (found by the PYENGINE_TEST_SERVER
+    their environments inherit): the ranks and their own helper processes."""
+    found: dict[int, int] = {}
     for d in os.listdir("/proc"):
         if not d.isdigit():
             continue
@@ -42,7 +41,17 @@ def ranks_of(pid: int) -> dict[int, int]:
             continue
         vals = dict(e.split(b"=", 1) for e in env if b"=" in e)
         if vals.get(b"PYENGINE_TEST_SERVER") == str(pid).encode() and b"OMPI_COMM_WORLD_RANK" in vals:
-            found.setdefault(int(vals[b"OMPI_COMM_WORLD_RANK"]), []).append(int(d))
+            found[int(d)] = int(vals[b"OMPI_COMM_WORLD_RANK"])
+    return found
+
+
+def ranks_of(pid: int) -> dict[int, int]:
+    """MPI rank -> pid of every rank started under the process ``pid``. A rank's own helper processes (the
+    tokenizer and grammar workers rank 0 spawns) inherit its environment: the rank is the one whose parent is
+    not a process of the same rank."""
+    found: dict[int, list[int]] = {}
+    for p, rank in tagged(pid).items():
+        found.setdefault(rank, []).append(p)
 
     def parent(p: int) -> int | None:
         try:

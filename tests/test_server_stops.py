@@ -20,6 +20,7 @@ import pytest
 from pyengine.server.app import create_app
 from pyengine.server.limits import ServerLimits
 from pyengine.server.runner import ServerThread, client_key
+from test_mpi_serve import ranks_of, tagged
 from test_server_errors import FakeEngine
 
 COMP = {"prompt": "hello", "max_tokens": 4}
@@ -183,19 +184,7 @@ class ServeProcess:
         raise TimeoutError("server did not start")
 
     def ranks(self) -> dict[int, int]:
-        import os
-        out = {}
-        for d in os.listdir("/proc"):
-            if not d.isdigit():
-                continue
-            try:
-                env = open(f"/proc/{d}/environ", "rb").read().split(b"\0")
-            except OSError:
-                continue
-            vals = dict(e.split(b"=", 1) for e in env if b"=" in e)
-            if vals.get(b"PYENGINE_TEST_SERVER") == str(self.proc.pid).encode() and b"OMPI_COMM_WORLD_RANK" in vals:
-                out[int(vals[b"OMPI_COMM_WORLD_RANK"])] = int(d)
-        return out
+        return ranks_of(self.proc.pid)
 
     def job(self) -> list[int]:
         """Every process of the job still alive: the launcher's session (mpiexec, prterun, ranks, workers)."""
@@ -210,7 +199,7 @@ class ServeProcess:
                 continue
             if stat[0] != "Z" and self.proc.pid in (int(stat[1]), int(stat[3])):   # its children, its session
                 out.append(int(d))
-        out += [p for p in self.ranks().values() if p not in out and alive(p)]
+        out += [p for p in tagged(self.proc.pid) if p not in out and alive(p)]     # ranks and their helpers
         return [p for p in out if p != self.proc.pid]
 
     def kill(self) -> None:
@@ -454,7 +443,8 @@ def test_disaggregated_serve_degraded_health_graceful_ctrl_c_and_non_zero_exit_a
         except subprocess.TimeoutExpired:
             code = None
         text = srv.text()
-        assert code == 1 and "MPI rank 1 ended without shutting down" in text, text[-3000:]
+        said = "\n".join(line for line in text.splitlines() if "GET /health" not in line)
+        assert code == 1 and "MPI rank 1 ended without shutting down" in text, f"exit {code}\n{said[-3000:]}"
         assert "pyengine serve: loading SmolLM2" in text and "decode rank 2: KV cache" in text, text[:2000]
         assert "Traceback" not in text, text[-3000:]
         assert not wait_gone(ranks.values(), 10)

@@ -49,23 +49,21 @@ def join_launcher() -> None:
 
 def say_exit() -> None:
     """Tell the launcher this rank ends normally (idempotent; no launcher: nothing)."""
-    sock = _CONTROL.get("sock")
-    if sock is None or _CONTROL.get("leaving"):
-        return
-    _CONTROL["leaving"] = True
-    try:
-        sock.sendall(b"exit\n")
-    except OSError:
-        pass
+    _say(b"exit\n")
 
 
 def say_abort() -> None:
     """Before a deliberate MPI_Abort: the ranks it ends are not failures of their own."""
+    _say(b"abort\n")
+
+
+def _say(word: bytes) -> None:
+    """The rank's last word to the launcher: only one is said."""
     sock = _CONTROL.get("sock")
     if sock is None or _CONTROL.get("leaving"):
         return
     _CONTROL["leaving"] = True
     try:
-        sock.sendall(b"abort\n")
+        sock.sendall(word)
     except OSError:
         pass

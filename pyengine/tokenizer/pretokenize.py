@@ -121,12 +121,20 @@ def split_isolated(pattern: re.Pattern, text: str) -> list[str]:
 
 
 class PreTokenizer:
-    """A chain of regex splits; each later pattern splits the pieces of the earlier ones."""
+    """A chain of regex splits; each later pattern splits the pieces of the earlier ones. `normalization`
+    ("NFC" or None) is the Unicode normalization the family's tokenizer applies to text between special
+    tokens before splitting; the tokenizer applies it (`normalize`), the splits here do not."""
 
-    def __init__(self, name: str, patterns: tuple[str, ...]):
+    def __init__(self, name: str, patterns: tuple[str, ...], normalization: str | None = None):
         self.name = name
         self.patterns = patterns
+        self.normalization = normalization
         self._compiled = None
+
+    def normalize(self, text: str) -> str:
+        if not self.normalization or unicodedata.is_normalized(self.normalization, text):
+            return text
+        return unicodedata.normalize(self.normalization, text)
 
     def __call__(self, text: str) -> list[str]:
         if self._compiled is None:
@@ -156,9 +164,21 @@ PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
 }
 
 
-def get_pretokenizer(name: str | None) -> PreTokenizer:
-    """The pre-tokenizer for a `tokenizer.ggml.pre` value; ValueError naming it if unknown."""
+# Families whose tokenizer.json normalizes to NFC first (Qwen2/2.5/3 and their distills; HF's GGUF loader
+# does the same for them). llama.cpp applies no normalization: there a decomposed "e\u0301" stays two
+# characters and can give other ids than HF -- we follow HF.
+NFC_PRE_TOKENIZERS = frozenset({"qwen2", "deepseek-r1-qwen"})
+
+
+def normalization_for(name: str | None) -> str | None:
+    """The Unicode normalization a `tokenizer.ggml.pre` family applies ("NFC") or None."""
+    return "NFC" if (name or "default").lower() in NFC_PRE_TOKENIZERS else None
+
+
+def get_pretokenizer(name: str | None, normalization: str | None = None) -> PreTokenizer:
+    """The pre-tokenizer for a `tokenizer.ggml.pre` value; ValueError naming it if unknown. `normalization`
+    replaces the family's own (a file read with another split keeps its own normalization)."""
     key = (name or "default").lower()
     if key not in PRE_TOKENIZERS:
         raise ValueError(f"tokenizer.ggml.pre = {name!r} is not supported; known: {sorted(PRE_TOKENIZERS)}")
-    return PreTokenizer(key, PRE_TOKENIZERS[key])
+    return PreTokenizer(key, PRE_TOKENIZERS[key], normalization_for(key) if normalization is None else normalization)

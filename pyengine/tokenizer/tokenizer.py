@@ -20,7 +20,7 @@ import re
 from .bpe import BYTE_TO_CHAR, ByteLevelBPE, byte_level_spelling
 from .detokenize import ByteLevelDecoder, SentencePieceDecoder
 from .length_bound import TooManyTokens
-from .pretokenize import get_pretokenizer
+from .pretokenize import get_pretokenizer, normalization_for
 from .spm import SPACE, SentencePieceBPE, byte_token_value
 
 CONTROL, USER_DEFINED = 3, 4      # llama.cpp token types
@@ -97,7 +97,8 @@ class Tokenizer:
 
     @classmethod
     def from_metadata(cls, md: dict, pre: str | None = None) -> "Tokenizer":
-        """From GGUF metadata (llama.cpp key names). `pre` overrides `tokenizer.ggml.pre`."""
+        """From GGUF metadata (llama.cpp key names). `pre` overrides the split `tokenizer.ggml.pre` names
+        (the file's own normalization, NFC for Qwen, stays)."""
         kind = md.get("tokenizer.ggml.model")
         tokens = md.get("tokenizer.ggml.tokens")
         if kind is None or tokens is None:
@@ -130,7 +131,10 @@ class Tokenizer:
             merges = md.get("tokenizer.ggml.merges")
             if merges is None:
                 raise ValueError("byte-level BPE (tokenizer.ggml.model = 'gpt2') needs tokenizer.ggml.merges")
-            model = ByteLevelBPE(tokens, list(merges), get_pretokenizer(pre or md.get("tokenizer.ggml.pre")))
+            # `pre` swaps the split only: the text is normalized as the file's own family does it
+            own = md.get("tokenizer.ggml.pre")
+            split = get_pretokenizer(pre or own, normalization_for(own) or "" if pre else None)
+            model = ByteLevelBPE(tokens, list(merges), split)
             vocab = model.vocab
             alphabet = set(BYTE_TO_CHAR.values())
             # Control tokens spelled outside the byte alphabet are llama.cpp mislabels; HF skips them.
@@ -150,8 +154,12 @@ class Tokenizer:
                     raise ValueError("SentencePiece vocabulary needs tokenizer.ggml.scores or tokenizer.ggml.merges")
                 rank_scores = [0.0] * n if scores is None else _float_list(scores, n, "tokenizer.ggml.scores")
             merges = md.get("tokenizer.ggml.merges")
+            # llama.cpp puts a space before every text segment unless the file says add_space_prefix = false,
+            # as the families' own (legacy) tokenizer.json do. A non-Gemma file that says false gets what
+            # transformers' GGUF loader builds for it: one "▁" at the very start (tokenizer_spm_llama.json).
+            every = not gemma and bool(md.get("tokenizer.ggml.add_space_prefix", True))
             model = SentencePieceBPE(tokens_m, rank_scores, list(merges) if merges is not None else None,
-                                     prefix_space=not gemma, unk_id=unk)
+                                     prefix_space=not gemma, unk_id=unk, prefix_every_segment=every)
             vocab = model.vocab
             special = {t: i for i, t in enumerate(tokens) if types[i] == CONTROL}
             user = {t: i for i, t in enumerate(tokens) if types[i] == USER_DEFINED and t in vocab}
@@ -260,6 +268,8 @@ class Tokenizer:
         """A lower bound on len(encode(text)) computed without tokenizing (C-speed byte operations): no
         token covers more than `max_token_bytes` bytes. 0 when the vocabulary allows no bound (SentencePiece
         without complete byte fallback fuses any run of unknown characters into one <unk>)."""
+        if self.kind == "bpe":       # count what is tokenized: NFC may compose characters into fewer bytes
+            text = self.model.pretokenizer.normalize(text)
         raw = text.encode("utf-8", errors="surrogatepass")
         if self.kind == "bpe":
             if self.model.missing_bytes:          # bytes without a token are dropped, not counted

@@ -299,7 +299,7 @@ class Tokenizer:
                             chat_template: str | None = None, **kwargs):
         """Render a conversation the way HF's `apply_chat_template` does; ids if `tokenize`."""
         from .chat_template import render_chat
-        for unsupported in ("tools", "documents", "continue_final_message"):
+        for unsupported in ("documents", "continue_final_message"):   # tools: where the template takes them
             if kwargs.get(unsupported):
                 raise ValueError(f"apply_chat_template: {unsupported}= is not supported")
         template = chat_template if chat_template is not None else self.chat_template

@@ -9,12 +9,14 @@ SentencePiece path (prefix space, byte fallback, merges by score) with the same 
 from __future__ import annotations
 
 import functools
+import json
 import random
 import unicodedata
 
 import pytest
 
-from tokenizer_families import CONTROL, gpt2_metadata, load, package_dir, spm_metadata, write_gguf
+from tokenizer_families import (CONTROL, PHI3_ADDED, gpt2_metadata, load, package_dir, spm_metadata,
+                                with_phi3_added_tokens, write_gguf)
 from pyengine.tokenizer import Tokenizer
 
 CORPUS = [
@@ -36,6 +38,8 @@ CORPUS = [
     "chat markers inside text: <|im_start|>user\nhi<|im_end|> <think>x</think> <start_of_turn>model\n</s><s>",
     "<|endoftext|>at start and at end<|endoftext|>",
     "Hello</s>world and</s> spaced <s>  two</s>\nnewline<s>",
+    "<|system|>\nBe brief.<|end|>\n<|user|>\nHi \t\n<|end|>\n<|assistant|>\n  Hello!<|end|>\n<|endoftext|> x",
+    "<|user|>\u3000\u00a0wide spaces\x1c<|end|>\r\n\r\n<|placeholder1|>x<|assistant|>",
     "tool <tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call> <tool_response>ok</tool_response>",
     "A" * 40 + " " + "ab" * 30 + " " + "1234567890" * 3,
     "",
@@ -67,12 +71,18 @@ FAMILIES = {
     "qwen": ("tokenizer-qwen3", lambda: gpt2_metadata("tokenizer-qwen3", "qwen3", "qwen2")),
     "gemma2": ("tokenizer-gemini", lambda: spm_metadata("tokenizer-gemini", "gemma2")),
     "llama-spm": ("tokenizer-llama2", lambda: spm_metadata("tokenizer-llama2", "llama")),
+    # Phi-3's pipeline: the same SentencePiece path plus its 11 added chat tokens that swallow the whitespace
+    # after them (rstrip), on the 32k vocabulary we have
+    "phi3-added": ("phi3", lambda: spm_metadata("tokenizer-llama2", "phi3",
+                                                 data=with_phi3_added_tokens("tokenizer-llama2"))),
 }
 
 
 @functools.lru_cache(maxsize=None)
 def hf(pkg: str):
     from tokenizers import Tokenizer as HFTokenizer
+    if pkg == "phi3":
+        return HFTokenizer.from_str(json.dumps(with_phi3_added_tokens("tokenizer-llama2")[0]))
     return HFTokenizer.from_file(str(package_dir(pkg) / "tokenizer.json"))
 
 
@@ -156,3 +166,19 @@ def test_converter_matches_the_real_gemma3_gguf():
     assert differ == {"<start_of_image>", "<end_of_image>"}
     for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.padding_token_id"):
         assert md[key] == real[key]
+
+
+def test_phi3_chat_prompt_swallows_newlines_after_its_tokens(ours):
+    """What the rstrip flags do to a Phi-3 chat prompt (HF's ids): the newline after each chat token is gone and
+    the text after it starts a new word."""
+    tok, ref = ours("phi3-added"), hf("phi3")
+    prompt = "<|user|>\nHello<|end|>\n<|assistant|>\n"
+    ids = tok.encode(prompt)
+    assert ids == ref.encode(prompt, add_special_tokens=False).ids
+    assert ids == [32010, tok.token_to_id("\u2581Hello"), 32007, 32001]
+    assert [tok.id_to_token(32000 + k) for k in range(11)] == PHI3_ADDED
+    # encode_chat keeps the rule for the template's tokens; a typed "<|end|>" in a message stays text
+    text, chat_ids = tok.encode_chat([{"role": "user", "content": "Hello"}],
+                                     chat_template="{% for m in messages %}{{ '<|user|>\n' + m['content'] + "
+                                                   "'<|end|>\n' }}{% endfor %}{{ '<|assistant|>\n' }}")
+    assert chat_ids == ids

@@ -19,6 +19,7 @@ first merge that makes it -- the same order (added tokens get -1000 and byte tok
 """
 from __future__ import annotations
 
+import copy
 import functools
 import json
 from pathlib import Path
@@ -81,10 +82,11 @@ def gpt2_metadata(pkg: str, arch: str, pre: str) -> dict:
     return md
 
 
-def spm_metadata(pkg: str, arch: str, vocab_size: int | None = None) -> dict:
+def spm_metadata(pkg: str, arch: str, vocab_size: int | None = None, data: tuple[dict, dict] | None = None) -> dict:
     """SentencePiece BPE with byte fallback (Gemma, Llama-2 style): tokenizer.ggml.model = llama.
-    `vocab_size`: the model's (config.json), which the converter keeps to; tokens past it are dropped."""
-    tj, config = load(pkg)
+    `vocab_size`: the model's (config.json), which the converter keeps to; tokens past it are dropped.
+    `data`: (tokenizer.json, tokenizer_config.json) to use instead of the package's."""
+    tj, config = data or load(pkg)
     n = vocab_size or max(max(tj["model"]["vocab"].values()), max(a["id"] for a in tj["added_tokens"])) + 1
     vocab = {t: i for t, i in tj["model"]["vocab"].items() if i < n}
     added = {a["id"]: a for a in tj["added_tokens"] if a["id"] < n}
@@ -149,3 +151,22 @@ def write_gguf(md: dict, path: Path) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+# Phi-3/3.5's added tokens (ids 32000..32010 after Llama 2's 32000 pieces) and their flags in Phi-3's
+# tokenizer.json: all special; all but <|endoftext|> rstrip, and </s> too (llama.cpp's phi-3 attributes agree).
+PHI3_ADDED = ["<|endoftext|>", "<|assistant|>", "<|placeholder1|>", "<|placeholder2|>", "<|placeholder3|>",
+              "<|placeholder4|>", "<|system|>", "<|end|>", "<|placeholder5|>", "<|placeholder6|>", "<|user|>"]
+
+
+def with_phi3_added_tokens(pkg: str) -> tuple[dict, dict]:
+    """A 32k SentencePiece tokenizer.json given Phi-3's added tokens and flags (a copy; the package is untouched)."""
+    tj, config = copy.deepcopy(load(pkg))
+    assert len(tj["model"]["vocab"]) == 32000
+    for a in tj["added_tokens"]:
+        if a["content"] == "</s>":
+            a["rstrip"] = True
+    for k, text in enumerate(PHI3_ADDED):
+        tj["added_tokens"].append({"id": 32000 + k, "content": text, "single_word": False, "lstrip": False,
+                                   "rstrip": text != "<|endoftext|>", "normalized": False, "special": True})
+    return tj, config

@@ -20,7 +20,7 @@ import re
 from .bpe import BYTE_TO_CHAR, ByteLevelBPE, byte_level_spelling
 from .detokenize import ByteLevelDecoder, SentencePieceDecoder
 from .length_bound import TooManyTokens
-from .pretokenize import get_pretokenizer, normalization_for
+from .pretokenize import WHITE_SPACE, get_pretokenizer, normalization_for
 from .spm import SPACE, SentencePieceBPE, byte_token_value
 
 CONTROL, USER_DEFINED = 3, 4      # llama.cpp token types
@@ -81,6 +81,7 @@ class Tokenizer:
         self.add_eos_token = add_eos_token
         self.chat_template = chat_template
         self.kind = kind
+        self.rstrip_ids: set[int] = set()       # added tokens that swallow the whitespace after them (Phi-3)
         self._matcher = SpecialTokenMatcher(added)
         stops = {eos_token_id} if eos_token_id is not None else set()
         stops.update(extra_stop_ids)
@@ -172,8 +173,15 @@ class Tokenizer:
         # HF gives an added token the vocabulary's id for its text (the last one, if spelled twice).
         added = {t: vocab.get(t, i) for t, i in {**special, **user}.items()}
         special_ids = {added[t] for t in special}
-        return cls(model, decoder, tokens, types, added, special_ids, bos, eos, unk, pad,
-                   bool(add_bos), add_eos, template, extra_stops, kind="bpe" if kind == "gpt2" else "spm")
+        tok = cls(model, decoder, tokens, types, added, special_ids, bos, eos, unk, pad,
+                  bool(add_bos), add_eos, template, extra_stops, kind="bpe" if kind == "gpt2" else "spm")
+        if arch == "phi3" and kind == "llama":
+            # Phi-3/3.5's tokenizer.json gives its chat tokens rstrip=True: the whitespace after <|user|>,
+            # <|end|>, ... belongs to the token ("<|user|>\nHi" -> <|user|> ▁Hi). llama.cpp sets the same
+            # attribute for files named phi-3 (all control tokens but <unk>, <s>, <|endoftext|>; and </s>).
+            keep = {"<unk>", "<s>", "<|endoftext|>"}
+            tok.rstrip_ids = {i for t, i in added.items() if (i in special_ids and t not in keep) or t == "</s>"}
+        return tok
 
     # -- basic facts -------------------------------------------------------------------------------------
     @property
@@ -233,10 +241,14 @@ class Tokenizer:
             tid = self.added[token]
             if not parse_special and tid in self.special_ids:
                 continue  # stays part of the surrounding text
+            if start < pos:
+                continue                  # inside whitespace an rstrip token swallowed
             if start > pos:
                 ids.extend(self._encode_segment(text[pos:start], pos == 0, limit, mark, len(ids)))
             ids.append(tid)
             pos = end
+            if tid in self.rstrip_ids:
+                pos = _skip_white_space(text, pos, mark)
             if limit is not None and len(ids) > limit:
                 raise TooManyTokens(len(ids), limit)
         if pos < len(text):
@@ -349,6 +361,16 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.kind}, vocab_size={self.vocab_size})"
+
+
+_WHITE = frozenset(c for c in map(chr, range(0x3001)) if re.fullmatch(f"[{WHITE_SPACE}]", c))
+
+
+def _skip_white_space(text: str, pos: int, mark: str | None) -> int:
+    """Past the Unicode White_Space (HF's rstrip) at text[pos:]; encode_chat's mark counts as nothing."""
+    while pos < len(text) and (text[pos] in _WHITE or (mark is not None and text[pos] == mark)):
+        pos += 1
+    return pos
 
 
 def _int_list(values, n: int, key: str, default: int) -> list[int]:

@@ -224,3 +224,35 @@ def test_qwen3_chat_ids_through_the_real_tokenizer():
     assert tok.encode_chat(conv, tools=[WEATHER], enable_thinking=False)[1] == want
     # system, user, the assistant's call, the tool result (a user turn), the generation prompt
     assert want.count(tok.token_to_id("<|im_start|>")) == 5 and tok.token_to_id("<tool_call>") in want
+
+
+WITHOUT_JINJA = r"""
+import json, sys
+sys.modules["jinja2"] = None                    # `import jinja2` raises ImportError, as in Pyodide
+sys.path.insert(0, sys.argv[1])
+import test_chat_families as t
+out = {}
+for name in t.RECOGNIZED:
+    for k, (conv, agp, extra) in enumerate(t._variants(name)):
+        if k % 7 == 0:
+            out[f"{name}/{k}"] = t._outcome(lambda: t.render_chat(t.source(name), conv, agp, **t.SPECIALS[name], **extra))
+print(json.dumps(out))
+"""
+
+
+def test_without_jinja_the_family_templates_still_render():
+    """jinja2 hidden (the browser worker has none): the published templates render the same text."""
+    import subprocess
+    import sys
+    run = subprocess.run([sys.executable, "-c", WITHOUT_JINJA, str(HERE)], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(run.stdout)
+    texts = 0
+    for name in RECOGNIZED:
+        for k, (conv, agp, extra) in enumerate(_variants(name)):
+            if k % 7 == 0:
+                want = _outcome(lambda: render_chat(source(name), conv, agp, **SPECIALS[name], **extra))
+                assert tuple(got[f"{name}/{k}"]) == want, (name, conv, extra)
+                texts += want[0] == "text"
+    assert texts >= 40

@@ -256,3 +256,28 @@ def test_without_jinja_the_family_templates_still_render():
                 assert tuple(got[f"{name}/{k}"]) == want, (name, conv, extra)
                 texts += want[0] == "text"
     assert texts >= 40
+
+
+def test_llm_chat_takes_tools_and_template_kwargs():
+    """`LLM.chat(tools=, chat_template_kwargs=)` (vLLM's names) reach the template: the request's prompt is
+    jinja's rendering of Qwen3's template and its ids are HF's (a scripted runner over Qwen3's tokenizer)."""
+    from engine_fakes import FakeRunner
+    from tokenizers import Tokenizer as HFTokenizer
+    from pyengine.llm import LLM
+    from pyengine.sampling_params import SamplingParams
+    from tokenizer_families import package_dir
+    tok = Tokenizer.from_metadata(gpt2_metadata("tokenizer-qwen3", "qwen3", "qwen2"))
+    ref = HFTokenizer.from_file(str(package_dir("tokenizer-qwen3") / "tokenizer.json"))
+    llm = LLM(runner=FakeRunner(num_blocks=256, block_size=4, tokenizer=tok), max_num_seqs=2,
+              max_num_batched_tokens=512, max_model_len=1000)
+    conv = [U("Quel temps à Zürich ?")]
+    out = llm.chat(conv, SamplingParams(temperature=0, max_tokens=1), tools=[WEATHER],
+                   chat_template_kwargs={"enable_thinking": False})[0]
+    want = hf_render(source("qwen3"), conv, True, tools=[WEATHER], enable_thinking=False, **SPECIALS["qwen3"])
+    assert out.prompt == want and "get_weather" in want and want.endswith("<think>\n\n</think>\n\n")
+    assert out.prompt_token_ids == ref.encode(want, add_special_tokens=False).ids
+    assert llm.chat_prompt(conv, tools=[WEATHER], chat_template_kwargs={"enable_thinking": False}) == want
+    with pytest.raises(ValueError, match="may not set 'messages'"):
+        llm.chat(conv, chat_template_kwargs={"messages": []})
+    with pytest.raises(ValueError, match="tools must be a list"):
+        llm.chat(conv, tools="get_weather")

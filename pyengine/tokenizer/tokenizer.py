@@ -335,17 +335,32 @@ class Tokenizer:
         if special_tokens_in_content:
             text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
             return text, self._encode_text(text, True, limit)
-        contents = [m["content"] for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str)]
+        # every string a template may print: message fields (tool calls, reasoning) and tool definitions too
+        strings = list(_strings([messages, kwargs.get("tools")]))
         template = kwargs.get("chat_template") or self.chat_template or ""
-        mark = next((c for c in NONCHARACTERS if c not in template and not any(c in t for t in contents)), None)
+        mark = next((c for c in NONCHARACTERS if c not in template and not any(c in t for t in strings)), None)
         if mark is None:
             raise ValueError("the messages use every Unicode noncharacter U+FDD0..U+FDEF")
-        marked = [{**m, "content": self._mark_specials(m["content"], mark)}
-                  if isinstance(m, dict) and isinstance(m.get("content"), str) else m for m in messages]
+        marked = [{k: (self._mark_specials(v, mark) if k == "content" and isinstance(v, str)
+                       else v if k == "role" else self._mark_nested(v, mark)) for k, v in m.items()}
+                  if isinstance(m, dict) else m for m in messages]
+        if kwargs.get("tools") is not None:
+            kwargs = {**kwargs, "tools": self._mark_nested(kwargs["tools"], mark)}
         text = self.apply_chat_template(marked, add_generation_prompt=add_generation_prompt, **kwargs)
         return text.replace(mark, ""), self._encode_text(text, True, limit, mark)
 
-    def _mark_specials(self, content: str, mark: str) -> str:
+    def _mark_nested(self, value, mark: str):
+        """Control-token strings inside nested message fields and tool definitions, marked like content's
+        (inside only: their ends are not closed off, so a template's tests on them see the same text)."""
+        if isinstance(value, str):
+            return self._mark_specials(value, mark, ends=False)
+        if isinstance(value, dict):
+            return {self._mark_nested(k, mark): self._mark_nested(v, mark) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self._mark_nested(v, mark) for v in value]
+        return value
+
+    def _mark_specials(self, content: str, mark: str, ends: bool = True) -> str:
         if not content:
             return content
         out, pos = [], 0
@@ -355,12 +370,27 @@ class Tokenizer:
                 pos = end
         out.append(content[pos:])
         text = "".join(out)
+        if not ends:
+            return text
         head = "" if content[0].isspace() else mark    # blank ends stay bare: templates may trim them
         tail = "" if content[-1].isspace() else mark
         return head + text + tail
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.kind}, vocab_size={self.vocab_size})"
+
+
+def _strings(value):
+    """Every str inside nested dicts (keys too), lists and tuples."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _strings(k)
+            yield from _strings(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _strings(v)
 
 
 _WHITE = frozenset(c for c in map(chr, range(0x3001)) if re.fullmatch(f"[{WHITE_SPACE}]", c))

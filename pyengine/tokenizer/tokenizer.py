@@ -372,9 +372,25 @@ class Tokenizer:
         text = "".join(out)
         if not ends:
             return text
-        head = "" if content[0].isspace() else mark    # blank ends stay bare: templates may trim them
-        tail = "" if content[-1].isspace() else mark
+        # An end is closed off only where a control token could straddle it (the content starts with the
+        # rest of one, or ends with the start of one): elsewhere a mark would only change what the template's
+        # string tests see (Qwen3's startswith('<tool_response>')). Blank ends stay bare: templates trim them.
+        heads, tails = self._straddles
+        reach = range(1, min(len(content), self._straddle_len) + 1)
+        head = mark if not content[0].isspace() and any(content[:k] in heads for k in reach) else ""
+        tail = mark if not content[-1].isspace() and any(content[-k:] in tails for k in reach) else ""
         return head + text + tail
+
+    @functools.cached_property
+    def _straddles(self) -> tuple[frozenset, frozenset]:
+        """(proper suffixes, proper prefixes) of the control tokens' texts."""
+        specials = [t for t, i in self.added.items() if i in self.special_ids]
+        return (frozenset(t[k:] for t in specials for k in range(1, len(t))),
+                frozenset(t[:k] for t in specials for k in range(1, len(t))))
+
+    @functools.cached_property
+    def _straddle_len(self) -> int:
+        return max((len(t) for t in self.added), default=0)
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.kind}, vocab_size={self.vocab_size})"

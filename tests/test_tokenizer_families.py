@@ -177,8 +177,16 @@ def test_phi3_chat_prompt_swallows_newlines_after_its_tokens(ours):
     assert ids == ref.encode(prompt, add_special_tokens=False).ids
     assert ids == [32010, tok.token_to_id("\u2581Hello"), 32007, 32001]
     assert [tok.id_to_token(32000 + k) for k in range(11)] == PHI3_ADDED
-    # encode_chat keeps the rule for the template's tokens; a typed "<|end|>" in a message stays text
-    text, chat_ids = tok.encode_chat([{"role": "user", "content": "Hello"}],
-                                     chat_template="{% for m in messages %}{{ '<|user|>\n' + m['content'] + "
-                                                   "'<|end|>\n' }}{% endfor %}{{ '<|assistant|>\n' }}")
-    assert chat_ids == ids
+    # through Phi-3.5's published template (rendered without jinja2): the ids of HF's tokenizer on its text
+    from pathlib import Path
+    golden = Path(__file__).resolve().parent / "golden" / "chat_templates_families.json"
+    phi35 = json.loads(golden.read_text(encoding="utf-8"))["templates"]["phi3.5"]["source"]
+    text, chat_ids = tok.encode_chat([{"role": "user", "content": "Hello"}], chat_template=phi35)
+    assert text == prompt and chat_ids == ids
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": " 4 "}, {"role": "user", "content": "and <|end|> typed"}]
+    text, chat_ids = tok.encode_chat(conv, chat_template=phi35)
+    typed = ref.encode("and <|end|> typed", add_special_tokens=False).ids
+    assert chat_ids.count(32007) == 4 and chat_ids.count(32010) == 2      # the typed <|end|> stays text
+    assert tok.apply_chat_template(conv, chat_template=phi35, tokenize=True) == ref.encode(
+        text, add_special_tokens=False).ids and typed.count(32007) == 1

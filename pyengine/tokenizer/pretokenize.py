@@ -10,6 +10,7 @@ White_Space property, which differs from Python's ``\\s`` on U+001C..U+001F.
 from __future__ import annotations
 
 import functools
+import itertools
 import re
 import unicodedata
 
@@ -39,16 +40,22 @@ def _ranges(codepoints: list[int]) -> str:
 
 @functools.lru_cache(maxsize=None)
 def unicode_classes() -> dict[str, str]:
-    """Class bodies for \\p{L} (letters) and \\p{N} (numbers), for the running Python's Unicode version."""
-    letters, numbers = [], []
+    """Class bodies for \\p{L} (letters), \\p{N} (numbers), \\p{M} (marks) and the letter subcategories
+    \\p{Lu} \\p{Ll} \\p{Lt} \\p{Lm} \\p{Lo} (GPT-4o's split), for the running Python's Unicode version."""
+    groups: dict[str, list[int]] = {k: [] for k in ("L", "N", "M", "Lu", "Ll", "Lt", "Lm", "Lo")}
     category = unicodedata.category
-    for cp in range(_SCAN_LIMIT):
-        major = category(chr(cp))[0]
+    # plane 14 holds combining marks (variation selectors supplement) but no letters or numbers
+    for cp in itertools.chain(range(_SCAN_LIMIT), range(0xE0000, 0xE1000)):
+        cat = category(chr(cp))
+        major = cat[0]
         if major == "L":
-            letters.append(cp)
-        elif major == "N":
-            numbers.append(cp)
-    return {"L": _ranges(letters), "N": _ranges(numbers), "s": WHITE_SPACE}
+            groups["L"].append(cp)
+            groups[cat].append(cp)
+        elif major in "NM":
+            groups[major].append(cp)
+    out = {name: _ranges(cps) for name, cps in groups.items()}
+    out["s"] = WHITE_SPACE
+    return out
 
 
 def _expand(pattern: str) -> str:
@@ -94,6 +101,11 @@ LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{
                   r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# GPT-4o's o200k split (llama.cpp "gpt-4o"; Llama 4 and Phi-4-mini's vocabularies build on it): cased words keep
+# their case run, contractions ride on the word, numbers in threes, '/' may end a punctuation run.
+GPT4O_PATTERN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                 r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 # SmolLM2/StarCoder: every digit alone (HF `Digits(individual_digits=True)`), then GPT-2 on the rest.
 # Written as one pass: digits are their own alternative, GPT-2's ` ?\p{N}+` can no longer match, and
 # `\s+(?!\S)` treats a following digit like the end of the text -- exactly what the GPT-2 split sees
@@ -121,12 +133,20 @@ def split_isolated(pattern: re.Pattern, text: str) -> list[str]:
 
 
 class PreTokenizer:
-    """A chain of regex splits; each later pattern splits the pieces of the earlier ones."""
+    """A chain of regex splits; each later pattern splits the pieces of the earlier ones. `normalization`
+    ("NFC" or None) is the Unicode normalization the family's tokenizer applies to text between special
+    tokens before splitting; the tokenizer applies it (`normalize`), the splits here do not."""
 
-    def __init__(self, name: str, patterns: tuple[str, ...]):
+    def __init__(self, name: str, patterns: tuple[str, ...], normalization: str | None = None):
         self.name = name
         self.patterns = patterns
+        self.normalization = normalization
         self._compiled = None
+
+    def normalize(self, text: str) -> str:
+        if not self.normalization or unicodedata.is_normalized(self.normalization, text):
+            return text
+        return unicodedata.normalize(self.normalization, text)
 
     def __call__(self, text: str) -> list[str]:
         if self._compiled is None:
@@ -153,12 +173,25 @@ PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
     "llama-bpe": _LLAMA3, "llama3": _LLAMA3, "llama-v3": _LLAMA3, "falcon3": _LLAMA3, "pixtral": _LLAMA3,
     "dbrx": _LLAMA3, "smaug-bpe": _LLAMA3,
     "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2, "megrez": _QWEN2,
+    "gpt-4o": (GPT4O_PATTERN,), "llama4": (GPT4O_PATTERN,),
 }
 
 
-def get_pretokenizer(name: str | None) -> PreTokenizer:
-    """The pre-tokenizer for a `tokenizer.ggml.pre` value; ValueError naming it if unknown."""
+# Families whose tokenizer.json normalizes to NFC first (Qwen2/2.5/3 and their distills; HF's GGUF loader
+# does the same for them). llama.cpp applies no normalization: there a decomposed "e\u0301" stays two
+# characters and can give other ids than HF -- we follow HF.
+NFC_PRE_TOKENIZERS = frozenset({"qwen2", "deepseek-r1-qwen"})
+
+
+def normalization_for(name: str | None) -> str | None:
+    """The Unicode normalization a `tokenizer.ggml.pre` family applies ("NFC") or None."""
+    return "NFC" if (name or "default").lower() in NFC_PRE_TOKENIZERS else None
+
+
+def get_pretokenizer(name: str | None, normalization: str | None = None) -> PreTokenizer:
+    """The pre-tokenizer for a `tokenizer.ggml.pre` value; ValueError naming it if unknown. `normalization`
+    replaces the family's own (a file read with another split keeps its own normalization)."""
     key = (name or "default").lower()
     if key not in PRE_TOKENIZERS:
         raise ValueError(f"tokenizer.ggml.pre = {name!r} is not supported; known: {sorted(PRE_TOKENIZERS)}")
-    return PreTokenizer(key, PRE_TOKENIZERS[key])
+    return PreTokenizer(key, PRE_TOKENIZERS[key], normalization_for(key) if normalization is None else normalization)

@@ -46,16 +46,21 @@ class SentencePieceBPE:
     tokens       -- the vocabulary as the model sees it (Gemma's space-only tokens respelled to ▁)
     rank_scores  -- per token, a score: higher merges earlier (Gemma: minus the position)
     merges       -- an explicit merge list, when the file has one (then it alone decides the order)
-    prefix_space -- prepend "▁" to text at the very start of the input (Llama's Metaspace "first")
+    prefix_space -- prepend "▁" to text at the very start of the input unless it starts with one (HF's
+                    Metaspace "first", what transformers' GGUF loader builds)
+    prefix_every_segment -- with prefix_space: prepend "▁" to every text segment, at the start and after each
+                    special token, even before a space (llama.cpp's add_space_prefix, and the legacy
+                    `Prepend("▁")` normalizer of Llama-2 / Mistral / Phi-3's own tokenizer.json)
     unk_id       -- used for characters with neither a token nor byte tokens
     """
 
     def __init__(self, tokens: list[str], rank_scores, merges: list[str] | None = None,
-                 prefix_space: bool = False, unk_id: int | None = None):
+                 prefix_space: bool = False, unk_id: int | None = None, prefix_every_segment: bool = False):
         self.tokens = tokens
         self.vocab = {t: i for i, t in enumerate(tokens)}
         self.scores = [float(s) for s in rank_scores]
         self.prefix_space = prefix_space
+        self.prefix_every_segment = prefix_every_segment
         self.unk_id = unk_id
         self._byte_ids = [self.vocab.get(f"<0x{b:02X}>") for b in range(256)]
         self._pairs = BoundedCache(PAIR_CACHE_BYTES, cost=_pair_cost)
@@ -167,7 +172,7 @@ class SentencePieceBPE:
         """Text between special tokens; `at_start` when it begins the input (for the prefix space). With
         `limit`: TooManyTokens as soon as more than `limit` ids are certain."""
         text = text.replace(" ", SPACE)
-        if self.prefix_space and at_start and not text.startswith(SPACE):
+        if self.prefix_space and (self.prefix_every_segment or (at_start and not text.startswith(SPACE))):
             text = SPACE + text
         out: list[int] = []
         bound = self.bound if limit is not None else None

@@ -20,7 +20,7 @@ import re
 from .bpe import BYTE_TO_CHAR, ByteLevelBPE, byte_level_spelling
 from .detokenize import ByteLevelDecoder, SentencePieceDecoder
 from .length_bound import TooManyTokens
-from .pretokenize import get_pretokenizer
+from .pretokenize import WHITE_SPACE, get_pretokenizer, normalization_for
 from .spm import SPACE, SentencePieceBPE, byte_token_value
 
 CONTROL, USER_DEFINED = 3, 4      # llama.cpp token types
@@ -81,6 +81,7 @@ class Tokenizer:
         self.add_eos_token = add_eos_token
         self.chat_template = chat_template
         self.kind = kind
+        self.rstrip_ids: set[int] = set()       # added tokens that swallow the whitespace after them (Phi-3)
         self._matcher = SpecialTokenMatcher(added)
         stops = {eos_token_id} if eos_token_id is not None else set()
         stops.update(extra_stop_ids)
@@ -97,7 +98,8 @@ class Tokenizer:
 
     @classmethod
     def from_metadata(cls, md: dict, pre: str | None = None) -> "Tokenizer":
-        """From GGUF metadata (llama.cpp key names). `pre` overrides `tokenizer.ggml.pre`."""
+        """From GGUF metadata (llama.cpp key names). `pre` overrides the split `tokenizer.ggml.pre` names
+        (the file's own normalization, NFC for Qwen, stays)."""
         kind = md.get("tokenizer.ggml.model")
         tokens = md.get("tokenizer.ggml.tokens")
         if kind is None or tokens is None:
@@ -130,7 +132,10 @@ class Tokenizer:
             merges = md.get("tokenizer.ggml.merges")
             if merges is None:
                 raise ValueError("byte-level BPE (tokenizer.ggml.model = 'gpt2') needs tokenizer.ggml.merges")
-            model = ByteLevelBPE(tokens, list(merges), get_pretokenizer(pre or md.get("tokenizer.ggml.pre")))
+            # `pre` swaps the split only: the text is normalized as the file's own family does it
+            own = md.get("tokenizer.ggml.pre")
+            split = get_pretokenizer(pre or own, normalization_for(own) or "" if pre else None)
+            model = ByteLevelBPE(tokens, list(merges), split)
             vocab = model.vocab
             alphabet = set(BYTE_TO_CHAR.values())
             # Control tokens spelled outside the byte alphabet are llama.cpp mislabels; HF skips them.
@@ -150,8 +155,12 @@ class Tokenizer:
                     raise ValueError("SentencePiece vocabulary needs tokenizer.ggml.scores or tokenizer.ggml.merges")
                 rank_scores = [0.0] * n if scores is None else _float_list(scores, n, "tokenizer.ggml.scores")
             merges = md.get("tokenizer.ggml.merges")
+            # llama.cpp puts a space before every text segment unless the file says add_space_prefix = false,
+            # as the families' own (legacy) tokenizer.json do. A non-Gemma file that says false gets what
+            # transformers' GGUF loader builds for it: one "▁" at the very start (tokenizer_spm_llama.json).
+            every = not gemma and bool(md.get("tokenizer.ggml.add_space_prefix", True))
             model = SentencePieceBPE(tokens_m, rank_scores, list(merges) if merges is not None else None,
-                                     prefix_space=not gemma, unk_id=unk)
+                                     prefix_space=not gemma, unk_id=unk, prefix_every_segment=every)
             vocab = model.vocab
             special = {t: i for i, t in enumerate(tokens) if types[i] == CONTROL}
             user = {t: i for i, t in enumerate(tokens) if types[i] == USER_DEFINED and t in vocab}
@@ -164,8 +173,15 @@ class Tokenizer:
         # HF gives an added token the vocabulary's id for its text (the last one, if spelled twice).
         added = {t: vocab.get(t, i) for t, i in {**special, **user}.items()}
         special_ids = {added[t] for t in special}
-        return cls(model, decoder, tokens, types, added, special_ids, bos, eos, unk, pad,
-                   bool(add_bos), add_eos, template, extra_stops, kind="bpe" if kind == "gpt2" else "spm")
+        tok = cls(model, decoder, tokens, types, added, special_ids, bos, eos, unk, pad,
+                  bool(add_bos), add_eos, template, extra_stops, kind="bpe" if kind == "gpt2" else "spm")
+        if arch == "phi3" and kind == "llama":
+            # Phi-3/3.5's tokenizer.json gives its chat tokens rstrip=True: the whitespace after <|user|>,
+            # <|end|>, ... belongs to the token ("<|user|>\nHi" -> <|user|> ▁Hi). llama.cpp sets the same
+            # attribute for files named phi-3 (all control tokens but <unk>, <s>, <|endoftext|>; and </s>).
+            keep = {"<unk>", "<s>", "<|endoftext|>"}
+            tok.rstrip_ids = {i for t, i in added.items() if (i in special_ids and t not in keep) or t == "</s>"}
+        return tok
 
     # -- basic facts -------------------------------------------------------------------------------------
     @property
@@ -225,10 +241,14 @@ class Tokenizer:
             tid = self.added[token]
             if not parse_special and tid in self.special_ids:
                 continue  # stays part of the surrounding text
+            if start < pos:
+                continue                  # inside whitespace an rstrip token swallowed
             if start > pos:
                 ids.extend(self._encode_segment(text[pos:start], pos == 0, limit, mark, len(ids)))
             ids.append(tid)
             pos = end
+            if tid in self.rstrip_ids:
+                pos = _skip_white_space(text, pos, mark)
             if limit is not None and len(ids) > limit:
                 raise TooManyTokens(len(ids), limit)
         if pos < len(text):
@@ -260,6 +280,8 @@ class Tokenizer:
         """A lower bound on len(encode(text)) computed without tokenizing (C-speed byte operations): no
         token covers more than `max_token_bytes` bytes. 0 when the vocabulary allows no bound (SentencePiece
         without complete byte fallback fuses any run of unknown characters into one <unk>)."""
+        if self.kind == "bpe":       # count what is tokenized: NFC may compose characters into fewer bytes
+            text = self.model.pretokenizer.normalize(text)
         raw = text.encode("utf-8", errors="surrogatepass")
         if self.kind == "bpe":
             if self.model.missing_bytes:          # bytes without a token are dropped, not counted
@@ -289,7 +311,7 @@ class Tokenizer:
                             chat_template: str | None = None, **kwargs):
         """Render a conversation the way HF's `apply_chat_template` does; ids if `tokenize`."""
         from .chat_template import render_chat
-        for unsupported in ("tools", "documents", "continue_final_message"):
+        for unsupported in ("documents", "continue_final_message"):   # tools: where the template takes them
             if kwargs.get(unsupported):
                 raise ValueError(f"apply_chat_template: {unsupported}= is not supported")
         template = chat_template if chat_template is not None else self.chat_template
@@ -313,17 +335,32 @@ class Tokenizer:
         if special_tokens_in_content:
             text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
             return text, self._encode_text(text, True, limit)
-        contents = [m["content"] for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str)]
+        # every string a template may print: message fields (tool calls, reasoning) and tool definitions too
+        strings = list(_strings([messages, kwargs.get("tools")]))
         template = kwargs.get("chat_template") or self.chat_template or ""
-        mark = next((c for c in NONCHARACTERS if c not in template and not any(c in t for t in contents)), None)
+        mark = next((c for c in NONCHARACTERS if c not in template and not any(c in t for t in strings)), None)
         if mark is None:
             raise ValueError("the messages use every Unicode noncharacter U+FDD0..U+FDEF")
-        marked = [{**m, "content": self._mark_specials(m["content"], mark)}
-                  if isinstance(m, dict) and isinstance(m.get("content"), str) else m for m in messages]
+        marked = [{k: (self._mark_specials(v, mark) if k == "content" and isinstance(v, str)
+                       else v if k == "role" else self._mark_nested(v, mark)) for k, v in m.items()}
+                  if isinstance(m, dict) else m for m in messages]
+        if kwargs.get("tools") is not None:
+            kwargs = {**kwargs, "tools": self._mark_nested(kwargs["tools"], mark)}
         text = self.apply_chat_template(marked, add_generation_prompt=add_generation_prompt, **kwargs)
         return text.replace(mark, ""), self._encode_text(text, True, limit, mark)
 
-    def _mark_specials(self, content: str, mark: str) -> str:
+    def _mark_nested(self, value, mark: str):
+        """Control-token strings inside nested message fields and tool definitions, marked like content's
+        (inside only: their ends are not closed off, so a template's tests on them see the same text)."""
+        if isinstance(value, str):
+            return self._mark_specials(value, mark, ends=False)
+        if isinstance(value, dict):
+            return {self._mark_nested(k, mark): self._mark_nested(v, mark) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self._mark_nested(v, mark) for v in value]
+        return value
+
+    def _mark_specials(self, content: str, mark: str, ends: bool = True) -> str:
         if not content:
             return content
         out, pos = [], 0
@@ -333,12 +370,53 @@ class Tokenizer:
                 pos = end
         out.append(content[pos:])
         text = "".join(out)
-        head = "" if content[0].isspace() else mark    # blank ends stay bare: templates may trim them
-        tail = "" if content[-1].isspace() else mark
+        if not ends:
+            return text
+        # An end is closed off only where a control token could straddle it (the content starts with the
+        # rest of one, or ends with the start of one): elsewhere a mark would only change what the template's
+        # string tests see (Qwen3's startswith('<tool_response>')). Blank ends stay bare: templates trim them.
+        heads, tails = self._straddles
+        reach = range(1, min(len(content), self._straddle_len) + 1)
+        head = mark if not content[0].isspace() and any(content[:k] in heads for k in reach) else ""
+        tail = mark if not content[-1].isspace() and any(content[-k:] in tails for k in reach) else ""
         return head + text + tail
+
+    @functools.cached_property
+    def _straddles(self) -> tuple[frozenset, frozenset]:
+        """(proper suffixes, proper prefixes) of the control tokens' texts."""
+        specials = [t for t, i in self.added.items() if i in self.special_ids]
+        return (frozenset(t[k:] for t in specials for k in range(1, len(t))),
+                frozenset(t[:k] for t in specials for k in range(1, len(t))))
+
+    @functools.cached_property
+    def _straddle_len(self) -> int:
+        return max((len(t) for t in self.added), default=0)
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.kind}, vocab_size={self.vocab_size})"
+
+
+def _strings(value):
+    """Every str inside nested dicts (keys too), lists and tuples."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _strings(k)
+            yield from _strings(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _strings(v)
+
+
+_WHITE = frozenset(c for c in map(chr, range(0x3001)) if re.fullmatch(f"[{WHITE_SPACE}]", c))
+
+
+def _skip_white_space(text: str, pos: int, mark: str | None) -> int:
+    """Past the Unicode White_Space (HF's rstrip) at text[pos:]; encode_chat's mark counts as nothing."""
+    while pos < len(text) and (text[pos] in _WHITE or (mark is not None and text[pos] == mark)):
+        pos += 1
+    return pos
 
 
 def _int_list(values, n: int, key: str, default: int) -> list[int]:

@@ -18,13 +18,16 @@ they follow from the rest.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 from urllib.parse import unquote
 
 from . import ir
-from .automaton import compile_rules
+from . import budget as _budget
+from .automaton import compile_rules, estimate_states, productive
 from .ir import GrammarError, alt, literal, opt, ref, rep, seq
+from .product import MAX_STRING_STATES, CounterTooLarge, dfa_of, intersect
 from .regex import MAX_REPEAT, regex_to_ir
 
 ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
@@ -47,6 +50,7 @@ TYPE_KEYWORDS = {
     "string": {"minLength", "maxLength", "pattern", "format"},
     "number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"},
 }
+MIN_LENGTH_CAP = 32          # a format/pattern string's maxLength is never lowered below this (see _intersected)
 MAX_BOUND_DIGITS = 400        # a numeric bound costs O(digits^2) automaton states
 DIGITS = ir.byte_set(0x30, 0x39)
 DIGITS19 = ir.byte_set(0x31, 0x39)
@@ -58,6 +62,7 @@ _DATE = (r"[0-9]{4}-(?:(?:0[1-9]|1[0-2])-(?:0[1-9]|1[0-9]|2[0-8])|(?:0[13-9]|1[0
          r"|(?:0[13578]|1[02])-31)")
 _TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,9})?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
 _H4 = _H + "{1,4}"
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9\-]{0,61}[A-Za-z0-9])?"
 FORMATS = {
     "date": _DATE,
     "time": _TIME,
@@ -70,6 +75,9 @@ FORMATS = {
         f"(?:{_H4}:){{1,5}}(?::{_H4}){{1,2}}", f"(?:{_H4}:){{1,4}}(?::{_H4}){{1,3}}",
         f"(?:{_H4}:){{1,3}}(?::{_H4}){{1,4}}", f"(?:{_H4}:){{1,2}}(?::{_H4}){{1,5}}",
         f"{_H4}:(?::{_H4}){{1,6}}", f":(?:(?::{_H4}){{1,7}}|:)"]),
+    # RFC 1123 labels of 1..63 letters, digits and inner hyphens; at most 253 characters in all (three
+    # labels of up to 63 and a fourth of up to 61, so the bound holds without counting)
+    "hostname": (_LABEL + r"(?:\." + _LABEL + r"){0,2}(?:\.[A-Za-z0-9](?:[A-Za-z0-9\-]{0,59}[A-Za-z0-9])?)?"),
     "uri": (r"[A-Za-z][A-Za-z0-9+.\-]*:(?://(?:(?:" + _REGNAME[3:-1] + r"|:)*@)?" + _REGNAME + r"*(?::[0-9]*)?"
             r"(?:/" + _PCHAR + r"*)*|/(?:" + _PCHAR + r"+(?:/" + _PCHAR + r"*)*)?|" + _PCHAR + r"+(?:/" + _PCHAR
             + r"*)*)?(?:\?(?:" + _PCHAR + r"|[/?])*)?(?:#(?:" + _PCHAR + r"|[/?])*)?"),
@@ -322,9 +330,13 @@ class SchemaCompiler:
         self.schema = schema
         self.rules: dict[str, ir.GrammarNode] = {}
         self.depth = 0
+        self.empty: list[tuple[str, str]] = []      # (why, keyword) of subschemas found unsatisfiable
 
     def compile(self) -> tuple[dict, str]:
         root = self._ref_rule("#")
+        if self.empty and (self.rules[root] == ir.NOTHING or not productive(self.rules, root)):
+            why, keyword = self.empty[0]
+            raise GrammarError(f"the schema admits no value: {why}", keyword)
         if self.rules[root] == ir.NOTHING:
             raise GrammarError("the schema admits no value")
         return self.rules, root
@@ -547,21 +559,51 @@ class SchemaCompiler:
                 raise GrammarError("pattern must be a string", "pattern")
             regexes.append((pattern, True))
         if regexes:
-            if len(regexes) > 1:
-                raise GrammarError("pattern combined with format is not supported", "pattern")
-            if lo or hi is not None:
-                raise GrammarError(f"{'pattern' if pattern is not None else 'format'} combined with "
-                                   "minLength/maxLength is not supported", "minLength" if lo else "maxLength")
-            try:
-                body = regex_to_ir(regexes[0][0], json_char_class, search=regexes[0][1])
-            except GrammarError as e:
-                raise GrammarError(f"pattern: {e}", "pattern") from None
-            return seq(literal('"'), body, literal('"'))
+            bodies = []
+            for r, search in regexes:
+                try:
+                    bodies.append(regex_to_ir(r, json_char_class, search=search))
+                except GrammarError as e:
+                    raise GrammarError(f"pattern: {e}", "pattern") from None
+            if len(bodies) == 1 and not lo and hi is None:
+                return seq(literal('"'), bodies[0], literal('"'))
+            return seq(literal('"'), self._intersected(bodies, fmt, pattern, lo, hi), literal('"'))
         if hi is not None and hi > MAX_REPEAT:
             raise GrammarError(f"maxLength above {MAX_REPEAT} is not supported", "maxLength")
         if lo > MAX_REPEAT:
             raise GrammarError(f"minLength above {MAX_REPEAT} is not supported", "minLength")
         return seq(literal('"'), rep(JSON_CHAR, lo, hi), literal('"'))
+
+    def _intersected(self, bodies, fmt, pattern, lo: int, hi: int | None) -> ir.GrammarNode:
+        """format / pattern / minLength / maxLength together: the product of their automata (product.py).
+        Lengths count the characters of the decoded string (code points), an escape such as ``\\n`` or
+        ``\\u001f`` being one character, as JSON Schema counts them."""
+        said = [f"format {fmt!r}"] if fmt else []
+        said += [f"pattern {pattern[:60]!r}"] if pattern is not None else []
+        said += [f"minLength {lo}"] if lo else []
+        said += [f"maxLength {hi}"] if hi is not None else []
+        what = " with ".join(said)
+        keyword = "maxLength" if hi is not None else "minLength" if lo else "pattern"
+        counting = bool(lo) or hi is not None
+        try:
+            dfas = [dfa_of(b) for b in bodies]
+            body = None
+            cap = hi
+            while body is None:
+                try:
+                    body = intersect(dfas, _lexer() if counting else None, lo, cap)
+                except CounterTooLarge:
+                    # maxLength exact would need more states than one string may have: write at most
+                    # `cap` characters instead (a subset of the language, so every output validates)
+                    nxt = cap // 2 if cap is not None else 0
+                    if nxt < max(lo, 1) or nxt < MIN_LENGTH_CAP:
+                        raise
+                    cap = nxt
+        except _budget.GrammarTooLarge as e:
+            raise _budget.GrammarTooLarge(f"{what}: {e}", keyword) from None
+        if body == ir.NOTHING:
+            self.empty.append((f"{what} admits no string", keyword))
+        return body
 
     def _number(self, s, integer: bool) -> ir.GrammarNode:
         lo, lo_excl = _bound(s, "minimum", "exclusiveMinimum", lower=True)
@@ -733,18 +775,40 @@ class SchemaCompiler:
             else:
                 options = singles + ([] if lo_p else [ir.EMPTY])
             return seq(literal("{"), alt(*options), literal("}"))
-        if hi_p is not None and (extra is not None or hi_p < len(members)):
-            raise GrammarError("maxProperties below the number of possible properties is not supported",
-                               "maxProperties")
+        if (hi_p is not None and (extra is not None or hi_p < len(members))) or (lo_p > n_req and lo_p > 1):
+            return self._counted(members, flags, extra, lo_p, hi_p)
         at_least_one = False
         if lo_p > n_req:
             if lo_p == 1 and members:
                 at_least_one = True              # {} is not allowed: the list must not be empty
-            else:
-                raise GrammarError("minProperties above the number of required properties is not supported",
-                                   "minProperties")
         body = ("list", tuple(members), tuple(flags), literal(","), at_least_one)
         return seq(literal("{"), body, literal("}"))
+
+    def _counted(self, members, flags, extra, lo: int, hi: int | None) -> ir.GrammarNode:
+        """minProperties / maxProperties counted in the grammar: a ("clist", ...) node (ir.py) over the
+        listed members and the repeated extra member. Every member written counts towards maxProperties;
+        towards minProperties count the listed members and at most one extra member, because two extra
+        members may carry the same name (a grammar cannot keep arbitrary names apart) and would then
+        make one property, not two."""
+        listed, req = members[:-1], flags[:-1]
+        if extra is None:
+            listed, req = members, flags
+        node = ("clist", tuple(listed), tuple(req), literal(","), lo, hi, extra)
+        n_most = len(listed) + (1 if extra is not None else 0)
+        if lo > n_most:
+            raise GrammarError(f"minProperties {lo} needs more than the {len(listed)} listed properties and one "
+                               "additional property (several additional properties may share a name, so only "
+                               "one counts towards minProperties)", "minProperties")
+        budget = _budget.current()
+        cost = estimate_states(node, self.rules, set())
+        if cost > budget.max_states:
+            keyword = "maxProperties" if hi is not None else "minProperties"
+            value = hi if hi is not None else lo
+            message = budget.too_large(f"{keyword} {value} over {len(listed)} properties"
+                                       f"{' and additionalProperties' if extra is not None else ''} unrolls to "
+                                       f"about {cost} automaton states").args[0]
+            raise _budget.GrammarTooLarge(message, keyword)
+        return seq(literal("{"), node, literal("}"))
 
     def _property_names(self, s):
         """(predicate over listed names, key node for extra properties or None) from propertyNames, which
@@ -766,6 +830,12 @@ class SchemaCompiler:
 
         key = self._string({k: v for k, v in pn.items() if k != "type"})
         return ok, key
+
+
+@functools.lru_cache(maxsize=1)
+def _lexer():
+    """The DFA of any sequence of JSON string characters: the character counter of `product.intersect`."""
+    return dfa_of(rep(JSON_CHAR, 0, None))
 
 
 def _searcher(pattern, keyword: str):

@@ -58,7 +58,7 @@ DIGITS19 = ir.byte_set(0x31, 0x39)
 _H = "[0-9a-fA-F]"
 _PCHAR = r"(?:[A-Za-z0-9\-._~!$&'()*+,;=:@]|%" + _H + _H + ")"
 _REGNAME = r"(?:[A-Za-z0-9\-._~!$&'()*+,;=]|%" + _H + _H + ")"
-_DATE = (r"[0-9]{4}-(?:(?:0[1-9]|1[0-2])-(?:0[1-9]|1[0-9]|2[0-8])|(?:0[13-9]|1[0-2])-(?:29|30)"
+_DATE = (r"(?:[0-9]{3}[1-9]|[0-9]{2}[1-9]0|[0-9][1-9]00|[1-9]000)-(?:(?:0[1-9]|1[0-2])-(?:0[1-9]|1[0-9]|2[0-8])|(?:0[13-9]|1[0-2])-(?:29|30)"
          r"|(?:0[13578]|1[02])-31)")
 _TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,9})?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
 _H4 = _H + "{1,4}"
@@ -68,7 +68,11 @@ FORMATS = {
     "time": _TIME,
     "date-time": _DATE + "T" + _TIME,
     "uuid": f"{_H}{{8}}-{_H}{{4}}-{_H}{{4}}-{_H}{{4}}-{_H}{{12}}",
-    "email": r"[A-Za-z0-9._%+\-]{1,64}@[A-Za-z0-9\-]{1,63}(?:\.[A-Za-z0-9\-]{1,63}){1,4}",
+    # what email-validator (pydantic's EmailStr) accepts too: a dot-atom local part of at most 64
+    # characters (one inner dot), two or three domain labels without edge hyphens, a top-level domain of
+    # letters; 254 characters at most in all (64 + 1 + 63 + 1 + 63 + 1 + 61)
+    "email": (r"[A-Za-z0-9_%+\-]{1,32}(?:\.[A-Za-z0-9_%+\-]{1,31})?@" + _LABEL + r"(?:\." + _LABEL + r")?"
+              r"\.[A-Za-z]{2,61}"),
     "ipv4": r"(?:(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\.){3}(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])",
     "ipv6": "|".join([
         f"(?:{_H4}:){{7}}{_H4}", f"(?:{_H4}:){{1,7}}:", f"(?:{_H4}:){{1,6}}:{_H4}",
@@ -562,7 +566,7 @@ class SchemaCompiler:
             bodies = []
             for r, search in regexes:
                 try:
-                    bodies.append(regex_to_ir(r, json_char_class, search=search))
+                    bodies.append(_format_ir(r) if not search else regex_to_ir(r, json_char_class, search=True))
                 except GrammarError as e:
                     raise GrammarError(f"pattern: {e}", "pattern") from None
             if len(bodies) == 1 and not lo and hi is None:
@@ -592,10 +596,13 @@ class SchemaCompiler:
             while body is None:
                 try:
                     body = intersect(dfas, _lexer() if counting else None, lo, cap)
-                except CounterTooLarge:
+                except CounterTooLarge as e:
                     # maxLength exact would need more states than one string may have: write at most
-                    # `cap` characters instead (a subset of the language, so every output validates)
+                    # `cap` characters instead (a subset of the language, so every output validates);
+                    # a built automaton's size says about how many states each character adds
                     nxt = cap // 2 if cap is not None else 0
+                    if e.states:
+                        nxt = min(nxt, int(cap * MAX_STRING_STATES * 0.9) // e.states)
                     if nxt < max(lo, 1) or nxt < MIN_LENGTH_CAP:
                         raise
                     cap = nxt
@@ -733,6 +740,7 @@ class SchemaCompiler:
                     raise GrammarError(f"required property {r!r} is not in properties and additionalProperties "
                                        "is false", "required")
                 names.append(r)
+        self._check_count_size(s, names, required, addl)
         name_ok, extra_key = self._property_names(s)
         members, flags = [], []
         for name in names:
@@ -784,6 +792,21 @@ class SchemaCompiler:
         body = ("list", tuple(members), tuple(flags), literal(","), at_least_one)
         return seq(literal("{"), body, literal("}"))
 
+    def _check_count_size(self, s, names, required, addl) -> None:
+        """Refuse at once (before any member's value is compiled) a min/maxProperties whose unrolled
+        count cannot fit the state budget even if every value were a single state."""
+        lo, hi = _count(s, "minProperties", 0), _count(s, "maxProperties", None)
+        if hi is None and lo <= 1:
+            return
+        cap = hi if hi is not None else lo
+        cost = sum((min(i, cap) + 1) * (len(dumps(n).encode("utf-8")) + 3) for i, n in enumerate(names))
+        budget = _budget.current()
+        if cost > budget.max_states:
+            keyword = "maxProperties" if hi is not None else "minProperties"
+            message = budget.too_large(f"{keyword} {cap} over {len(names)} properties unrolls to more than "
+                                       f"{cost} automaton states").args[0]
+            raise _budget.GrammarTooLarge(message, keyword)
+
     def _counted(self, members, flags, extra, lo: int, hi: int | None) -> ir.GrammarNode:
         """minProperties / maxProperties counted in the grammar: a ("clist", ...) node (ir.py) over the
         listed members and the repeated extra member. Every member written counts towards maxProperties;
@@ -830,6 +853,12 @@ class SchemaCompiler:
 
         key = self._string({k: v for k, v in pn.items() if k != "type"})
         return ok, key
+
+
+@functools.lru_cache(maxsize=len(FORMATS))
+def _format_ir(regex: str):
+    """A format's regex as JSON string body IR (parsed once per process)."""
+    return regex_to_ir(regex, json_char_class)
 
 
 @functools.lru_cache(maxsize=1)

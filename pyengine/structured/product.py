@@ -28,7 +28,7 @@ from . import ir
 from .automaton import ByteDFA, MAX_DFA_STATES, _minimize, _rows_id, compile_rules
 from .ir import GrammarError
 
-MAX_STRING_STATES = 6144     # states of one string's automaton (it is embedded in the schema's DFA)
+MAX_STRING_STATES = 2048     # states of one string's automaton (it is embedded in the schema's DFA)
 MAX_BUILT_STATES = 9000      # states built for it before minimization (which runs only past MAX_STRING_STATES:
                              # the schema's own compile minimizes the whole automaton anyway)
 FREE = -1               # the counter value "the bounds can no longer bind"
@@ -36,7 +36,12 @@ INF = 1 << 60
 
 
 class CounterTooLarge(_budget.GrammarTooLarge):
-    """The counted product past the state limits (the plain intersection fitted)."""
+    """The counted product past the state limits (the plain intersection fitted); ``states``: the
+    minimized size when it was built (0 when the build itself overflowed)."""
+
+    def __init__(self, message: str, keyword: str | None = None, states: int = 0):
+        super().__init__(message, keyword)
+        self.states = states
 
 
 def dfa_of(node) -> ByteDFA:
@@ -170,8 +175,8 @@ def intersect(dfas: list[ByteDFA], lexer: ByteDFA | None = None, lo: int = 0, hi
     def norm(p, c):
         if c == FREE:
             return c
-        if hi is not None and c + fewest[p] > hi:
-            return None
+        if (hi is not None and c + fewest[p] > hi) or c + most[p] < lo:
+            return None                     # the bounds cannot be met from here
         if c >= lo and (hi is None or c + most[p] <= hi):
             return FREE
         return c
@@ -212,7 +217,7 @@ def intersect(dfas: list[ByteDFA], lexer: ByteDFA | None = None, lo: int = 0, hi
     node = _node(crow, cacc, cmasks, minimize=len(crow) > max_states)
     if node != ir.NOTHING and len(node[1]) > max_states:
         raise CounterTooLarge(f"grammar too large (the length-bounded string needs {len(node[1])} DFA states, "
-                              f"more than {max_states})")
+                              f"more than {max_states})", states=len(node[1]))
     return node
 
 

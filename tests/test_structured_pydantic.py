@@ -1,0 +1,258 @@
+"""Schemas as users write them (issue 32 item 7): pydantic's JSON Schemas through ``response_format``, and
+the constructs they use checked against jsonschema (the independent reference): format / pattern /
+minLength / maxLength intersected, min/maxProperties counted over listed, optional and additional members.
+Every sampled output validates with jsonschema and (where the model checks no more than its schema says)
+with the pydantic model itself; every refusal names its keyword; the budgets hold."""
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import jsonschema
+import numpy as np
+import pytest
+
+from pyengine.sampling_params import SamplingParams
+from pyengine.server.structured import parse_structured
+from pyengine.structured import GrammarError, compile_grammar
+from pyengine.structured.automaton import compile_rules
+from pyengine.structured.budget import Budget, GrammarTooLarge, compile_budget
+from pyengine.structured.json_schema import FORMATS, compile_json_schema, dumps
+from structured_support import accepts_text, default_validator, sample_random_model, vocab
+
+sys.path.insert(0, str(Path(__file__).parent / "data"))
+from pydantic_corpus import corpus  # noqa: E402
+
+BEFORE_COMPILED = 9          # main at 788bb5c compiled 9 of the 24 corpus schemas (see the module docstring)
+
+
+def automaton_of(schema):
+    rules, root = compile_json_schema(schema)
+    return compile_rules(rules, root)
+
+
+def accepts(a, text: str) -> bool:
+    state = a.step(a.initial(), text.encode("utf-8"))
+    return bool(state) and a.is_accepting(state)
+
+
+def walk(a, rng, stop: float = 0.15, limit: int = 400) -> bytes | None:
+    """A random byte string of the automaton's language: random allowed bytes, stopping at an accepting
+    state with probability ``stop`` (None if the walk got no further within ``limit`` bytes)."""
+    state, out = a.initial(), bytearray()
+    for _ in range(limit):
+        if a.is_accepting(state) and (rng.random() < stop or not a.can_continue(state)):
+            return bytes(out)
+        nxt = [b for b in range(256) if a.step(state, bytes([b]))]
+        b = int(rng.choice(nxt))
+        out.append(b)
+        state = a.step(state, bytes([b]))
+    return None
+
+
+def response_format(schema) -> dict:
+    so, _ = parse_structured({"response_format": {"type": "json_schema",
+                                                  "json_schema": {"name": "x", "schema": schema}}}, chat=True)
+    return so.json
+
+
+# --- the pydantic corpus ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def compiled_corpus():
+    out = []
+    for name, model, exact in corpus():
+        schema = response_format(model.model_json_schema())
+        out.append((name, model, exact, schema, compile_grammar(("json", schema), vocab())))
+    return out
+
+
+def test_pydantic_corpus_compiles_and_validates(compiled_corpus):
+    """Every corpus schema compiles (main at 788bb5c: 9 of 24); two random-logits samples of each validate
+    with jsonschema, and with the pydantic model wherever the model checks no more than its schema."""
+    from pydantic import ValidationError
+    assert len(compiled_corpus) == len(corpus()) > BEFORE_COMPILED
+    rng = np.random.default_rng(7)
+    n = pyd_ok = 0
+    for name, model, exact, schema, g in compiled_corpus:
+        validator = default_validator(schema)
+        for _ in range(2):
+            _, data = sample_random_model(g, rng, budget=20)
+            value = json.loads(data.decode("utf-8"))
+            errors = list(validator.iter_errors(value))
+            assert not errors, f"{name}: {data!r}: {errors[0].message}"
+            try:
+                model.model_validate(value)
+                pyd_ok += 1
+            except ValidationError as e:
+                assert not exact, f"{name}: {data!r} fails the pydantic model: {e}"
+            n += 1
+    assert n == 2 * len(compiled_corpus) and pyd_ok >= n - 6
+
+
+def test_pydantic_corpus_on_the_real_model():
+    """The user path on SmolLM2: response_format (json_schema) at temperature 1.0; finished outputs validate
+    with jsonschema and the model."""
+    from pyengine.llm import LLM
+    from pyengine.sampling_params import StructuredOutputsParams
+    llm = LLM(max_model_len=512)
+    picked = {n: (m, e) for n, m, e in corpus() if n in ("Ticket", "Settings", "Versioned")}
+    finished = 0
+    for k, (name, (model, exact)) in enumerate(picked.items()):
+        schema = response_format(model.model_json_schema())
+        params = SamplingParams(temperature=1.0, seed=k, max_tokens=80,
+                                structured_outputs=StructuredOutputsParams(json=schema))
+        out = llm.chat([{"role": "user", "content": f"Reply with a JSON {name}."}], params)[0].outputs[0]
+        assert out.finish_reason in ("stop", "length")
+        if out.finish_reason == "stop":
+            value = json.loads(out.text)
+            jsonschema.validate(value, schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+            model.model_validate(value)
+            finished += 1
+    assert finished >= 2
+
+
+# --- strings: format / pattern / minLength / maxLength intersected -------------------------------------
+ALPHABET = ["a", "b", "Z", "0", "é", "\n", '"', "\\", "\U0001F600"]
+
+
+def test_pattern_with_lengths_exhaustive_against_jsonschema():
+    """Every string of up to 4 characters over an alphabet with escapes and multi-byte characters: the
+    grammar accepts its JSON spelling iff jsonschema says the value is valid (lengths count code points,
+    an escape such as \\n or \\" is one character)."""
+    schemas = [{"type": "string", "pattern": "^[ab]", "minLength": 2, "maxLength": 4},
+               {"type": "string", "pattern": "[^a-z]$", "maxLength": 3},
+               {"type": "string", "pattern": "a", "minLength": 3},
+               {"type": "string", "pattern": "^a*$", "minLength": 1, "maxLength": 2}]
+    for schema in schemas:
+        a = automaton_of(schema)
+        v = jsonschema.Draft202012Validator(schema)
+        for n in range(5):
+            for chars in itertools.product(ALPHABET, repeat=n):
+                s = "".join(chars)
+                assert accepts(a, dumps(s)) == v.is_valid(s), (schema, s)
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_format_with_lengths_sound_and_complete(fmt):
+    """Strings of the format (random walks of its own grammar) are accepted under bounds iff their length
+    is within them; walks of the bounded grammar validate with jsonschema (format checker on)."""
+    rng = np.random.default_rng(sorted(FORMATS).index(fmt))
+    plain = automaton_of({"type": "string", "format": fmt})
+    samples = [json.loads(w) for w in (walk(plain, rng, stop=0.5) for _ in range(40)) if w is not None]
+    lengths = sorted(len(s) for s in samples)
+    hi = min(lengths[3 * len(lengths) // 4], 40)    # bounds the exact product holds (no lowered cap)
+    lo = min(lengths[len(lengths) // 4], hi)
+    schema = {"type": "string", "format": fmt, "minLength": lo, "maxLength": hi}
+    bounded = automaton_of(schema)
+    v = default_validator(schema)
+    for s in samples:
+        assert accepts(bounded, dumps(s)) == (lo <= len(s) <= hi), (fmt, s)
+    for _ in range(20):
+        w = walk(bounded, rng)
+        if w is not None:
+            value = json.loads(w)
+            assert v.is_valid(value) and lo <= len(value) <= hi, (fmt, w)
+
+
+def test_format_with_pattern_and_large_maxlength():
+    """format with pattern is the intersection; a maxLength the format can never reach costs nothing;
+    HttpUrl's maxLength 2083 is honoured as a shorter cap (a subset: every output still validates)."""
+    a = automaton_of({"type": "string", "format": "date", "pattern": "^2024-0[1-3]"})
+    assert accepts(a, '"2024-02-28"') and not accepts(a, '"2024-04-01"') and not accepts(a, '"2024-02-30"')
+    uuid = automaton_of({"type": "string", "format": "uuid", "maxLength": 100000})
+    assert uuid.num_states == automaton_of({"type": "string", "format": "uuid"}).num_states
+    url = automaton_of({"type": "string", "format": "uri", "minLength": 1, "maxLength": 2083})
+    assert accepts(url, '"https://example.com/a?b=c"') and not accepts(url, '""')
+    assert not accepts(url, dumps("http://x/" + "a" * 2100))
+
+
+def test_unsatisfiable_intersections_are_refused_naming_the_keyword():
+    for schema, keyword in [({"type": "string", "format": "uuid", "maxLength": 35}, "maxLength"),
+                            ({"type": "string", "format": "date", "pattern": "^x"}, "pattern"),
+                            ({"type": "string", "format": "email", "minLength": 500}, "minLength"),
+                            ({"type": "object", "properties": {"d": {"type": "string", "format": "ipv4",
+                              "maxLength": 6}}, "required": ["d"]}, "maxLength")]:
+        with pytest.raises(GrammarError) as e:
+            compile_grammar(("json", schema), vocab())
+        assert e.value.keyword == keyword and keyword in str(e.value), (schema, str(e.value))
+        assert "admits no" in str(e.value)
+    # an optional property whose string is unsatisfiable is simply never written
+    a = automaton_of({"type": "object", "properties": {"d": {"type": "string", "format": "uuid", "maxLength": 3},
+                                                       "n": {"type": "integer"}}})
+    assert accepts(a, '{"n":1}') and not accepts(a, '{"d":"abc"}')
+
+
+# --- objects: minProperties / maxProperties counted -------------------------------------------------
+def _objects(listed, extras):
+    """Every object over the listed names (in declared order) then extra names, values 0/1."""
+    for k in range(len(listed) + 1):
+        for names in itertools.combinations(listed, k):
+            for j in range(len(extras) + 1):
+                for more in itertools.combinations(extras, j):
+                    keys = list(names) + list(more)
+                    for values in itertools.product([0, 1], repeat=min(len(keys), 2)):
+                        vals = list(values) + [0] * (len(keys) - len(values))
+                        yield dict(zip(keys, vals))
+
+
+@pytest.mark.parametrize("lo,hi", [(0, 0), (0, 2), (1, 3), (2, 2), (2, None), (3, 4), (4, None), (0, 5)])
+def test_property_counts_exhaustive_against_jsonschema(lo, hi):
+    """Listed required / optional properties and additionalProperties under min/maxProperties: every object
+    the grammar accepts is valid; every valid one is accepted, except those reaching minProperties only
+    with two or more additional properties (two may share a name, so one counts: documented)."""
+    schema = {"type": "object", "properties": {"r": {"type": "integer"}, "o1": {"type": "integer"},
+                                               "o2": {"type": "integer"}},
+              "required": ["r"], "additionalProperties": {"type": "integer"}, "minProperties": lo}
+    if hi is not None:
+        schema["maxProperties"] = hi
+    try:
+        a = automaton_of(schema)
+    except GrammarError as e:
+        assert hi is not None and hi < 1 and e.keyword in ("maxProperties", None)
+        return
+    v = jsonschema.Draft202012Validator(schema)
+    checked = 0
+    for value in _objects(["r", "o1", "o2"], ["x", "y", "zz"]):
+        ok = accepts(a, dumps(value))
+        valid = v.is_valid(value)
+        assert not ok or valid, (schema, value)
+        listed = sum(1 for k in value if k in ("r", "o1", "o2"))
+        if valid and listed + min(len(value) - listed, 1) >= lo:
+            assert ok, (schema, value)
+        checked += 1
+    assert checked > 100
+
+
+def test_dict_with_bounded_keys_random_walks_validate():
+    """pydantic's dict[str, int] with max_length / min_length: random walks validate (duplicate names only
+    make fewer properties, which maxProperties allows)."""
+    rng = np.random.default_rng(5)
+    for schema in [{"type": "object", "additionalProperties": {"type": "integer"}, "maxProperties": 3},
+                   {"type": "object", "additionalProperties": {"type": "boolean"}, "minProperties": 1,
+                    "maxProperties": 2},
+                   {"type": "object", "propertyNames": {"pattern": "^[a-z]+$"},
+                    "additionalProperties": {"type": "string", "maxLength": 3}, "maxProperties": 2}]:
+        a = automaton_of(schema)
+        v = jsonschema.Draft202012Validator(schema)
+        for _ in range(15):
+            w = walk(a, rng, stop=0.3)
+            if w is not None:
+                value = json.loads(w)
+                assert v.is_valid(value), (schema, w)
+
+
+def test_property_count_refusals_name_the_keyword_and_hold_the_budget():
+    """A count that cannot be met names minProperties; a huge maxProperties over many optional keys is
+    refused by the state budget (at once, naming maxProperties), not unrolled."""
+    with pytest.raises(GrammarError) as e:
+        compile_grammar(("json", {"type": "object", "additionalProperties": {"type": "integer"},
+                                  "minProperties": 3}), vocab())
+    assert e.value.keyword == "minProperties" and "minProperties" in str(e.value)
+    props = {f"p{i}": {"type": "string", "format": "date-time"} for i in range(2000)}
+    huge = {"type": "object", "properties": props, "additionalProperties": {"type": "integer"},
+            "maxProperties": 1500}
+    with compile_budget(Budget(seconds=30.0)):
+        with pytest.raises(GrammarTooLarge) as e:
+            compile_grammar(("json", huge), vocab())
+    assert e.value.keyword == "maxProperties" and "maxProperties" in str(e.value)
+    assert "limit" in str(e.value)

@@ -96,15 +96,17 @@ def test_pydantic_corpus_on_the_real_model():
     from pyengine.sampling_params import StructuredOutputsParams
     llm = LLM(max_model_len=512)
     picked = {n: (m, e) for n, m, e in corpus() if n in ("Ticket", "Settings", "Versioned")}
+    schemas = [response_format(m.model_json_schema()) for m, _ in picked.values()]
+    params = [SamplingParams(temperature=1.0, seed=k, max_tokens=64,
+                             structured_outputs=StructuredOutputsParams(json=schema))
+              for k, schema in enumerate(schemas)]
+    outs = llm.generate([f"A {name} as JSON: " for name in picked], params)      # one batch
     finished = 0
-    for k, (name, (model, exact)) in enumerate(picked.items()):
-        schema = response_format(model.model_json_schema())
-        params = SamplingParams(temperature=1.0, seed=k, max_tokens=80,
-                                structured_outputs=StructuredOutputsParams(json=schema))
-        out = llm.chat([{"role": "user", "content": f"Reply with a JSON {name}."}], params)[0].outputs[0]
-        assert out.finish_reason in ("stop", "length")
-        if out.finish_reason == "stop":
-            value = json.loads(out.text)
+    for (model, _), schema, out in zip(picked.values(), schemas, outs):
+        o = out.outputs[0]
+        assert o.finish_reason in ("stop", "length")
+        if o.finish_reason == "stop":
+            value = json.loads(o.text)
             jsonschema.validate(value, schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
             model.model_validate(value)
             finished += 1

@@ -11,9 +11,10 @@ integers are written without exponent or fraction; numbers with bounds without e
 Covered: type (and unions), enum, const, properties / required / additionalProperties (false, true, schema),
 anyOf, oneOf (when the branches are provably exclusive), allOf (merged), local $ref (incl. recursion),
 items / prefixItems / additionalItems / minItems / maxItems, minLength / maxLength, pattern, format
-(date, time, date-time, uuid, email, ipv4, ipv6, uri), minimum / maximum / exclusiveMinimum /
-exclusiveMaximum (integer-valued bounds for numbers, any bounds for integers), min/maxProperties when
-they follow from the rest.
+(date, time, date-time, uuid, email, ipv4, ipv6, hostname, uri) and any combination of the last four
+(their languages intersected: `product.py`; lengths count the decoded string's code points),
+minimum / maximum / exclusiveMinimum / exclusiveMaximum (integer-valued bounds for numbers, any bounds for
+integers), minProperties / maxProperties (members counted in the grammar: `_counted`).
 """
 from __future__ import annotations
 

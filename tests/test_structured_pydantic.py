@@ -258,3 +258,50 @@ def test_property_count_refusals_name_the_keyword_and_hold_the_budget():
             compile_grammar(("json", huge), vocab())
     assert e.value.keyword == "maxProperties" and "maxProperties" in str(e.value)
     assert "limit" in str(e.value)
+
+
+HYPOTHESIS_SCHEMAS = [
+    {"type": "string", "pattern": "^[a-z]+[0-9]*$", "minLength": 3, "maxLength": 8},
+    {"type": "string", "format": "date", "pattern": "^20"},
+    {"type": "string", "format": "ipv4", "minLength": 9, "maxLength": 12},
+    {"type": "string", "format": "uuid", "maxLength": 40},
+    {"type": "string", "format": "time", "minLength": 9, "maxLength": 14},
+    {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}}, "required": ["a"],
+     "additionalProperties": {"type": "string", "maxLength": 2}, "minProperties": 2, "maxProperties": 3},
+]
+
+
+@pytest.mark.parametrize("k", range(len(HYPOTHESIS_SCHEMAS)))
+def test_hypothesis_instances_of_the_new_constructs(k):
+    """hypothesis-jsonschema's instances (valid and invalid: it generates from the schema, then jsonschema
+    judges): a valid instance is accepted (strings: when the format's own grammar accepts it, the format
+    being a conservative subset; objects: unless minProperties needs two additional properties), and an
+    accepted one is valid."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis_jsonschema import from_schema
+    from pyengine.structured.json_schema import SchemaCompiler
+    from structured_support import serialize
+    schema = HYPOTHESIS_SCHEMAS[k]
+    a = automaton_of(schema)
+    v = default_validator(schema)
+    plain = automaton_of({"type": "string", "format": schema["format"]}) if "format" in schema else None
+    comp = SchemaCompiler(schema)
+    loose = {key: val for key, val in schema.items() if key not in ("minLength", "maxLength", "minProperties",
+                                                                    "maxProperties")}
+
+    @settings(max_examples=40, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(from_schema(loose))
+    def check(value):
+        text = serialize(value, schema, comp)
+        ok, valid = accepts(a, text), v.is_valid(value)
+        assert not ok or valid, (schema, text)
+        if not valid:
+            return
+        if plain is not None and not accepts(plain, text):
+            return
+        if isinstance(value, dict) and sum(1 for key in value if key in ("a", "b")) + 1 < 2 and len(value) >= 2:
+            return
+        assert ok, (schema, text)
+
+    check()

@@ -28,7 +28,7 @@ from . import ir
 from . import budget as _budget
 from .automaton import compile_rules, estimate_states, productive
 from .ir import GrammarError, alt, literal, opt, ref, rep, seq
-from .product import MAX_STRING_STATES, CounterTooLarge, dfa_of, intersect
+from .product import MAX_STRING_STATES, CounterTooLarge, dfa_of, intersect, length_range
 from .regex import MAX_REPEAT, regex_to_ir
 
 ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
@@ -592,6 +592,10 @@ class SchemaCompiler:
         counting = bool(lo) or hi is not None
         try:
             dfas = [dfa_of(b) for b in bodies]
+            if len(dfas) == 1 and counting:
+                fewest, most = length_range(dfas[0], _lexer())
+                if lo <= fewest and (hi is None or most <= hi):
+                    return bodies[0]                # the bounds cannot bind: the regex as it is
             body = None
             cap = hi
             while body is None:

@@ -124,6 +124,35 @@ def _remaining(rows, accepting, weight):
     return fewest, most
 
 
+def length_range(dfa: ByteDFA, lexer: ByteDFA) -> tuple[int, int]:
+    """(fewest, most) characters of the strings of ``dfa``'s language (INF: unbounded or empty)."""
+    tables = [dfa.table, lexer.table]
+    _, reps, _ = _classes(tables)
+    rows = [dfa.table[:, reps].tolist(), lexer.table[:, reps].tolist()]
+    index, tuples, prow, todo = {(1, 1): 1}, [None, (1, 1)], [[0] * len(reps), None], [1]
+    while todo:
+        p = todo.pop()
+        a, b = tuples[p]
+        row = []
+        for c in range(len(reps)):
+            nxt = (rows[0][a][c], rows[1][b][c])
+            if not nxt[0] or not nxt[1]:
+                row.append(0)
+                continue
+            j = index.get(nxt)
+            if j is None:
+                j = index[nxt] = len(tuples)
+                tuples.append(nxt)
+                prow.append(None)
+                todo.append(j)
+            row.append(j)
+        prow[p] = row
+    acc = [False] + [bool(dfa.accepting[a]) and bool(lexer.accepting[b]) for a, b in tuples[1:]]
+    boundary = [0] + [int(lexer.accepting[b]) for _, b in tuples[1:]]
+    fewest, most = _remaining(prow, acc, boundary)
+    return fewest[1], most[1]
+
+
 def intersect(dfas: list[ByteDFA], lexer: ByteDFA | None = None, lo: int = 0, hi: int | None = None,
               limit: int = MAX_BUILT_STATES, max_states: int = MAX_STRING_STATES):
     """The IR node of the intersection of the DFAs' languages, restricted (when ``lexer`` is given) to

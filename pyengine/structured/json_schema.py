@@ -606,7 +606,9 @@ class SchemaCompiler:
                     # `cap` characters instead (a subset of the language, so every output validates);
                     # a built automaton's size says about how many states each character adds
                     nxt = cap // 2 if cap is not None else 0
-                    if e.states:
+                    if e.suggest:
+                        nxt = min(cap - 1, e.suggest)
+                    elif e.states:
                         nxt = min(nxt, int(cap * MAX_STRING_STATES * 0.9) // e.states)
                     if nxt < max(lo, 1) or nxt < MIN_LENGTH_CAP:
                         raise

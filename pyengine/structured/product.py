@@ -29,7 +29,7 @@ from .automaton import ByteDFA, MAX_DFA_STATES, _minimize, _rows_id, compile_rul
 from .ir import GrammarError
 
 MAX_STRING_STATES = 2048     # states of one string's automaton (it is embedded in the schema's DFA)
-MAX_BUILT_STATES = 9000      # states built for it before minimization (which runs only past MAX_STRING_STATES:
+MAX_BUILT_STATES = 12288     # states built for it before minimization (which runs only past MAX_STRING_STATES:
                              # the schema's own compile minimizes the whole automaton anyway)
 FREE = -1               # the counter value "the bounds can no longer bind"
 INF = 1 << 60
@@ -39,9 +39,10 @@ class CounterTooLarge(_budget.GrammarTooLarge):
     """The counted product past the state limits (the plain intersection fitted); ``states``: the
     minimized size when it was built (0 when the build itself overflowed)."""
 
-    def __init__(self, message: str, keyword: str | None = None, states: int = 0):
+    def __init__(self, message: str, keyword: str | None = None, states: int = 0, suggest: int = 0):
         super().__init__(message, keyword)
         self.states = states
+        self.suggest = suggest          # a cap that should fit (0: none known)
 
 
 def dfa_of(node) -> ByteDFA:
@@ -200,6 +201,11 @@ def intersect(dfas: list[ByteDFA], lexer: ByteDFA | None = None, lo: int = 0, hi
     fewest, most = _remaining(prow, acc, boundary)
     if fewest[1] >= INF:
         return ir.NOTHING
+    # states on or before a cycle carry every count up to hi: past the limit, say which cap would fit
+    looping = sum(1 for p in range(1, len(prow)) if fewest[p] < INF and most[p] >= INF)
+    if hi is not None and looping and (hi - lo) * looping > limit:
+        raise CounterTooLarge(f"grammar too large (the length-bounded string needs about {(hi - lo) * looping} "
+                              f"DFA states, more than {limit})", suggest=lo + (max_states * 9 // 10) // looping)
     # 2. the counter: states (p, count) with count FREE once the bounds cannot bind
     def norm(p, c):
         if c == FREE:

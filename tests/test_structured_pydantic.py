@@ -12,7 +12,6 @@ import jsonschema
 import numpy as np
 import pytest
 
-from pyengine.sampling_params import SamplingParams
 from pyengine.server.structured import parse_structured
 from pyengine.structured import GrammarError, compile_grammar
 from pyengine.structured.automaton import compile_rules
@@ -89,28 +88,40 @@ def test_pydantic_corpus_compiles_and_validates(compiled_corpus):
     assert n == 2 * len(compiled_corpus) and pyd_ok >= n - 6
 
 
-def test_pydantic_corpus_on_the_real_model():
-    """The user path on SmolLM2: response_format (json_schema) at temperature 1.0; finished outputs validate
-    with jsonschema and the model."""
-    from pyengine.llm import LLM
-    from pyengine.sampling_params import StructuredOutputsParams
-    llm = LLM(max_model_len=512)
-    picked = {n: (m, e) for n, m, e in corpus() if n in ("Ticket", "Settings", "Versioned")}
-    schemas = [response_format(m.model_json_schema()) for m, _ in picked.values()]
-    params = [SamplingParams(temperature=1.0, seed=k, max_tokens=64,
-                             structured_outputs=StructuredOutputsParams(json=schema))
-              for k, schema in enumerate(schemas)]
-    outs = llm.generate([f"A {name} as JSON: " for name in picked], params)      # one batch
-    finished = 0
-    for (model, _), schema, out in zip(picked.values(), schemas, outs):
-        o = out.outputs[0]
-        assert o.finish_reason in ("stop", "length")
-        if o.finish_reason == "stop":
-            value = json.loads(o.text)
-            jsonschema.validate(value, schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
-            model.model_validate(value)
-            finished += 1
-    assert finished >= 2
+def test_pydantic_models_through_the_server_with_the_openai_client():
+    """The user path on SmolLM2: the official client's ``chat.completions.parse(response_format=Model)`` for
+    models whose schemas main refused (a dict with max keys, a pattern with lengths), answered with valid
+    JSON the model parses; a schema asking for two additional properties is a 400 naming minProperties."""
+    import openai
+    from pyengine.engine.llm_engine import LLMEngine
+    from pyengine.model_files import default_model_path
+    from pyengine.server.app import create_app, served_names
+    from pyengine.server.runner import ServerThread
+    picked = {n: m for n, m, _ in corpus() if n in ("Settings", "Versioned")}
+    path = default_model_path()
+    engine = LLMEngine(path, max_model_len=512, max_num_seqs=4)
+    model_id, aliases = served_names(path)
+    with ServerThread(create_app(engine, model_id=model_id, aliases=aliases)) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        finished = 0
+        for k, (name, model) in enumerate(picked.items()):
+            r = client.chat.completions.parse(
+                model=model_id, response_format=model, temperature=1.0, seed=k, max_tokens=64,
+                messages=[{"role": "user", "content": f"Reply with a JSON {name}."}])
+            choice = r.choices[0]
+            assert choice.finish_reason in ("stop", "length")
+            if choice.finish_reason == "stop":
+                assert isinstance(choice.message.parsed, model)
+                jsonschema.validate(json.loads(choice.message.content), model.model_json_schema(),
+                                    format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+                finished += 1
+        assert finished >= 1
+        bad = {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 2}
+        with pytest.raises(openai.BadRequestError, match="minProperties") as e:
+            client.chat.completions.create(
+                model=model_id, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": bad}})
+        assert e.value.status_code == 400
 
 
 # --- strings: format / pattern / minLength / maxLength intersected -------------------------------------

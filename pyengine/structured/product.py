@@ -125,6 +125,35 @@ def _remaining(rows, accepting, weight):
     return fewest, most
 
 
+def _minimize_labelled(rows, acc, boundary):
+    """Moore's refinement of the uncounted product with (accepting, at a character boundary) as the
+    initial labels, so every counter value copies the fewest states (a wide class such as ``\\w`` spells
+    many equivalent mid-character states). State 0 stays dead, 1 the start."""
+    table = np.array(rows, dtype=np.int32)
+    label = np.array(acc, dtype=np.int32) * 2 + np.array(boundary, dtype=np.int32)
+    label[0] = -1
+    _, part = np.unique(label, return_inverse=True)
+    part = part.reshape(-1).astype(np.int32)
+    budget = _budget.current()
+    while True:
+        budget.check_time()
+        new = _rows_id(np.concatenate([part[:, None], part[table]], axis=1)).astype(np.int32)
+        if new.max() == part.max():
+            break
+        part = new
+    order = {int(part[0]): 0}
+    order.setdefault(int(part[1]), 1)
+    for q in part.tolist():
+        order.setdefault(q, len(order))
+    remap = np.array([order[q] for q in range(int(part.max()) + 1)], dtype=np.int32)
+    m = len(order)
+    reps = np.zeros(m, dtype=np.int64)
+    reps[remap[part]] = np.arange(len(rows))
+    new_table = remap[part[table[reps]]]
+    new_table[0] = 0
+    return new_table.tolist(), [bool(acc[r]) for r in reps.tolist()], [int(boundary[r]) for r in reps.tolist()]
+
+
 def length_range(dfa: ByteDFA, lexer: ByteDFA) -> tuple[int, int]:
     """(fewest, most) characters of the strings of ``dfa``'s language (INF: unbounded or empty)."""
     tables = [dfa.table, lexer.table]
@@ -198,6 +227,7 @@ def intersect(dfas: list[ByteDFA], lexer: ByteDFA | None = None, lo: int = 0, hi
     if lexer is None:
         return _node(prow, acc, cmasks)
     boundary = [0] + [int(accs[k - 1][t[k - 1]]) for t in tuples[1:]]
+    prow, acc, boundary = _minimize_labelled(prow, acc, boundary)
     fewest, most = _remaining(prow, acc, boundary)
     if fewest[1] >= INF:
         return ir.NOTHING

@@ -244,7 +244,10 @@ def test_dict_with_bounded_keys_random_walks_validate():
                    {"type": "object", "additionalProperties": {"type": "boolean"}, "minProperties": 1,
                     "maxProperties": 2},
                    {"type": "object", "propertyNames": {"pattern": "^[a-z]+$"},
-                    "additionalProperties": {"type": "string", "maxLength": 3}, "maxProperties": 2}]:
+                    "additionalProperties": {"type": "string", "maxLength": 3}, "maxProperties": 2},
+                   # 30 optional properties, at most 5: too many states for one DFA, members become rules
+                   {"type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": 10} for i in range(30)},
+                    "maxProperties": 5}]:
         a = automaton_of(schema)
         v = jsonschema.Draft202012Validator(schema)
         for _ in range(15):

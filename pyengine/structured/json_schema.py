@@ -823,6 +823,15 @@ class SchemaCompiler:
         listed, req = members[:-1], flags[:-1]
         if extra is None:
             listed, req = members, flags
+        # each member its own rule: inlined into one DFA when it fits; past MAX_DFA_STATES (every member
+        # copied once per count) compile_rules falls back to rule-by-rule automata, members then called
+        base = f"count:{len(self.rules)}"
+        for i, m in enumerate(listed):
+            self.rules[f"{base}:{i}"] = m
+        listed = [ref(f"{base}:{i}") for i in range(len(listed))]
+        if extra is not None:
+            self.rules[f"{base}:extra"] = extra
+            extra = ref(f"{base}:extra")
         node = ("clist", tuple(listed), tuple(req), literal(","), lo, hi, extra)
         n_most = len(listed) + (1 if extra is not None else 0)
         if lo > n_most:
@@ -830,7 +839,7 @@ class SchemaCompiler:
                                "additional property (several additional properties may share a name, so only "
                                "one counts towards minProperties)", "minProperties")
         budget = _budget.current()
-        cost = estimate_states(node, self.rules, set())
+        cost = estimate_states(node, self.rules, {n for n in self.rules if n.startswith(base + ":")})
         if cost > budget.max_states:
             keyword = "maxProperties" if hi is not None else "minProperties"
             value = hi if hi is not None else lo

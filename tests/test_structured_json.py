@@ -167,7 +167,7 @@ def test_unsupported_keywords_are_errors():
                             ({"type": "object", "patternProperties": {"^a": {}}, "additionalProperties": True},
                              "patternProperties"),
                             ({"type": "array", "uniqueItems": True, "minItems": 2}, "uniqueItems"),
-                            ({"type": "string", "format": "hostname"}, "format"),
+                            ({"type": "string", "format": "idn-hostname"}, "format"),
                             ({"$ref": "http://example.com/s.json"}, "$ref"),
                             ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf"),
                             ({"type": "number", "minimum": 0.5}, "minimum"),

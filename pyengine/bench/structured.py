@@ -1,7 +1,8 @@
 """`pyengine bench structured`: S15 grammar engines side by side on the same schemas and vocabulary.
 
 For every schema (the benchmark's own set, the schema-store copies vendored by check-jsonschema when it is
-installed, and the JSON Schema Test Suite when ``--suite DIR`` points at it) and every engine (pyengine,
+installed, the pydantic models of tests/data/pydantic_corpus.py when pydantic is installed, and the JSON Schema
+Test Suite when ``--suite DIR`` points at it) and every engine (pyengine,
 and llguidance / xgrammar / outlines-core when importable: ``pip install -e '.[bench]'``):
 
 - compile: time to turn the schema into a matcher, or the refusal (pyengine names the keyword);
@@ -53,12 +54,29 @@ def bench_schemas(suite: str | None = None) -> list[tuple[str, object]]:
         out += [(f"store/{p.stem}", json.loads(p.read_text())) for p in sorted(folder.glob("*.json"))]
     except ImportError:
         pass
+    out += pydantic_schemas()
     if suite:
         import pathlib
         for path in sorted(pathlib.Path(suite).glob("*.json")):
             if path.stem != "refRemote":
                 out += [(f"suite/{path.stem}/{k}", g["schema"]) for k, g in enumerate(json.loads(path.read_text()))]
     return out
+
+
+def pydantic_schemas() -> list[tuple[str, object]]:
+    """The JSON Schemas of the pydantic models of tests/data/pydantic_corpus.py (schemas as users write them),
+    when pydantic is installed and the checkout's tests are next to the package."""
+    import importlib.util
+    import pathlib
+    import sys
+    path = pathlib.Path(__file__).resolve().parents[2] / "tests" / "data" / "pydantic_corpus.py"
+    if not path.is_file() or importlib.util.find_spec("pydantic") is None:
+        return []
+    spec = importlib.util.spec_from_file_location("pyengine_bench_pydantic_corpus", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module          # pydantic resolves the models' annotations through it
+    spec.loader.exec_module(module)
+    return [(f"pydantic/{name}", model.model_json_schema()) for name, model, _ in module.corpus()]
 
 
 # --- engines: compile(schema) -> matcher with mask() -> bool array, advance(token) -> bool ---------------

@@ -127,6 +127,18 @@ class _NFA:
                 self._inlining.pop()
             else:
                 self.calls[a].append((name, b))
+        elif kind == "dfa":
+            # a trimmed DFA (product.py): its states become NFA states, state 0 the entry
+            _, edges, accepting = node
+            states = [self.new() for _ in edges]
+            self.eps[a].append(states[0])
+            for s, out in zip(states, edges):
+                self.edges[s].extend((m, states[t]) for m, t in out)
+            for s, acc in zip(states, accepting):
+                if acc:
+                    self.eps[s].append(b)
+        elif kind == "clist":
+            self._counted_list(node, a, b)
         elif kind == "list":
             items, required, sep = node[1:4]
             at_least_one = len(node) > 4 and node[4]
@@ -152,6 +164,58 @@ class _NFA:
                 self.eps[none[-1]].append(b)
         else:
             raise GrammarError(f"unknown grammar node {kind!r}")
+
+    def _counted_list(self, node, a: int, b: int) -> None:
+        """("clist", items, required, sep, lo, hi, extra): JSON object members counted (ir.py). States
+        (i, c): items 0..i-1 decided, c written so far (capped at ``hi``, or saturated at ``max(lo, 1)``
+        without one); then the extra members on a chain Y[r] (r: room left under ``hi``)."""
+        _, items, required, sep, lo, hi, extra = node
+        cap = hi if hi is not None else max(lo, 1)
+        cur = {0: a}
+        for item, req in zip(items, required):
+            nxt: dict[int, int] = {}
+
+            def at(c):
+                if c not in nxt:
+                    nxt[c] = self.new()
+                return nxt[c]
+
+            for c, st in sorted(cur.items()):
+                c2 = c + 1 if hi is not None else min(c + 1, cap)
+                if c2 <= cap:
+                    self._member(item, sep, c, st, at(c2))
+                if not req:
+                    self.eps[st].append(at(c))
+            cur = nxt
+        chain: dict = {}
+
+        def y(r):                   # a member written, room r left (None: unbounded); min satisfied
+            if r not in chain:
+                chain[r] = self.new()
+                self.eps[chain[r]].append(b)
+                if r is None:
+                    self._member(extra, sep, 1, chain[r], chain[r])
+                elif r > 0:
+                    self._member(extra, sep, 1, chain[r], y(r - 1))
+            return chain[r]
+
+        for c, st in sorted(cur.items()):
+            if c >= lo:
+                self.eps[st].append(b)
+            if extra is None or c < lo - 1:
+                continue
+            room = None if hi is None else hi - c
+            if room is not None and room <= 0:
+                continue
+            self._member(extra, sep, c, st, y(None if room is None else room - 1))
+
+    def _member(self, item, sep, written: int, a: int, b: int) -> None:
+        if written:
+            mid = self.new()
+            self.build(sep, a, mid)
+            self.build(item, mid, b)
+        else:
+            self.build(item, a, b)
 
     def closure(self, states) -> frozenset:
         seen = set(states)
@@ -457,10 +521,12 @@ def _refs(node, out: set) -> set:
             _refs(n, out)
     elif kind == "rep":
         _refs(node[1], out)
-    elif kind == "list":
+    elif kind in ("list", "clist"):
         for n in node[1]:
             _refs(n, out)
         _refs(node[3], out)
+        if kind == "clist" and node[6] is not None:
+            _refs(node[6], out)
     return out
 
 
@@ -565,6 +631,10 @@ def estimate_states(node, rules: dict, inline: set) -> int:
         elif kind == "list":
             items, sep = n[1], n[3]
             out = 3 * len(items) + sum(2 * size(m) for m in items) + len(items) * size(sep)
+        elif kind == "dfa":
+            out = len(n[1])
+        elif kind == "clist":
+            out = clist_states(n, size)
         else:
             out = 0
         memo[id(n)] = out
@@ -572,6 +642,36 @@ def estimate_states(node, rules: dict, inline: set) -> int:
         return out
 
     return size(node)
+
+
+def clist_states(node, size) -> int:
+    """NFA states `_NFA._counted_list` makes for ``node`` (``size``: the estimate of a subnode)."""
+    _, items, required, sep, lo, hi, extra = node
+    cap = hi if hi is not None else max(lo, 1)
+    per = [size(m) + size(sep) + 2 for m in items]
+    out = sum((min(i, cap) + 1) * (per[i] + 1) for i in range(len(items)))
+    if extra is not None:
+        out += (min(len(items), cap) + 2 + (hi or 1)) * (size(extra) + size(sep) + 2)
+    return out
+
+
+def clist_productive(node, ok) -> bool:
+    """Whether some count of members meets the bounds of a ("clist", ...) node."""
+    _, items, required, sep, lo, hi, extra = node
+    if any(r and not ok(m) for m, r in zip(items, required)):
+        return False
+    n_req = sum(required)
+    n_max = n_req + sum(1 for m, r in zip(items, required) if not r and ok(m))
+    has_extra = extra is not None and ok(extra)
+    if n_max + (1 if has_extra else 0) >= 2 and not ok(sep):
+        n_max = min(n_max, 1)
+        has_extra = has_extra and n_max == 0
+    for c in range(n_req, n_max + 1):
+        if hi is not None and c > hi:
+            break
+        if c >= lo or (has_extra and c == lo - 1 and (hi is None or c + 1 <= hi)):
+            return True
+    return False
 
 
 def productive(rules: dict, root: str) -> bool:
@@ -591,6 +691,10 @@ def productive(rules: dict, root: str) -> bool:
             return n[2] == 0 or ok(n[1])
         if kind == "ref":
             return n[1] in good
+        if kind == "dfa":
+            return any(n[2])                    # trimmed: an accepting state is reachable
+        if kind == "clist":
+            return clist_productive(n, ok)
         if kind == "list":
             items, required, sep = n[1], n[2], n[3]
             at_least_one = len(n) > 4 and n[4]

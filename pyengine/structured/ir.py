@@ -12,6 +12,14 @@ A node is a plain tuple, so rules can be built, compared and hashed cheaply:
                                 ``sep`` between consecutive present ones (and at least one present when
                                 ``at_least_one``): JSON object members. Kept as one
                                 node because spelling it with seq/alt needs quadratic size.
+    ("clist", items, required, sep, lo, hi, extra)
+                                JSON object members counted (minProperties / maxProperties): the items
+                                in order as in "list", then ``extra`` (a member node, or None) repeated;
+                                lo <= listed written + min(extras, 1) and listed + extras <= hi (hi None:
+                                unbounded). Only one extra member counts towards ``lo``: two of them may
+                                spell the same name.
+    ("dfa", edges, accepting)   a trimmed DFA built elsewhere (`product.py`: languages intersected):
+                                per state, its (byte mask, target state) edges; state 0 is the start.
 
 Text is matched as UTF-8: a character class (code point ranges) becomes an alternation of byte-range
 sequences (`char_class`), so a token may end in the middle of a character.

@@ -11,20 +11,24 @@ integers are written without exponent or fraction; numbers with bounds without e
 Covered: type (and unions), enum, const, properties / required / additionalProperties (false, true, schema),
 anyOf, oneOf (when the branches are provably exclusive), allOf (merged), local $ref (incl. recursion),
 items / prefixItems / additionalItems / minItems / maxItems, minLength / maxLength, pattern, format
-(date, time, date-time, uuid, email, ipv4, ipv6, uri), minimum / maximum / exclusiveMinimum /
-exclusiveMaximum (integer-valued bounds for numbers, any bounds for integers), min/maxProperties when
-they follow from the rest.
+(date, time, date-time, uuid, email, ipv4, ipv6, hostname, uri) and any combination of the last four
+(their languages intersected: `product.py`; lengths count the decoded string's code points),
+minimum / maximum / exclusiveMinimum / exclusiveMaximum (integer-valued bounds for numbers, any bounds for
+integers), minProperties / maxProperties (members counted in the grammar: `_counted`).
 """
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 from urllib.parse import unquote
 
 from . import ir
-from .automaton import compile_rules
+from . import budget as _budget
+from .automaton import compile_rules, estimate_states, productive
 from .ir import GrammarError, alt, literal, opt, ref, rep, seq
+from .product import MAX_STRING_STATES, CounterTooLarge, dfa_of, intersect, length_range
 from .regex import MAX_REPEAT, regex_to_ir
 
 ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
@@ -47,6 +51,7 @@ TYPE_KEYWORDS = {
     "string": {"minLength", "maxLength", "pattern", "format"},
     "number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"},
 }
+MIN_LENGTH_CAP = 32          # a format/pattern string's maxLength is never lowered below this (see _intersected)
 MAX_BOUND_DIGITS = 400        # a numeric bound costs O(digits^2) automaton states
 DIGITS = ir.byte_set(0x30, 0x39)
 DIGITS19 = ir.byte_set(0x31, 0x39)
@@ -54,22 +59,30 @@ DIGITS19 = ir.byte_set(0x31, 0x39)
 _H = "[0-9a-fA-F]"
 _PCHAR = r"(?:[A-Za-z0-9\-._~!$&'()*+,;=:@]|%" + _H + _H + ")"
 _REGNAME = r"(?:[A-Za-z0-9\-._~!$&'()*+,;=]|%" + _H + _H + ")"
-_DATE = (r"[0-9]{4}-(?:(?:0[1-9]|1[0-2])-(?:0[1-9]|1[0-9]|2[0-8])|(?:0[13-9]|1[0-2])-(?:29|30)"
+_DATE = (r"(?:[0-9]{3}[1-9]|[0-9]{2}[1-9]0|[0-9][1-9]00|[1-9]000)-(?:(?:0[1-9]|1[0-2])-(?:0[1-9]|1[0-9]|2[0-8])|(?:0[13-9]|1[0-2])-(?:29|30)"
          r"|(?:0[13578]|1[02])-31)")
 _TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,9})?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
 _H4 = _H + "{1,4}"
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9\-]{0,61}[A-Za-z0-9])?"
 FORMATS = {
     "date": _DATE,
     "time": _TIME,
     "date-time": _DATE + "T" + _TIME,
     "uuid": f"{_H}{{8}}-{_H}{{4}}-{_H}{{4}}-{_H}{{4}}-{_H}{{12}}",
-    "email": r"[A-Za-z0-9._%+\-]{1,64}@[A-Za-z0-9\-]{1,63}(?:\.[A-Za-z0-9\-]{1,63}){1,4}",
+    # what email-validator (pydantic's EmailStr) accepts too: a dot-atom local part of at most 64
+    # characters (one inner dot), two or three domain labels without edge hyphens, a top-level domain of
+    # letters; 254 characters at most in all (64 + 1 + 63 + 1 + 63 + 1 + 61)
+    "email": (r"[A-Za-z0-9_%+\-]{1,32}(?:\.[A-Za-z0-9_%+\-]{1,31})?@" + _LABEL + r"(?:\." + _LABEL + r")?"
+              r"\.[A-Za-z]{2,61}"),
     "ipv4": r"(?:(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\.){3}(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])",
     "ipv6": "|".join([
         f"(?:{_H4}:){{7}}{_H4}", f"(?:{_H4}:){{1,7}}:", f"(?:{_H4}:){{1,6}}:{_H4}",
         f"(?:{_H4}:){{1,5}}(?::{_H4}){{1,2}}", f"(?:{_H4}:){{1,4}}(?::{_H4}){{1,3}}",
         f"(?:{_H4}:){{1,3}}(?::{_H4}){{1,4}}", f"(?:{_H4}:){{1,2}}(?::{_H4}){{1,5}}",
         f"{_H4}:(?::{_H4}){{1,6}}", f":(?:(?::{_H4}){{1,7}}|:)"]),
+    # RFC 1123 labels of 1..63 letters, digits and inner hyphens; at most 253 characters in all (three
+    # labels of up to 63 and a fourth of up to 61, so the bound holds without counting)
+    "hostname": (_LABEL + r"(?:\." + _LABEL + r"){0,2}(?:\.[A-Za-z0-9](?:[A-Za-z0-9\-]{0,59}[A-Za-z0-9])?)?"),
     "uri": (r"[A-Za-z][A-Za-z0-9+.\-]*:(?://(?:(?:" + _REGNAME[3:-1] + r"|:)*@)?" + _REGNAME + r"*(?::[0-9]*)?"
             r"(?:/" + _PCHAR + r"*)*|/(?:" + _PCHAR + r"+(?:/" + _PCHAR + r"*)*)?|" + _PCHAR + r"+(?:/" + _PCHAR
             + r"*)*)?(?:\?(?:" + _PCHAR + r"|[/?])*)?(?:#(?:" + _PCHAR + r"|[/?])*)?"),
@@ -322,9 +335,13 @@ class SchemaCompiler:
         self.schema = schema
         self.rules: dict[str, ir.GrammarNode] = {}
         self.depth = 0
+        self.empty: list[tuple[str, str]] = []      # (why, keyword) of subschemas found unsatisfiable
 
     def compile(self) -> tuple[dict, str]:
         root = self._ref_rule("#")
+        if self.empty and (self.rules[root] == ir.NOTHING or not productive(self.rules, root)):
+            why, keyword = self.empty[0]
+            raise GrammarError(f"the schema admits no value: {why}", keyword)
         if self.rules[root] == ir.NOTHING:
             raise GrammarError("the schema admits no value")
         return self.rules, root
@@ -547,21 +564,60 @@ class SchemaCompiler:
                 raise GrammarError("pattern must be a string", "pattern")
             regexes.append((pattern, True))
         if regexes:
-            if len(regexes) > 1:
-                raise GrammarError("pattern combined with format is not supported", "pattern")
-            if lo or hi is not None:
-                raise GrammarError(f"{'pattern' if pattern is not None else 'format'} combined with "
-                                   "minLength/maxLength is not supported", "minLength" if lo else "maxLength")
-            try:
-                body = regex_to_ir(regexes[0][0], json_char_class, search=regexes[0][1])
-            except GrammarError as e:
-                raise GrammarError(f"pattern: {e}", "pattern") from None
-            return seq(literal('"'), body, literal('"'))
+            bodies = []
+            for r, search in regexes:
+                try:
+                    bodies.append(_format_ir(r) if not search else regex_to_ir(r, json_char_class, search=True))
+                except GrammarError as e:
+                    raise GrammarError(f"pattern: {e}", "pattern") from None
+            if len(bodies) == 1 and not lo and hi is None:
+                return seq(literal('"'), bodies[0], literal('"'))
+            return seq(literal('"'), self._intersected(bodies, fmt, pattern, lo, hi), literal('"'))
         if hi is not None and hi > MAX_REPEAT:
             raise GrammarError(f"maxLength above {MAX_REPEAT} is not supported", "maxLength")
         if lo > MAX_REPEAT:
             raise GrammarError(f"minLength above {MAX_REPEAT} is not supported", "minLength")
         return seq(literal('"'), rep(JSON_CHAR, lo, hi), literal('"'))
+
+    def _intersected(self, bodies, fmt, pattern, lo: int, hi: int | None) -> ir.GrammarNode:
+        """format / pattern / minLength / maxLength together: the product of their automata (product.py).
+        Lengths count the characters of the decoded string (code points), an escape such as ``\\n`` or
+        ``\\u001f`` being one character, as JSON Schema counts them."""
+        said = [f"format {fmt!r}"] if fmt else []
+        said += [f"pattern {pattern[:60]!r}"] if pattern is not None else []
+        said += [f"minLength {lo}"] if lo else []
+        said += [f"maxLength {hi}"] if hi is not None else []
+        what = " with ".join(said)
+        keyword = "maxLength" if hi is not None else "minLength" if lo else "pattern"
+        counting = bool(lo) or hi is not None
+        try:
+            dfas = [dfa_of(b) for b in bodies]
+            if len(dfas) == 1 and counting:
+                fewest, most = length_range(dfas[0], _lexer())
+                if lo <= fewest and (hi is None or most <= hi):
+                    return bodies[0]                # the bounds cannot bind: the regex as it is
+            body = None
+            cap = hi
+            while body is None:
+                try:
+                    body = intersect(dfas, _lexer() if counting else None, lo, cap)
+                except CounterTooLarge as e:
+                    # maxLength exact would need more states than one string may have: write at most
+                    # `cap` characters instead (a subset of the language, so every output validates);
+                    # a built automaton's size says about how many states each character adds
+                    nxt = cap // 2 if cap is not None else 0
+                    if e.suggest:
+                        nxt = min(cap - 1, e.suggest)
+                    elif e.states:
+                        nxt = min(nxt, int(cap * MAX_STRING_STATES * 0.9) // e.states)
+                    if nxt < max(lo, 1) or nxt < MIN_LENGTH_CAP:
+                        raise
+                    cap = nxt
+        except _budget.GrammarTooLarge as e:
+            raise _budget.GrammarTooLarge(f"{what}: {e}", keyword) from None
+        if body == ir.NOTHING:
+            self.empty.append((f"{what} admits no string", keyword))
+        return body
 
     def _number(self, s, integer: bool) -> ir.GrammarNode:
         lo, lo_excl = _bound(s, "minimum", "exclusiveMinimum", lower=True)
@@ -691,6 +747,7 @@ class SchemaCompiler:
                     raise GrammarError(f"required property {r!r} is not in properties and additionalProperties "
                                        "is false", "required")
                 names.append(r)
+        self._check_count_size(s, names, required, addl)
         name_ok, extra_key = self._property_names(s)
         members, flags = [], []
         for name in names:
@@ -733,18 +790,64 @@ class SchemaCompiler:
             else:
                 options = singles + ([] if lo_p else [ir.EMPTY])
             return seq(literal("{"), alt(*options), literal("}"))
-        if hi_p is not None and (extra is not None or hi_p < len(members)):
-            raise GrammarError("maxProperties below the number of possible properties is not supported",
-                               "maxProperties")
+        if (hi_p is not None and (extra is not None or hi_p < len(members))) or (lo_p > n_req and lo_p > 1):
+            return self._counted(members, flags, extra, lo_p, hi_p)
         at_least_one = False
         if lo_p > n_req:
             if lo_p == 1 and members:
                 at_least_one = True              # {} is not allowed: the list must not be empty
-            else:
-                raise GrammarError("minProperties above the number of required properties is not supported",
-                                   "minProperties")
         body = ("list", tuple(members), tuple(flags), literal(","), at_least_one)
         return seq(literal("{"), body, literal("}"))
+
+    def _check_count_size(self, s, names, required, addl) -> None:
+        """Refuse at once (before any member's value is compiled) a min/maxProperties whose unrolled
+        count cannot fit the state budget even if every value were a single state."""
+        lo, hi = _count(s, "minProperties", 0), _count(s, "maxProperties", None)
+        if hi is None and lo <= 1:
+            return
+        cap = hi if hi is not None else lo
+        cost = sum((min(i, cap) + 1) * (len(dumps(n).encode("utf-8")) + 3) for i, n in enumerate(names))
+        budget = _budget.current()
+        if cost > budget.max_states:
+            keyword = "maxProperties" if hi is not None else "minProperties"
+            message = budget.too_large(f"{keyword} {cap} over {len(names)} properties unrolls to more than "
+                                       f"{cost} automaton states").args[0]
+            raise _budget.GrammarTooLarge(message, keyword)
+
+    def _counted(self, members, flags, extra, lo: int, hi: int | None) -> ir.GrammarNode:
+        """minProperties / maxProperties counted in the grammar: a ("clist", ...) node (ir.py) over the
+        listed members and the repeated extra member. Every member written counts towards maxProperties;
+        towards minProperties count the listed members and at most one extra member, because two extra
+        members may carry the same name (a grammar cannot keep arbitrary names apart) and would then
+        make one property, not two."""
+        listed, req = members[:-1], flags[:-1]
+        if extra is None:
+            listed, req = members, flags
+        # each member its own rule: inlined into one DFA when it fits; past MAX_DFA_STATES (every member
+        # copied once per count) compile_rules falls back to rule-by-rule automata, members then called
+        base = f"count:{len(self.rules)}"
+        for i, m in enumerate(listed):
+            self.rules[f"{base}:{i}"] = m
+        listed = [ref(f"{base}:{i}") for i in range(len(listed))]
+        if extra is not None:
+            self.rules[f"{base}:extra"] = extra
+            extra = ref(f"{base}:extra")
+        node = ("clist", tuple(listed), tuple(req), literal(","), lo, hi, extra)
+        n_most = len(listed) + (1 if extra is not None else 0)
+        if lo > n_most:
+            raise GrammarError(f"minProperties {lo} needs more than the {len(listed)} listed properties and one "
+                               "additional property (several additional properties may share a name, so only "
+                               "one counts towards minProperties)", "minProperties")
+        budget = _budget.current()
+        cost = estimate_states(node, self.rules, {n for n in self.rules if n.startswith(base + ":")})
+        if cost > budget.max_states:
+            keyword = "maxProperties" if hi is not None else "minProperties"
+            value = hi if hi is not None else lo
+            message = budget.too_large(f"{keyword} {value} over {len(listed)} properties"
+                                       f"{' and additionalProperties' if extra is not None else ''} unrolls to "
+                                       f"about {cost} automaton states").args[0]
+            raise _budget.GrammarTooLarge(message, keyword)
+        return seq(literal("{"), node, literal("}"))
 
     def _property_names(self, s):
         """(predicate over listed names, key node for extra properties or None) from propertyNames, which
@@ -766,6 +869,18 @@ class SchemaCompiler:
 
         key = self._string({k: v for k, v in pn.items() if k != "type"})
         return ok, key
+
+
+@functools.lru_cache(maxsize=len(FORMATS))
+def _format_ir(regex: str):
+    """A format's regex as JSON string body IR (parsed once per process)."""
+    return regex_to_ir(regex, json_char_class)
+
+
+@functools.lru_cache(maxsize=1)
+def _lexer():
+    """The DFA of any sequence of JSON string characters: the character counter of `product.intersect`."""
+    return dfa_of(rep(JSON_CHAR, 0, None))
 
 
 def _searcher(pattern, keyword: str):

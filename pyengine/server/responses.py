@@ -27,7 +27,8 @@ from collections.abc import AsyncIterator
 from pyengine.server import protocol as P
 
 _PASS = ("temperature", "top_p", "parallel_tool_calls", "user", "seed", "top_k", "min_p", "stream",
-         "repetition_penalty", "include_reasoning", "chat_template_kwargs")
+         "repetition_penalty", "include_reasoning", "chat_template_kwargs", "min_tokens", "bad_words",
+         "allowed_token_ids", "thinking_token_budget", "priority")
 _IGNORED = ("store", "metadata", "include", "truncation", "service_tier", "prompt_cache_key", "safety_identifier",
             "reasoning")
 

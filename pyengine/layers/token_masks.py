@@ -133,21 +133,20 @@ class TokenMasks:
         x = np.array(logits, dtype=np.float64)
         V = x.shape[-1]
         out = list(output_ids) + [int(t) for t in drafts]
-        hard = x.copy()
         if self.ban is not None:
             w = min(V, len(self.ban))
-            hard[:w][self.ban[:w]] = NEG_INF
+            x[:w][self.ban[:w]] = NEG_INF
         for prefix, last in self.sequences:
             if last < V and len(out) >= len(prefix) and tuple(out[len(out) - len(prefix):]) == prefix:
-                hard[last] = NEG_INF
-        if not np.isfinite(hard).any():             # a grammar left only banned tokens: keep its choice
-            return x
-        x = hard
+                x[last] = NEG_INF
+        if not np.isfinite(x).any():                # a grammar left only banned tokens: keep its choice
+            return np.array(logits, dtype=np.float64)
         if self.min_tokens and len(out) < self.min_tokens and len(self.stop_ids):
-            soft = x.copy()
-            soft[self.stop_ids[self.stop_ids < V]] = NEG_INF
-            if np.isfinite(soft).any():
-                x = soft
+            ids = self.stop_ids[self.stop_ids < V]
+            kept = x[ids]
+            x[ids] = NEG_INF
+            if not np.isfinite(x).any():            # only stop tokens are left: min_tokens yields
+                x[ids] = kept
         if self.thinking is not None:
             state = self.thinking
             if drafts:

@@ -201,11 +201,11 @@ def test_cli_min_tokens_and_bad_words_on_the_real_model(capsys, monkeypatch):
     assert main(paris + ["--bad-words", "Paris", "--bad-words", "France"]) == 0
     out = capsys.readouterr().out
     assert "Paris" not in out and "France" not in out and out.strip()
-    chat = ["generate", "Say hi.", "--chat", "--temperature", "0", "--max-tokens", "40"]
+    chat = ["generate", "What is 2+2?", "--chat", "--temperature", "0", "--max-tokens", "20"]
     assert main(chat) == 0
     short = capsys.readouterr()
     assert "finish stop" in short.err
-    assert main(chat + ["--min-tokens", "40"]) == 0
+    assert main(chat + ["--min-tokens", "20"]) == 0
     longer = capsys.readouterr()
     assert "finish length" in longer.err and longer.out.startswith(short.out.rstrip("\n"))
     assert main(["generate", "x", "--min-tokens", "-1"]) != 0

@@ -81,14 +81,16 @@ class LLM:
         gguf = getattr(self.llm_engine.runner, "gguf", None)       # an injected runner: ask its file
         return SamplingParams(**model_sampling_defaults(getattr(gguf, "metadata", None)))
 
-    def generate(self, prompts, sampling_params=None, use_tqdm: bool = False) -> list:
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = False, priority=None) -> list:
         """Complete each prompt; returns the final `RequestOutput`s in input order.
 
         A prompt is a str, ``{"prompt_token_ids": [...]}`` (optionally with "prompt" text), or a
         list of those; ``sampling_params`` is one `SamplingParams` for all, or a list (one each).
+        ``priority`` (vLLM's): one int per prompt (or one for all); lower is scheduled earlier.
         """
         prompts = self._prompt_list(prompts)
-        ids = self._add_all(prompts, self._params_list(sampling_params, len(prompts)))
+        ids = self._add_all(prompts, self._params_list(sampling_params, len(prompts)),
+                            self._priorities(priority, len(prompts)))
         return self._run_to_completion(ids, use_tqdm)
 
     def chat(self, messages, sampling_params=None, add_generation_prompt: bool = True,
@@ -201,6 +203,18 @@ class LLM:
                          f"got {type(sampling_params).__name__}")
 
     @staticmethod
+    def _priorities(priority, n: int) -> list[int]:
+        if priority is None:
+            return [0] * n
+        values = [priority] * n if not isinstance(priority, (list, tuple)) else list(priority)
+        if len(values) != n:
+            raise ValueError(f"got {len(values)} priorities for {n} prompts")
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                raise ValueError(f"priority must be an int (or a list of ints), got {v!r}")
+        return [int(v) for v in values]
+
+    @staticmethod
     def _conversations(messages) -> list[list[dict]]:
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts (or a list of such lists)")
@@ -214,16 +228,16 @@ class LLM:
         return [list(c) for c in convs]
 
     # --- driving the engine -----------------------------------------------------------------------
-    def _add_all(self, prompts: list, params: list[SamplingParams]) -> list[str]:
+    def _add_all(self, prompts: list, params: list[SamplingParams], priorities: list[int] | None = None) -> list[str]:
         """Queue every request or none: the engine validates each one in add_request (prompt length
         vs max_model_len, token ids vs vocab, params vs vocab); on the first error the ones already
         queued are withdrawn before any step ran."""
         engine = self.llm_engine
         added: list[str] = []
         try:
-            for prompt, p in zip(prompts, params):
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
                 rid = f"llm-{next(self._ids)}"
-                engine.add_request(rid, prompt, p)
+                engine.add_request(rid, prompt, p, priorities[i] if priorities else 0)
                 added.append(rid)
                 self._inbox[rid] = deque()
         except BaseException:

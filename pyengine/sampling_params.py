@@ -113,6 +113,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     speculative: bool = True           # extension (S14): False opts this request out of speculative decoding
     structured_outputs: StructuredOutputsParams | None = None
+    # issue 32 (vLLM's names and semantics; enforced by layers/token_masks.py, docs/sampling.md step 4)
+    min_tokens: int = 0                # EOS, stop_token_ids and stop strings wait until this many tokens
+    bad_words: list[str] | None = None         # words banned as token sequences (with the leading-space form)
+    allowed_token_ids: list[int] | None = None  # only these ids may be sampled
+    thinking_token_budget: int | None = None   # tokens inside <think>...</think> before </think> is forced
 
     def __post_init__(self) -> None:
         self.n = _number("n", self.n, integer=True)
@@ -161,6 +166,33 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "speculative"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        self._check_token_fields()
+
+    def _check_token_fields(self) -> None:
+        """min_tokens, bad_words, allowed_token_ids, thinking_token_budget (issue 32)."""
+        self.min_tokens = _number("min_tokens", self.min_tokens, integer=True)
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be less than or equal to "
+                             f"max_tokens ({self.max_tokens})")
+        if self.bad_words is not None:
+            words = self.bad_words
+            if isinstance(words, str) or not isinstance(words, (list, tuple)) \
+                    or not all(isinstance(w, str) for w in words):
+                raise ValueError(f"bad_words must be a list of strings, got {words!r}")
+            if any(not w.strip() for w in words):
+                raise ValueError("bad_words must not contain empty or blank strings")
+            self.bad_words = list(dict.fromkeys(words))
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = self._token_ids("allowed_token_ids", self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty (leave it out to allow every token)")
+        if self.thinking_token_budget is not None:
+            self.thinking_token_budget = _number("thinking_token_budget", self.thinking_token_budget, integer=True)
+            if self.thinking_token_budget < 0:
+                raise ValueError(f"thinking_token_budget must be a non-negative integer (or None), "
+                                 f"got {self.thinking_token_budget}")
 
     # --- normalisation of the container-valued parameters -------------------------------------
     @staticmethod
@@ -215,6 +247,12 @@ class SamplingParams:
         return self.temperature < GREEDY_EPS
 
     @property
+    def has_token_masks(self) -> bool:
+        """Whether a per-sequence token mask applies (layers/token_masks.py)."""
+        return bool(self.min_tokens or self.bad_words or self.allowed_token_ids
+                    or self.thinking_token_budget is not None)
+
+    @property
     def has_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
@@ -228,6 +266,9 @@ class SamplingParams:
         for tid in self.stop_token_ids:
             if tid >= vocab_size:
                 raise ValueError(f"stop_token_ids contains {tid}, out of range for vocab size {vocab_size}")
+        for tid in self.allowed_token_ids or ():
+            if tid >= vocab_size:
+                raise ValueError(f"allowed_token_ids contains {tid}, out of range for vocab size {vocab_size}")
         if self.logprobs is not None and self.logprobs > vocab_size:
             raise ValueError(f"logprobs={self.logprobs} exceeds the vocab size {vocab_size}")
 

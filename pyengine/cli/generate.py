@@ -36,6 +36,10 @@ def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="stop string (repeat for several)")
+    p.add_argument("--min-tokens", type=int, default=0, metavar="N",
+                   help="no end-of-sequence, stop token or stop string before N tokens (default 0)")
+    p.add_argument("--bad-words", action="append", default=None, metavar="WORD",
+                   help="never generate WORD (its token sequences, with and without a leading space; repeat)")
     add_speculative_argument(p)
 
 
@@ -79,7 +83,8 @@ def sampling_params(args, llm=None, **extra):
     if llm is not None:
         d = llm.get_default_sampling_params()
         base = {k: getattr(d, k) for k in SAMPLING_OPTIONS}
-    return SamplingParams(**{**base, **given}, max_tokens=args.max_tokens, seed=args.seed, stop=args.stop, **extra)
+    return SamplingParams(**{**base, **given}, max_tokens=args.max_tokens, seed=args.seed, stop=args.stop,
+                          min_tokens=args.min_tokens, bad_words=args.bad_words, **extra)
 
 
 def context_hint(max_model_len: int, context: int | None) -> str:

@@ -162,6 +162,7 @@ class Router:
                 raise ValueError(f"prompt + max_tokens = {total} tokens needs {-(-total // bs)} KV blocks; the "
                                  f"pool has only {nb}")
         self.inputs.matchers(params, 1)                   # a schema the grammar compiler refuses: refused here
+        self.inputs.token_masks(params, 1, ids)           # so are token fields the model cannot honour
         waiting = sum(1 for r in self.requests.values() if r.stage == "prefill")
         if self.max_waiting is not None and waiting >= self.max_waiting:
             raise EngineOverloaded(f"waiting queue is full ({self.max_waiting} requests)")

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from pyengine.layers.token_masks import build_token_masks
+
 
 def check_prompt(ids: list[int], params, vocab_size: int, max_model_len: int) -> int:
     """ValueError if the prompt's ids or the params cannot run on this model; else the request's max_tokens."""
@@ -19,6 +21,9 @@ def check_prompt(ids: list[int], params, vocab_size: int, max_model_len: int) ->
     max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - len(ids)
     if max_tokens <= 0:
         raise ValueError(f"prompt ({len(ids)} tokens) leaves no room in max_model_len ({max_model_len})")
+    if params.min_tokens > max_tokens:
+        raise ValueError(f"min_tokens ({params.min_tokens}) exceeds the {max_tokens} tokens the context leaves "
+                         f"after the prompt")
     return max_tokens
 
 
@@ -64,6 +69,11 @@ class InputProcessor:
             from pyengine.structured.processor import StructuredOutputs     # lazy: only for constrained requests
             self._structured = StructuredOutputs(self.tokenizer, self.eos_token_ids, self.vocab_size)
         return self._structured
+
+    def token_masks(self, params, n: int, prompt_ids: list[int]) -> list | None:
+        """Issue 32: one `TokenMasks` per sequence (allowed_token_ids, bad_words, min_tokens, thinking budget),
+        else None; ValueError when they cannot hold on this model."""
+        return build_token_masks(params, self.tokenizer, self.eos_token_ids, self.vocab_size, prompt_ids, n)
 
     def matchers(self, params, n: int) -> list | None:
         """One grammar matcher per sequence of a constrained request, else None."""

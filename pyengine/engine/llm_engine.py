@@ -66,6 +66,7 @@ class _Request:
         self.logprobs: list[list | None] = []
         self.cumulative_logprob: list[float | None] = []
         self.matchers: list | None = None      # S15: one grammar matcher per sequence, or None
+        self.token_masks: list | None = None   # issue 32: one TokenMasks per sequence (layers/token_masks.py)
         self.metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids))
         self.admitted = False
 
@@ -176,6 +177,7 @@ class LLMEngine:
         req = _Request(request_id, text, ids, params, priority,
                        time.monotonic() if arrival_time is None else arrival_time)
         req.matchers = self.input_processor.matchers(params, params.n)
+        req.token_masks = self.input_processor.token_masks(params, params.n, ids)
         for i in range(params.n):
             seq = Sequence(self._next_seq_id, request_id, i, ids, params, priority, max_tokens=max_tokens)
             self._next_seq_id += 1
@@ -415,10 +417,14 @@ class LLMEngine:
             if any(reqs[i].matchers is not None for i in plain):
                 allowed = [reqs[i].matchers[sampled[i].index].allowed_mask() if reqs[i].matchers is not None
                            else None for i in plain]
+            token_masks = None                  # issue 32: allowed_token_ids, bad_words, min_tokens, thinking
+            if any(reqs[i].token_masks is not None for i in plain):
+                token_masks = [reqs[i].token_masks[sampled[i].index] if reqs[i].token_masks is not None
+                               else None for i in plain]
             tokens, infos = self.sampler.sample(
                 sel, [reqs[i].params for i in plain], [sampled[i].prompt_token_ids for i in plain],
                 [sampled[i].output_token_ids for i in plain], [reqs[i].rngs[sampled[i].index] for i in plain],
-                allowed=allowed)
+                allowed=allowed, token_masks=token_masks)
             for i, tok, info in zip(plain, tokens.tolist(), infos):
                 results[i] = ([int(tok)], [info])
         for i, seq in enumerate(sampled):
@@ -449,6 +455,9 @@ class LLMEngine:
         if masks is not None:                   # S15: row i masked with the grammar after the first i drafts
             from pyengine.structured.processor import mask_rows
             rows = mask_rows(rows, masks)
+        if req.token_masks is not None:         # issue 32: row i after the first i drafts
+            tm, drafts = req.token_masks[seq.index], seq.spec_token_ids
+            rows = np.stack([tm.apply(rows[i], seq.output_token_ids, drafts[:i]) for i in range(len(rows))])
         toks = verify(rows, seq.spec_token_ids, seq.spec_draft_probs, p, req.rngs[seq.index],
                       seq.prompt_token_ids, seq.output_token_ids)
         infos = [token_logprobs(raw[j], t, p.logprobs) if p.logprobs is not None else None
@@ -459,6 +468,8 @@ class LLMEngine:
         if req.matchers is not None and not req.matchers[seq.index].advance(tok):
             raise RuntimeError(f"sampled token {tok} is outside the grammar of request {req.request_id!r}")
         seq.append_token(tok)
+        if req.token_masks is not None:
+            req.token_masks[seq.index].advance(tok)
         self.counters["generation_tokens"] += 1
         res = self.output_processor.on_token(seq, req, tok, info, now, deltas)
         if res is not None:

@@ -11,6 +11,10 @@ One `StopChecker` per generated sequence. Each new token goes through `append`, 
    ``include_stop_str_in_output``) and a finished text ends right before it;
 4. ends the sequence with "length" after ``max_tokens`` tokens.
 
+``min_tokens`` (vLLM's rule): until more than that many tokens are out, stop tokens and stop strings do not
+end the sequence (the sampler keeps EOS and stop ids out too, layers/token_masks.py); a stop string completed
+inside the first ``min_tokens`` tokens stays in the text.
+
 A stop (token or string) on the last allowed token reports "stop", not "length": the model did stop.
 """
 from __future__ import annotations
@@ -91,7 +95,8 @@ class StopChecker:
             raise ValueError(f"sequence already finished ({self.finish_reason}); cannot append token {token_id}")
         token_id = int(token_id)
         self.num_tokens += 1
-        if token_id in self.stop_token_ids or token_id in self.eos_token_ids:
+        if self.num_tokens > self.params.min_tokens and (
+                token_id in self.stop_token_ids or token_id in self.eos_token_ids):
             # The stop token's own text is shown only with include_stop_str_in_output (as vLLM).
             if self.params.include_stop_str_in_output:
                 self._held += self._detok.add(token_id)
@@ -119,7 +124,7 @@ class StopChecker:
 
     def _cut_at_stop_string(self) -> bool:
         """If the held text contains a stop string: truncate there and mark the sequence stopped."""
-        hit = find_stop(self._held, self.stops)
+        hit = find_stop(self._held, self.stops) if self.num_tokens > self.params.min_tokens else None
         if hit is None:
             return False
         start, stop = hit

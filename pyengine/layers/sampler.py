@@ -307,11 +307,13 @@ class Sampler:
     """Samples one token per row of a (B, V) logits batch, each row with its own params and rng."""
 
     def sample(self, logits: np.ndarray, params: list[SamplingParams], prompt_ids: list,
-               output_ids: list, rngs: list, allowed: list | None = None) -> tuple[np.ndarray, list[SampleLogprobs | None]]:
+               output_ids: list, rngs: list, allowed: list | None = None,
+               token_masks: list | None = None) -> tuple[np.ndarray, list[SampleLogprobs | None]]:
         """Returns token ids (B,) int64 and per row a `SampleLogprobs` (when params.logprobs is not
         None) or None. `rngs[i]` may be None for greedy rows; the logits are only read. ``allowed[i]``
         (S15): a boolean token mask from the row's grammar, or None for an unconstrained row (only the
-        constrained rows pay for masking)."""
+        constrained rows pay for masking). ``token_masks[i]`` (issue 32): the row's `TokenMasks`
+        (allowed_token_ids, bad_words, min_tokens, thinking budget; layers/token_masks.py) or None."""
         logits = np.asarray(logits)
         if logits.ndim != 2:
             raise ValueError(f"logits must be (batch, vocab), got shape {logits.shape}")
@@ -325,8 +327,11 @@ class Sampler:
         if allowed is not None and len(allowed) != B:
             raise ValueError(f"allowed has {len(allowed)} entries for a batch of {B} logits rows")
         masks = allowed if allowed is not None else [None] * B
+        extra = token_masks if token_masks is not None else [None] * B
+        if len(extra) != B:
+            raise ValueError(f"token_masks has {len(extra)} entries for a batch of {B} logits rows")
         plain = [i for i, p in enumerate(params)
-                 if p.greedy and not p.logit_bias and not p.has_penalties and masks[i] is None]
+                 if p.greedy and not p.logit_bias and not p.has_penalties and masks[i] is None and extra[i] is None]
         if len(plain) == B:
             tokens[:] = np.argmax(logits, axis=-1)              # all greedy: no (B, V) copy (out= needs intp:
                                                                 # int32 on wasm32)
@@ -336,6 +341,8 @@ class Sampler:
         for i, p in enumerate(params):
             if i not in plain_set:
                 row = logits[i] if masks[i] is None else apply_allowed_mask(logits[i], masks[i])
+                if extra[i] is not None:        # the law's step 4, beside the grammar's mask
+                    row = extra[i].apply(row, output_ids[i])
                 tokens[i] = sample_row(row, p, rngs[i], prompt_ids[i], output_ids[i])
         infos: list[SampleLogprobs | None] = [
             token_logprobs(logits[i], int(tokens[i]), p.logprobs) if p.logprobs is not None else None

@@ -91,7 +91,7 @@ class EngineLoop:
             self._queues.pop(rid).put_nowait(Aborted(rid, "server stopping"))
 
     # --- handler-facing API ---------------------------------------------------------------------
-    async def add_request(self, request_id: str, prompt, params, queue: asyncio.Queue) -> None:
+    async def add_request(self, request_id: str, prompt, params, queue: asyncio.Queue, priority: int = 0) -> None:
         """Hand a request to the engine; its outputs will be put on `queue`. Engine errors (e.g.
         EngineOverloaded, ValueError) propagate to the caller, and nothing is left registered."""
         self.ensure_started()
@@ -99,7 +99,7 @@ class EngineLoop:
         if reason:
             raise EngineUnavailable(reason)
         async with self._lock:
-            self.engine.add_request(request_id, prompt, params)
+            self.engine.add_request(request_id, prompt, params, priority)
             self._queues[request_id] = queue
         self._wake.set()
 

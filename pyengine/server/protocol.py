@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from pyengine.sampling_params import SamplingParams
 from pyengine.server.reasoning import parser_for
+from pyengine.server.sampling_fields import FieldError, parse_priority, parse_sampling_fields
 from pyengine.tokenizer.length_bound import TooManyTokens
 
 MAX_N = 32                  # choices per request: each one is a sequence in the batch
@@ -195,6 +196,7 @@ class ParsedRequest:
     reasoning: object = None        # a thinking model's ReasoningParser (server/reasoning.py), else None
     reasoning_open: bool = False    # the prompt leaves the model inside an open <think>
     include_reasoning: bool = True  # return the reasoning as reasoning_content (else drop it)
+    priority: int = 0               # the scheduler's priority (vLLM's sign: lower is earlier; sampling_fields.py)
 
 
 def _common(body: dict, vocab_size: int, chat: bool = False) -> dict:
@@ -231,6 +233,11 @@ def _common(body: dict, vocab_size: int, chat: bool = False) -> dict:
         speculative=_bool(body, "speculative", True),    # extension: false opts out of speculative decoding
         structured_outputs=structured,
     )
+    try:                            # issue 32: min_tokens, bad_words, allowed_token_ids, thinking_token_budget
+        kw.update(parse_sampling_fields(body, vocab_size))
+        priority = parse_priority(body)
+    except FieldError as exc:
+        raise bad_param(exc.param, str(exc)) from None
     stream = _bool(body, "stream")
     so = body.get("stream_options")
     if so is not None:
@@ -244,7 +251,7 @@ def _common(body: dict, vocab_size: int, chat: bool = False) -> dict:
         raise bad_param("user", "user must be a string")
     budget_param = "max_completion_tokens" if max_completion is not None else "max_tokens"
     return dict(kw=kw, n=n or 1, stream=stream, include_usage=include_usage, user=user, budget_param=budget_param,
-                tool_plan=tool_plan)
+                tool_plan=tool_plan, priority=priority)
 
 
 def _make_params(kw: dict, defaults=()) -> SamplingParams:
@@ -369,14 +376,17 @@ def _fit_context(params: SamplingParams, prompt_lens: list[int], limits: Request
 def _finish(kind, body, common, prompts, prompt_texts, tokenizer, limits, logprobs, echo, param):
     params = _make_params(common["kw"], limits.sampling_defaults)
     default_max = COMPLETIONS_DEFAULT_MAX_TOKENS if kind == "completion" else None
-    params = _fit_context(params, [len(p) for p in prompts], limits, default_max, param, common["budget_param"],
-                          common["n"])
+    try:
+        params = _fit_context(params, [len(p) for p in prompts], limits, default_max, param,
+                              common["budget_param"], common["n"])
+    except ValueError as exc:       # the room left for max_tokens is below min_tokens
+        raise bad_param("min_tokens", str(exc)) from None
     if logprobs is not None:
         params = params.clone(logprobs=logprobs)
     return ParsedRequest(kind=kind, model=_check_model(body), prompts=prompts, prompt_texts=prompt_texts,
                          params=params, n=common["n"], stream=common["stream"],
                          include_usage=common["include_usage"], logprobs=logprobs, echo=echo,
-                         user=common["user"], tool_plan=common["tool_plan"])
+                         user=common["user"], tool_plan=common["tool_plan"], priority=common["priority"])
 
 
 # what a client's chat_template_kwargs may not set: the template's own inputs and the tokenizer's tokens

@@ -29,6 +29,19 @@ class ReasoningParser:
         i = prompt_text.rfind(self.start)
         return i >= 0 and prompt_text.find(self.end, i) < 0
 
+    def count_tokens(self, decode, ids: list[int], in_reasoning: bool) -> int:
+        """Output tokens spent thinking: those up to the one that completes the end tag (all of them when the
+        thinking never closed; 0 when the output does not think). ``decode``: ids -> text with the tags."""
+        if not ids or self.split(decode(ids), in_reasoning)[0] is None:
+            return 0
+        if self.end not in decode(ids):
+            return len(ids)
+        lo, hi = 1, len(ids)                      # the first prefix whose text holds the end tag
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if self.end in decode(ids[:mid]) else (mid + 1, hi)
+        return lo
+
     def split(self, text: str, in_reasoning: bool) -> tuple[str | None, str]:
         """A whole output -> (reasoning or None, answer)."""
         s = ThinkSplitter(self, in_reasoning)

@@ -27,7 +27,8 @@ from collections.abc import AsyncIterator
 from pyengine.server import protocol as P
 
 _PASS = ("temperature", "top_p", "parallel_tool_calls", "user", "seed", "top_k", "min_p", "stream",
-         "repetition_penalty", "include_reasoning", "chat_template_kwargs")
+         "repetition_penalty", "include_reasoning", "chat_template_kwargs", "min_tokens", "bad_words",
+         "allowed_token_ids", "thinking_token_budget", "priority")
 _IGNORED = ("store", "metadata", "include", "truncation", "service_tier", "prompt_cache_key", "safety_identifier",
             "reasoning")
 
@@ -176,9 +177,13 @@ def chat_body(body: dict) -> dict:
     return out
 
 
-def _usage(gen) -> dict:
+def _usage(gen, ids: list[int]) -> dict:
+    """``ids``: the output's token ids (a thinking model's reasoning tokens are counted from them)."""
+    p, thought = gen.parsed, 0
+    if p.reasoning is not None:
+        thought = p.reasoning.count_tokens(gen.loop.engine.get_tokenizer().decode, ids, p.reasoning_open)
     return {"input_tokens": gen.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens": gen.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": gen.completion_tokens, "output_tokens_details": {"reasoning_tokens": thought},
             "total_tokens": gen.prompt_tokens + gen.completion_tokens}
 
 
@@ -229,14 +234,15 @@ def _message(text: str, status: str, mid: str | None = None) -> dict:
 
 async def collect(gen, model_id: str, created: int, body: dict) -> dict:
     from pyengine.server.serving import _failure_error
-    async for _ in gen.updates():
-        pass
+    ids: list[int] = []
+    async for u in gen.updates():
+        ids += u.token_ids
     err = _failure_error(gen)
     if err is not None:
         raise err
     items, incomplete = _items(gen.parsed, gen.texts[0], gen.finish[0])
     shape = _Shape("resp_" + gen.api_id.split("-", 1)[-1], created, model_id, body)
-    return shape.response("incomplete" if incomplete else "completed", items, _usage(gen), incomplete)
+    return shape.response("incomplete" if incomplete else "completed", items, _usage(gen, ids), incomplete)
 
 
 def _event(seq: list[int], kind: str, **fields) -> bytes:
@@ -267,7 +273,9 @@ async def stream(gen, model_id: str, created: int, body: dict) -> AsyncIterator[
         return {"type": "reasoning", "id": reasoning_id, "summary": [],
                 "content": [{"type": "reasoning_text", "text": text}], "status": "completed"}
 
+    ids: list[int] = []
     async for u in gen.updates():
+        ids += u.token_ids
         if buffered or not u.delta:
             continue
         delta = u.delta
@@ -312,5 +320,5 @@ async def stream(gen, model_id: str, created: int, body: dict) -> AsyncIterator[
         placed.append(item)
         yield _event(seq, "response.output_item.added", output_index=len(placed) - 1, item=item)
         yield _event(seq, "response.output_item.done", output_index=len(placed) - 1, item=item)
-    final = shape.response("incomplete" if incomplete else "completed", placed, _usage(gen), incomplete)
+    final = shape.response("incomplete" if incomplete else "completed", placed, _usage(gen, ids), incomplete)
     yield _event(seq, "response.incomplete" if incomplete else "response.completed", response=final)

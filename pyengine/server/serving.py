@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from pyengine.server import protocol as P
 from pyengine.server.engine_loop import Aborted, EngineFailure, EngineLoop, EngineUnavailable
+from pyengine.server.sampling_fields import FIELDS as TOKEN_FIELDS
 from pyengine.server.streaming import DONE, sse
 
 log = logging.getLogger("pyengine.server")
@@ -57,7 +58,8 @@ def engine_error(exc: Exception) -> P.APIError:
         return overloaded(str(exc))
     if isinstance(exc, ValueError):
         return P.APIError(400, str(exc), param=P.param_named_in(str(exc), ("prompt", "max_tokens", "logit_bias",
-                                                                            "stop_token_ids", "logprobs")))
+                                                                            "stop_token_ids", "logprobs")
+                                                                + TOKEN_FIELDS))
     log.error("engine refused a request: %r", exc)
     return engine_failed()
 
@@ -134,7 +136,8 @@ class Generation:
                 ids = self.parsed.prompts[p]
                 self.admission.admit(rid, n, n * len(ids))
                 self.pending.add(rid)
-                await self.loop.add_request(rid, {"prompt_token_ids": ids}, self.parsed.params, self.queue)
+                await self.loop.add_request(rid, {"prompt_token_ids": ids}, self.parsed.params, self.queue,
+                                            priority=self.parsed.priority)
         except Exception as exc:
             self.abort()
             self.closed = True

@@ -1,0 +1,167 @@
+"""S19: what a request asks of its prompt's own forward pass — prompt logprobs and pooled states (engine/pooling.py).
+
+Prompt logprobs (vLLM's ``SamplingParams.prompt_logprobs``; OpenAI's ``echo`` + ``logprobs``): entry i of
+`RequestOutput.prompt_logprobs` is {token id: `Logprob`} for prompt token i — its log-probability given tokens
+< i, plus the top-k of that distribution — and entry 0 is None (nothing predicts the first token). They come from
+the SAME forward as the prefill: every step that runs a chunk of such a prompt also asks the model's head for the
+rows of that chunk's positions (extra `logits_indices`, after the rows the sampler reads), so chunked prefill gives
+each chunk's positions in its own step and no position is run twice. The head rows cost V floats each: a chunk of
+C positions adds a (C, V) logits array for its step (bounded by max_num_batched_tokens).
+
+Prefix caching: a cached block holds K/V, not logits, so such a request (its first sequence) bypasses the prefix
+cache lookup and computes its whole prompt; its blocks are still cached for later requests. A preempted sequence
+that recomputes its prompt does not report a position twice (``covered``).
+
+With ``max_tokens=0`` a request only scores its prompt (lm-eval's loglikelihood): it ends after its prefill with
+finish_reason "length" and no token is sampled.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class Logprob:
+    """vLLM's per-token record: the logprob, its rank in the distribution (1 = most likely) and, once the server
+    decodes it, the token's text."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+def prompt_logprob_entries(logits: np.ndarray, next_ids: np.ndarray, k: int) -> list[dict[int, Logprob]]:
+    """Per row of raw ``logits`` (m, V): {next id: its Logprob, and the top-k ids: theirs}, from the full
+    log-softmax (float64), best first (ties by id)."""
+    x = np.asarray(logits, dtype=np.float64)
+    m = x.max(axis=1, keepdims=True)
+    lse = m[:, 0] + np.log(np.exp(x - m).sum(axis=1))
+    out = []
+    for r in range(x.shape[0]):
+        row, tok = x[r], int(next_ids[r])
+        entry: dict[int, Logprob] = {}
+        if k > 0:
+            n = min(k, row.shape[0])
+            cand = np.argpartition(-row, n - 1)[:n]
+            cand = cand[np.lexsort((cand, -row[cand]))]
+            for rank, i in enumerate(cand.tolist(), 1):
+                entry[i] = Logprob(float(row[i] - lse[r]), rank)
+        if tok not in entry:
+            rank = int(np.count_nonzero(row > row[tok])) + 1
+            entry = {tok: Logprob(float(row[tok] - lse[r]), rank), **entry}
+        out.append(entry)
+    return out
+
+
+class PromptState:
+    """One request's prompt-logprob collection: entries so far (entry 0 None) and how many positions are done."""
+
+    def __init__(self, k: int, prompt_token_ids: list[int]):
+        self.k, self.ids = k, prompt_token_ids
+        self.entries: list = [None]
+
+    def positions(self, start: int, n: int) -> range:
+        """Positions of a chunk [start, start + n) whose rows give prompt tokens not reported yet (position p's
+        row predicts token p + 1)."""
+        return range(max(start, len(self.entries) - 1), min(start + n, len(self.ids) - 1))
+
+
+class PromptPass:
+    """The extra rows of one step: ``rows`` (token rows of the batch whose logits are wanted, appended to its
+    logits_indices), ``hidden`` (token rows whose hidden states are pooled) and who gets them."""
+
+    def __init__(self):
+        self.rows: list[int] = []
+        self.logprob_parts: list[tuple] = []     # (PromptState, positions)
+        self.hidden: list[int] = []
+        self.pool_parts: list[tuple] = []        # (PoolState, positions, rows)
+        self.scoring: list = []                  # (request, sequence) whose prompt ends in this step, no sampling
+
+    @classmethod
+    def plan(cls, scheduled, owner_of) -> "PromptPass | None":
+        """The extra rows of a step scheduling ``scheduled`` ((sequence, n) in batch order; ``owner_of``:
+        sequence -> its request); None if no request asks for any."""
+        p, offset = None, 0
+        for seq, n in scheduled:
+            req = owner_of(seq)
+            if seq.index == 0 and (req.prompt_state is not None or req.pool is not None):
+                start = seq.num_computed_tokens
+                p = p or cls()
+                if req.prompt_state is not None:
+                    pos = req.prompt_state.positions(start, n)
+                    if len(pos):
+                        p.rows.extend(offset + q - start for q in pos)
+                        p.logprob_parts.append((req.prompt_state, pos))
+                if req.pool is not None:
+                    pos = req.pool.positions(start, n)
+                    if len(pos):
+                        rows = [offset + q - start for q in pos]
+                        p.hidden.extend(rows)
+                        p.pool_parts.append((req.pool, pos, len(rows)))
+            if req.score_only and seq.num_computed_tokens + n == seq.num_tokens:
+                p = p or cls()
+                p.scoring.append((req, seq))
+            offset += n
+        return p
+
+    def take(self, logits, runner) -> np.ndarray | None:
+        """Consume the extra rows of the step's logits (the last len(rows)) and the pooled rows' hidden states
+        (read from ``runner`` before its next run); returns the logits rows left for the sampler."""
+        if self.rows:
+            extra, logits = logits[len(logits) - len(self.rows):], logits[:len(logits) - len(self.rows)]
+            at = 0
+            for state, pos in self.logprob_parts:
+                rows = extra[at:at + len(pos)]
+                state.entries.extend(prompt_logprob_entries(rows, np.asarray(state.ids[pos.start + 1:pos.stop + 1]),
+                                                            state.k))
+                at += len(pos)
+        if self.hidden:
+            states = runner.hidden_states(np.asarray(self.hidden, dtype=np.int64))
+            at = 0
+            for pool, pos, count in self.pool_parts:
+                pool.add(pos, states[at:at + count])
+                at += count
+        return logits
+
+
+# --- the engine's hooks (LLMEngine.add_request, ._complete) --------------------------------------------------------
+def pooling_of(engine, params):
+    """(PoolingParams or None, the SamplingParams the request runs with). A pooling request runs greedy with no
+    sampled token; ValueError if this engine cannot return hidden states or ``dimensions`` is not its width."""
+    from pyengine.engine.pooling import HiddenStateRunner, PoolingParams
+    from pyengine.sampling_params import SamplingParams
+    if not isinstance(params, PoolingParams):
+        return None, params
+    runner = engine.runner
+    if not isinstance(runner, HiddenStateRunner) or engine.executor.group is not None:
+        raise ValueError("embeddings need one local model runner (not a parallel group, not this runner)")
+    params.check(int(runner.config.d_model))
+    return params, SamplingParams(max_tokens=1, temperature=0.0)
+
+
+def init_request(req, params, pooling, max_tokens: int) -> None:
+    """Set a new request's S19 state: prompt logprobs, pooled state, scoring only (max_tokens 0)."""
+    from pyengine.engine.pooling import PoolState
+    if params.prompt_logprobs is not None:
+        req.prompt_state = PromptState(params.prompt_logprobs, req.prompt_token_ids)
+    if pooling is not None:
+        req.pool = PoolState(pooling, len(req.prompt_token_ids))
+    req.score_only = max_tokens == 0
+    if req.score_only and params.n > 1:
+        raise ValueError("max_tokens=0 (scoring the prompt) takes n=1")
+
+
+def finish_scoring(engine, scoring, deltas: dict) -> None:
+    """End the scoring-only sequences whose prompt ran to its end in this step: finish_reason "length"."""
+    import time
+    now = time.monotonic()
+    for req, seq in scoring:
+        if seq.is_finished or req.request_id not in engine.requests:      # aborted meanwhile
+            continue
+        req.checkers[seq.index].finish("length")
+        seq.finish_reason = "length"
+        engine._finish(seq)
+        deltas.setdefault(req.request_id, {}).setdefault(seq.index, [[], ""])
+        if req.finished:
+            req.metrics.finished_time = now

@@ -186,6 +186,11 @@ def test_bad_values_are_refused():
     with pytest.raises(ValueError, match="embeddings"):       # a runner without hidden states
         eng.add_request("c", "abc", PoolingParams())
     assert not eng.has_unfinished_requests()
+    from pyengine.engine.prompt_logprobs import refuse_disaggregated    # the S18 router's check
+    refuse_disaggregated(SamplingParams(logprobs=2))
+    for params in (PoolingParams(), SamplingParams(prompt_logprobs=0)):
+        with pytest.raises(ValueError, match="disaggregated"):
+            refuse_disaggregated(params)
 
 
 def test_dimensions_other_than_the_models_are_refused(tiny):

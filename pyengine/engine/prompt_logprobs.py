@@ -165,3 +165,15 @@ def finish_scoring(engine, scoring, deltas: dict) -> None:
         deltas.setdefault(req.request_id, {}).setdefault(seq.index, [[], ""])
         if req.finished:
             req.metrics.finished_time = now
+
+
+def refuse_disaggregated(params) -> None:
+    """S18's router: ValueError for what a disaggregated deployment does not carry from its prefill instances
+    (prompt logprobs, pooled states)."""
+    from pyengine.engine.pooling import PoolingParams
+    if isinstance(params, PoolingParams):
+        raise ValueError("embeddings are not served by a disaggregated deployment (its prefill instances do not "
+                         "return hidden states)")
+    if params.prompt_logprobs is not None:
+        raise ValueError("prompt_logprobs (and echo with logprobs) are not served by a disaggregated deployment "
+                         "(its prefill instances do not return them)")

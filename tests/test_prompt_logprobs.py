@@ -133,16 +133,19 @@ def reference(llm, ids):
     return [lp[i - 1, ids[i]] for i in range(1, len(ids))]
 
 
-def test_chunked_prefill_equals_one_chunk_and_reference(tiny):
+def test_chunked_prefill_equals_one_chunk_and_reference(tiny, monkeypatch):
+    from pyengine.engine import prompt_logprobs
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, 300, size=n).tolist() for n in (50, 7, 33)]
-    params = SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=3)
+    params = [SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=k) for k in (3, 1, 3)]
     one = tiny_engine(tiny, max_num_batched_tokens=256)
     chunked = tiny_engine(tiny, max_num_batched_tokens=16, max_num_seqs=2)
     a = one.generate([{"prompt_token_ids": p} for p in prompts], params)
+    monkeypatch.setattr(prompt_logprobs, "PROMPT_LOGITS_BYTES", 4 * 320 * 5)     # head slices of 5 rows
     b = chunked.generate([{"prompt_token_ids": p} for p in prompts], params)
-    for p, x, y in zip(prompts, a, b):
+    for p, x, y, sp in zip(prompts, a, b, params):
         assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        assert all(len(e) in (sp.prompt_logprobs, sp.prompt_logprobs + 1) for e in y.prompt_logprobs[1:])
         assert len(x.prompt_logprobs) == len(y.prompt_logprobs) == len(p)
         ref = reference(one, p)
         for i in range(1, len(p)):
@@ -169,7 +172,7 @@ def test_prefix_cache_is_bypassed_not_lost(tiny):
     assert again.num_cached_tokens > 0                     # its blocks still serve plain requests
 
 
-def test_bad_values_are_refused():
+def test_bad_values_are_refused(tiny):
     for bad in (-1, 1.5, "3", True):
         with pytest.raises(ValueError, match="prompt_logprobs"):
             SamplingParams(prompt_logprobs=bad)
@@ -179,12 +182,15 @@ def test_bad_values_are_refused():
         PoolingParams(pooling="cls")
     eng = LLMEngine(runner=FakeRunner(num_blocks=64, block_size=4), tokenizer=FakeTokenizer(), max_num_seqs=4,
                     max_num_batched_tokens=32)
-    with pytest.raises(ValueError, match="prompt_logprobs"):
-        eng.add_request("a", "abc", SamplingParams(prompt_logprobs=10 ** 6))
+    for what, params in (("prompt_logprobs", SamplingParams(prompt_logprobs=1)), ("embeddings", PoolingParams())):
+        with pytest.raises(ValueError, match=f"{what} need one local model runner"):   # no hidden states there
+            eng.add_request("a", "abc", params)
+    assert not eng.has_unfinished_requests()
+    eng = tiny_engine(tiny).llm_engine
+    with pytest.raises(ValueError, match="prompt_logprobs=1000000 exceeds the vocab size"):
+        eng.add_request("a", [1, 2], SamplingParams(prompt_logprobs=10 ** 6))
     with pytest.raises(ValueError, match="n=1"):
-        eng.add_request("b", "abc", SamplingParams(n=2, max_tokens=0, prompt_logprobs=1))
-    with pytest.raises(ValueError, match="embeddings"):       # a runner without hidden states
-        eng.add_request("c", "abc", PoolingParams())
+        eng.add_request("b", [1, 2], SamplingParams(n=2, max_tokens=0, prompt_logprobs=1))
     assert not eng.has_unfinished_requests()
     from pyengine.engine.prompt_logprobs import refuse_disaggregated    # the S18 router's check
     refuse_disaggregated(SamplingParams(logprobs=2))

@@ -253,9 +253,7 @@ class LLMEngine:
             if start + n - k == seq.num_tokens and not self._seq_owner[seq.seq_id].score_only:
                 logits_indices.extend(range(len(token_ids) - k - 1, len(token_ids)))   # k + 1 rows to verify
                 sampled.append(seq)
-        extra = PromptPass.plan(sched.scheduled, lambda s: self._seq_owner[s.seq_id])   # S19: rows after these
-        if extra is not None:
-            logits_indices.extend(extra.rows)
+        extra = PromptPass.plan(sched.scheduled, lambda s: self._seq_owner[s.seq_id])   # S19: prompt rows
         batch = ForwardBatch(token_ids=np.asarray(token_ids, dtype=np.int64),
                              positions=np.asarray(positions, dtype=np.int64),
                              query_lens=query_lens, context_lens=context_lens, block_tables=block_tables,
@@ -380,7 +378,7 @@ class LLMEngine:
         """A step's logits are back: advance its sequences, sample, check stops, make the outputs."""
         sched, sampled = flight.sched, flight.sampled
         if flight.extra is not None:          # S19: prompt logprobs and pooled states first (the runner's latest run)
-            logits = flight.extra.take(logits, self.runner)
+            flight.extra.take(self.runner, self.vocab_size)
         if self._free_aborted(sched):      # S17 (one row per sequence: no drafts with pipelining)
             keep = [i for i, s in enumerate(sampled) if not s.is_finished]
             logits, sampled = (logits[keep] if keep else None), [sampled[i] for i in keep]

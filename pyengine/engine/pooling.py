@@ -27,9 +27,12 @@ POOLING_TYPES = ("last", "mean")
 
 @runtime_checkable
 class HiddenStateRunner(Protocol):
-    """A runner that can hand back the final (normed) hidden states of rows of its latest run."""
+    """A runner that can hand back, for rows of its latest run's tokens, the final (normed) hidden states and the
+    LM head's logits (in bounded slices: engine/prompt_logprobs.py)."""
 
     def hidden_states(self, rows: np.ndarray) -> np.ndarray: ...
+
+    def prompt_logits(self, rows: np.ndarray, max_rows: int): ...
 
 
 @dataclass

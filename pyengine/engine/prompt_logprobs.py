@@ -3,10 +3,12 @@
 Prompt logprobs (vLLM's ``SamplingParams.prompt_logprobs``; OpenAI's ``echo`` + ``logprobs``): entry i of
 `RequestOutput.prompt_logprobs` is {token id: `Logprob`} for prompt token i — its log-probability given tokens
 < i, plus the top-k of that distribution — and entry 0 is None (nothing predicts the first token). They come from
-the SAME forward as the prefill: every step that runs a chunk of such a prompt also asks the model's head for the
-rows of that chunk's positions (extra `logits_indices`, after the rows the sampler reads), so chunked prefill gives
-each chunk's positions in its own step and no position is run twice. The head rows cost V floats each: a chunk of
-C positions adds a (C, V) logits array for its step (bounded by max_num_batched_tokens).
+the SAME forward as the prefill: after every step that runs a chunk of such a prompt, the model's head is applied
+to the final hidden states of that chunk's positions (`HiddenStateRunner.prompt_logits`, read from the runner
+before its next run), so chunked prefill gives each chunk's positions in its own step and no layer runs twice. The
+head rows go through in slices of at most PROMPT_LOGITS_BYTES of logits (V floats a row: Gemma 3's 262k vocabulary
+would need 2 GiB for a 2048-token chunk at once), each reduced to its logprobs before the next. They need one local
+model runner (not a parallel group, not S18's disaggregated instances).
 
 Prefix caching: a cached block holds K/V, not logits, so such a request (its first sequence) bypasses the prefix
 cache lookup and computes its whole prompt; its blocks are still cached for later requests. A preempted sequence
@@ -20,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+PROMPT_LOGITS_BYTES = 64 << 20      # memory bound of one slice of prompt logits (rows x vocab x 4 bytes)
 
 
 @dataclass
@@ -68,8 +72,8 @@ class PromptState:
 
 
 class PromptPass:
-    """The extra rows of one step: ``rows`` (token rows of the batch whose logits are wanted, appended to its
-    logits_indices), ``hidden`` (token rows whose hidden states are pooled) and who gets them."""
+    """The extra rows of one step: ``rows`` (token rows of the batch whose prompt logprobs are wanted), ``hidden``
+    (token rows whose hidden states are pooled), who gets them, and the scoring-only requests it ends."""
 
     def __init__(self):
         self.rows: list[int] = []
@@ -105,39 +109,49 @@ class PromptPass:
             offset += n
         return p
 
-    def take(self, logits, runner) -> np.ndarray | None:
-        """Consume the extra rows of the step's logits (the last len(rows)) and the pooled rows' hidden states
-        (read from ``runner`` before its next run); returns the logits rows left for the sampler."""
+    def take(self, runner, vocab_size: int) -> None:
+        """Prompt logprobs and pooled states of the step ``runner`` ran last (read before its next run)."""
         if self.rows:
-            extra, logits = logits[len(logits) - len(self.rows):], logits[:len(logits) - len(self.rows)]
-            at = 0
-            for state, pos in self.logprob_parts:
-                rows = extra[at:at + len(pos)]
-                state.entries.extend(prompt_logprob_entries(rows, np.asarray(state.ids[pos.start + 1:pos.stop + 1]),
-                                                            state.k))
-                at += len(pos)
+            next_ids = np.concatenate([np.asarray(s.ids[p.start + 1:p.stop + 1]) for s, p in self.logprob_parts])
+            owners = [s for s, p in self.logprob_parts for _ in p]
+            for at, logits in runner.prompt_logits(np.asarray(self.rows, dtype=np.int64),
+                                                   max(1, PROMPT_LOGITS_BYTES // (4 * vocab_size))):
+                m = len(logits)
+                k = max(s.k for s in owners[at:at + m])       # a slice shared by requests: the largest k, then
+                for r, entry in enumerate(prompt_logprob_entries(logits, next_ids[at:at + m], k)):   # each its own
+                    state = owners[at + r]
+                    if state.k < k:
+                        entry = {t: e for t, e in entry.items() if e.rank <= state.k or t == int(next_ids[at + r])}
+                    state.entries.append(entry)
         if self.hidden:
             states = runner.hidden_states(np.asarray(self.hidden, dtype=np.int64))
             at = 0
             for pool, pos, count in self.pool_parts:
                 pool.add(pos, states[at:at + count])
                 at += count
-        return logits
 
 
 # --- the engine's hooks (LLMEngine.add_request, ._complete) --------------------------------------------------------
 def pooling_of(engine, params):
     """(PoolingParams or None, the SamplingParams the request runs with). A pooling request runs greedy with no
     sampled token; ValueError if this engine cannot return hidden states or ``dimensions`` is not its width."""
-    from pyengine.engine.pooling import HiddenStateRunner, PoolingParams
+    from pyengine.engine.pooling import PoolingParams
     from pyengine.sampling_params import SamplingParams
     if not isinstance(params, PoolingParams):
+        if params.prompt_logprobs is not None:
+            local_runner(engine, "prompt_logprobs")
         return None, params
+    params.check(int(local_runner(engine, "embeddings").config.d_model))
+    return params, SamplingParams(max_tokens=1, temperature=0.0)
+
+
+def local_runner(engine, what: str):
+    """The engine's runner if it can return hidden states and head rows of its latest run, else ValueError."""
+    from pyengine.engine.pooling import HiddenStateRunner
     runner = engine.runner
     if not isinstance(runner, HiddenStateRunner) or engine.executor.group is not None:
-        raise ValueError("embeddings need one local model runner (not a parallel group, not this runner)")
-    params.check(int(runner.config.d_model))
-    return params, SamplingParams(max_tokens=1, temperature=0.0)
+        raise ValueError(f"{what} need one local model runner (not a parallel group, not this engine's runner)")
+    return runner
 
 
 def init_request(req, params, pooling, max_tokens: int) -> None:

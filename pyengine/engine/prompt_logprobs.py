@@ -37,10 +37,11 @@ class Logprob:
 
 def prompt_logprob_entries(logits: np.ndarray, next_ids: np.ndarray, k: int) -> list[dict[int, Logprob]]:
     """Per row of raw ``logits`` (m, V): {next id: its Logprob, and the top-k ids: theirs}, from the full
-    log-softmax (float64), best first (ties by id)."""
-    x = np.asarray(logits, dtype=np.float64)
+    log-softmax (the normalizer summed in float64; one float32 temporary of the slice's size), best first (ties by
+    id)."""
+    x = np.asarray(logits, dtype=np.float32)
     m = x.max(axis=1, keepdims=True)
-    lse = m[:, 0] + np.log(np.exp(x - m).sum(axis=1))
+    lse = m[:, 0].astype(np.float64) + np.log(np.exp(x - m).sum(axis=1, dtype=np.float64))
     out = []
     for r in range(x.shape[0]):
         row, tok = x[r], int(next_ids[r])
@@ -50,10 +51,10 @@ def prompt_logprob_entries(logits: np.ndarray, next_ids: np.ndarray, k: int) -> 
             cand = np.argpartition(-row, n - 1)[:n]
             cand = cand[np.lexsort((cand, -row[cand]))]
             for rank, i in enumerate(cand.tolist(), 1):
-                entry[i] = Logprob(float(row[i] - lse[r]), rank)
+                entry[i] = Logprob(float(row[i]) - lse[r], rank)
         if tok not in entry:
             rank = int(np.count_nonzero(row > row[tok])) + 1
-            entry = {tok: Logprob(float(row[tok] - lse[r]), rank), **entry}
+            entry = {tok: Logprob(float(row[tok]) - lse[r], rank), **entry}
         out.append(entry)
     return out
 

@@ -134,6 +134,19 @@ class LLM:
             extra["tools"] = tools
         return extra
 
+    def embed(self, prompts, pooling_params=None, use_tqdm: bool = False) -> list:
+        """S19: each prompt's pooled final hidden state (engine/pooling.py: a decoder LM's state, "last" token by
+        default or "mean", L2-normalized unless ``PoolingParams(normalize=False)``), computed by the engine as a
+        prefill-only request. Prompts as for `generate`; returns `EmbeddingRequestOutput`s in input order
+        (``.outputs.embedding``: a list of floats)."""
+        from pyengine.engine.pooling import EmbeddingRequestOutput, PoolingParams
+        params = PoolingParams() if pooling_params is None else pooling_params
+        if not isinstance(params, PoolingParams):
+            raise ValueError(f"pooling_params must be a PoolingParams, got {type(params).__name__}")
+        prompts = self._prompt_list(prompts)
+        outs = self._run_to_completion(self._add_all(prompts, [params] * len(prompts)), use_tqdm)
+        return [EmbeddingRequestOutput.from_request_output(o) for o in outs]
+
     def stream(self, prompt, sampling_params=None) -> "TextStream":
         """Start one request and return a `TextStream`: iterate it for text deltas as they are
         decided; afterwards ``.output`` is the final `RequestOutput`. ``close()`` aborts it early."""

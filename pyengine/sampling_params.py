@@ -118,6 +118,9 @@ class SamplingParams:
     bad_words: list[str] | None = None         # words banned as token sequences (with the leading-space form)
     allowed_token_ids: list[int] | None = None  # only these ids may be sampled
     thinking_token_budget: int | None = None   # tokens inside <think>...</think> before </think> is forced
+    # vLLM's prompt_logprobs (S19, engine/prompt_logprobs.py): per prompt position the prompt token's logprob plus
+    # the top-k (0: the prompt token alone), from the prefill's own forward; with it, max_tokens may be 0 (scoring)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.n = _number("n", self.n, integer=True)
@@ -137,8 +140,9 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens is not None:
             self.max_tokens = _number("max_tokens", self.max_tokens, integer=True)
-            if self.max_tokens <= 0:
-                raise ValueError(f"max_tokens must be at least 1 (or None), got {self.max_tokens}")
+            if self.max_tokens < 0 or (self.max_tokens == 0 and self.prompt_logprobs is None):
+                raise ValueError(f"max_tokens must be at least 1 (or None; 0 only with prompt_logprobs, to score a "
+                                 f"prompt), got {self.max_tokens}")
         self.repetition_penalty = _number("repetition_penalty", self.repetition_penalty)
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
@@ -155,6 +159,11 @@ class SamplingParams:
             self.logprobs = _number("logprobs", self.logprobs, integer=True)
             if self.logprobs < 0:
                 raise ValueError(f"logprobs must be a non-negative integer (or None), got {self.logprobs}")
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _number("prompt_logprobs", self.prompt_logprobs, integer=True)
+            if self.prompt_logprobs < 0:
+                raise ValueError(f"prompt_logprobs must be a non-negative integer (or None), got "
+                                 f"{self.prompt_logprobs}")
         self.stop = self._stop_strings(self.stop)
         self.stop_token_ids = self._token_ids("stop_token_ids", self.stop_token_ids)
         self.logit_bias = self._logit_bias(self.logit_bias)
@@ -271,6 +280,8 @@ class SamplingParams:
                 raise ValueError(f"allowed_token_ids contains {tid}, out of range for vocab size {vocab_size}")
         if self.logprobs is not None and self.logprobs > vocab_size:
             raise ValueError(f"logprobs={self.logprobs} exceeds the vocab size {vocab_size}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs > vocab_size:
+            raise ValueError(f"prompt_logprobs={self.prompt_logprobs} exceeds the vocab size {vocab_size}")
 
     def clone(self, **changes) -> "SamplingParams":
         """A validated copy with some fields replaced (e.g. per-choice seeds for n > 1)."""

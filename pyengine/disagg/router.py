@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pyengine.disagg.instance import HEARTBEAT_S
 from pyengine.engine.input_processor import InputProcessor
 from pyengine.engine.llm_engine import EngineOverloaded
+from pyengine.engine.prompt_logprobs import refuse_disaggregated
 from pyengine.parallel.launcher_link import say_abort
 from pyengine.parallel.mpi import ParallelError, proc_state
 from pyengine.structured.matcher import COMPILE_CACHE_SIZE, export
@@ -151,6 +152,7 @@ class Router:
         """The refusals LLMEngine.add_request would give, decided here so that the client gets them at once."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
+        refuse_disaggregated(params)                      # S19: prompt logprobs, embeddings
         max_tokens = self.inputs.check(ids, params)       # the engines' own refusals
         total = len(ids) + max_tokens
         if total > self.max_model_len:

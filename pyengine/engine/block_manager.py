@@ -97,8 +97,8 @@ class BlockManager:
     # prefix lookup -------------------------------------------------------------------------------
     def get_computed_blocks(self, seq: Sequence) -> list[int]:
         """Leading cached blocks of ``seq``'s tokens. Never covers the last token, so at least one token
-        is computed and the step has logits to sample from."""
-        if not self.enable_prefix_caching:
+        is computed and the step has logits to sample from. None for a sequence that skips the cache (S19)."""
+        if not self.enable_prefix_caching or seq.skip_prefix_cache:
             return []
         bs = self.block_size
         num_full = (seq.num_tokens - 1) // bs

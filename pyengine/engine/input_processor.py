@@ -19,7 +19,7 @@ def check_prompt(ids: list[int], params, vocab_size: int, max_model_len: int) ->
         raise ValueError(f"prompt token id {bad[0]} is out of range for vocab size {vocab_size}")
     params.validate_for_vocab(vocab_size)
     max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - len(ids)
-    if max_tokens <= 0:
+    if max_tokens <= 0 and not (params.max_tokens == 0 and len(ids) <= max_model_len):    # 0: scoring only
         raise ValueError(f"prompt ({len(ids)} tokens) leaves no room in max_model_len ({max_model_len})")
     if params.min_tokens > max_tokens:
         raise ValueError(f"min_tokens ({params.min_tokens}) exceeds the {max_tokens} tokens the context leaves "

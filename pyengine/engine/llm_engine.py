@@ -33,6 +33,7 @@ from pyengine.engine.executor import Executor
 from pyengine.engine.input_processor import InputProcessor, stop_token_ids
 from pyengine.engine.output_processor import OutputProcessor
 from pyengine.engine.outputs import RequestMetrics, RequestOutput
+from pyengine.engine.prompt_logprobs import PromptPass, finish_scoring, init_request, pooling_of
 from pyengine.engine.scheduler import Scheduler, SchedulerOutput
 from pyengine.engine.sequence import Sequence, SequenceStatus
 from pyengine.engine.spec_decode import make_speculative_decoder, spec_stats
@@ -69,6 +70,9 @@ class _Request:
         self.token_masks: list | None = None   # issue 32: one TokenMasks per sequence (layers/token_masks.py)
         self.metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids))
         self.admitted = False
+        # S19 (engine/prompt_logprobs.py, engine/pooling.py): what its prompt's forward also yields
+        self.prompt_state = self.pool = None
+        self.score_only = False                 # max_tokens 0 or pooling: ends after its prefill
 
     @property
     def finished(self) -> bool:
@@ -78,8 +82,9 @@ class _Request:
 class _Flight:
     """One scheduled step, from its scheduling until its logits are back (S17: several may be in flight)."""
 
-    def __init__(self, group, sched, batch, sampled, decode_only, t_step, t_start):
+    def __init__(self, group, sched, batch, sampled, decode_only, t_step, t_start, extra=None):
         self.group, self.sched, self.batch, self.sampled = group, sched, batch, sampled
+        self.extra = extra                      # S19: the step's prompt-logprob / pooled rows (PromptPass)
         self.decode_only, self.t_step, self.t_start = decode_only, t_step, t_start
 
 
@@ -168,16 +173,19 @@ class LLMEngine:
             raise EngineOverloaded(f"waiting queue is full ({self.max_waiting} requests)")
         if params is None:
             params = SamplingParams()
+        pooling, params = pooling_of(self, params)     # S19: an embedding request
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an int, got {priority!r}")
         text, ids = self.input_processor.encode(prompt)
         max_tokens = self.input_processor.check(ids, params)
+        max_tokens = 0 if pooling is not None else max_tokens
         self.scheduler.check_fits(len(ids), max_tokens)
 
         req = _Request(request_id, text, ids, params, priority,
                        time.monotonic() if arrival_time is None else arrival_time)
         req.matchers = self.input_processor.matchers(params, params.n)
         req.token_masks = self.input_processor.token_masks(params, params.n, ids)
+        init_request(req, params, pooling, max_tokens)
         for i in range(params.n):
             seq = Sequence(self._next_seq_id, request_id, i, ids, params, priority, max_tokens=max_tokens)
             self._next_seq_id += 1
@@ -185,6 +193,7 @@ class LLMEngine:
                 seq.wait_for = req.seqs[0]
             req.seqs.append(seq)
             self.output_processor.add_sequence(req, params, max_tokens)
+            seq.skip_prefix_cache = i == 0 and (req.prompt_state is not None or req.pool is not None)
             req.rngs.append(None if params.greedy else make_rng(params, self.rng, i))
             self._seq_owner[seq.seq_id] = req
         self.requests[request_id] = req
@@ -242,14 +251,16 @@ class LLMEngine:
             query_lens.append(n)
             context_lens.append(start + n)
             block_tables.append(np.asarray(seq.block_table, dtype=np.int32))
-            if start + n - k == seq.num_tokens:  # the prompt (or recompute) is complete: sample the next token
+            # the prompt (or recompute) is complete: sample the next token (S19: unless it only scores its prompt)
+            if start + n - k == seq.num_tokens and not self._seq_owner[seq.seq_id].score_only:
                 logits_indices.extend(range(len(token_ids) - k - 1, len(token_ids)))   # k + 1 rows to verify
                 sampled.append(seq)
+        extra = PromptPass.plan(sched.scheduled, lambda s: self._seq_owner[s.seq_id])   # S19: prompt rows
         batch = ForwardBatch(token_ids=np.asarray(token_ids, dtype=np.int64),
                              positions=np.asarray(positions, dtype=np.int64),
                              query_lens=query_lens, context_lens=context_lens, block_tables=block_tables,
                              logits_indices=np.asarray(logits_indices, dtype=np.int64))
-        return batch, sampled
+        return batch, sampled, extra
 
     def _propose(self) -> None:
         """S14: drafts for every running sequence about to decode (see engine/spec_decode.py)."""
@@ -355,8 +366,8 @@ class LLMEngine:
 
         # S14's back-off prices draft lengths by the times of steps that only decode (no prompt chunks)
         decode_only = all(n == 1 + len(s.spec_token_ids) for s, n in sched.scheduled) and not sched.preempted
-        batch, sampled = self._build_batch(sched)
-        return _Flight(group, sched, batch, sampled, decode_only, t_step, t_start)
+        batch, sampled, extra = self._build_batch(sched)
+        return _Flight(group, sched, batch, sampled, decode_only, t_step, t_start, extra)
 
     def _free_aborted(self, sched: SchedulerOutput) -> list[Sequence]:
         """S17: free the blocks of the sequences of a step that were aborted while it was in flight."""
@@ -368,6 +379,8 @@ class LLMEngine:
     def _complete(self, flight: _Flight, logits) -> list[RequestOutput]:
         """A step's logits are back: advance its sequences, sample, check stops, make the outputs."""
         sched, sampled = flight.sched, flight.sampled
+        if flight.extra is not None:          # S19: prompt logprobs and pooled states first (the runner's latest run)
+            flight.extra.take(self.runner, self.vocab_size)
         if self._free_aborted(sched):      # S17 (one row per sequence: no drafts with pipelining)
             keep = [i for i, s in enumerate(sampled) if not s.is_finished]
             logits, sampled = (logits[keep] if keep else None), [sampled[i] for i in keep]
@@ -375,6 +388,8 @@ class LLMEngine:
         self.scheduler.on_step_done(sched)
 
         deltas: dict[str, dict[int, list]] = {}
+        if flight.extra is not None:          # S19: requests that only score their prompt end here
+            finish_scoring(self, flight.extra.scoring, deltas)
         num_drafts = sum(len(s.spec_token_ids) for s, _ in sched.scheduled)
         if sampled:
             self._sample(sampled, logits, deltas)

@@ -153,6 +153,23 @@ class ModelRunner:
         return plan_step(batch, self.block_size, self.model.windows, b.rope_tables, b.rope_rows,
                          self.max_slots, self.flash_min_query)
 
+    def hidden_states(self, rows) -> np.ndarray:
+        """S19 (engine/pooling.py): the final hidden states (the final norm applied: the LM head's input) of rows
+        ``rows`` of the latest run's tokens, as a new (len(rows), d) float32 array; valid until the next run."""
+        if self.sharded:
+            raise RuntimeError("a rank's part of the model has no whole hidden state")
+        return self.model.final_hidden(self.buffers.x, np.asarray(rows, dtype=np.int64))
+
+    def prompt_logits(self, rows, max_rows: int):
+        """S19 (engine/prompt_logprobs.py): the LM head applied to rows ``rows`` of the latest run's tokens, at most
+        ``max_rows`` at a time: yields (offset in rows, (m, V) float32 logits, a new array each time). Read before
+        the next run."""
+        if self.sharded:
+            raise RuntimeError("a rank's part of the model has no whole hidden state")
+        rows, b = np.asarray(rows, dtype=np.int64), self.buffers
+        for start in range(0, len(rows), max_rows):
+            yield start, self.model.logits(b.x, rows[start:start + max_rows], b, first=b.logits.shape[0])
+
     @property
     def max_slots(self) -> int:
         """Padded context slots a batched query group may gather."""

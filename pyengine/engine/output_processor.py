@@ -61,5 +61,10 @@ class OutputProcessor:
                 logprobs=list(lps) if lps is not None else None, finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason, delta_text=delta, delta_token_ids=list(toks),
                 cumulative_logprob=req.cumulative_logprob[seq.index]))
-        return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), outs, req.finished,
-                             snapshot_metrics(req.metrics))
+        out = RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), outs, req.finished,
+                            snapshot_metrics(req.metrics))
+        if req.prompt_state is not None:        # S19 (engine/prompt_logprobs.py): complete once the prompt ran
+            out.prompt_logprobs = list(req.prompt_state.entries)
+        if req.pool is not None and req.finished and req.pool.covered:
+            out.pooled = req.pool.result()
+        return out

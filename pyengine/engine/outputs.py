@@ -62,6 +62,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    # S19: vLLM's prompt_logprobs (entry 0 None, then {id: Logprob} per prompt token; engine/prompt_logprobs.py)
+    prompt_logprobs: list | None = None
+    pooled: object = None                   # S19: a pooling request's vector (float32 ndarray, engine/pooling.py)
 
     @property
     def num_cached_tokens(self) -> int:

@@ -43,6 +43,7 @@ class Sequence:
         self.block_table: list[int] = []      # block ids covering positions [0, num_computed + scheduled)
         self.block_hashes: list[bytes] = []   # chained hashes of this sequence's full blocks (see block_manager)
         self.num_registered_blocks = 0        # leading full blocks already offered to the prefix cache
+        self.skip_prefix_cache = False        # S19: prompt logprobs / pooling need every prompt row computed
         self.wait_for: "Sequence | None" = None  # n > 1: siblings wait for the first one's prompt to be cached
         self.finish_reason: str | None = None
         self.stop_reason: Any = None

@@ -168,6 +168,7 @@ class Weights:
     "lean" (quantized rows, dequantized into scratch on use). ``head_bias``: (V,) added to the logits (Qwen2's
     optional output.bias), or None."""
     head_bias: np.ndarray | None = None
+    folded_output_norm: np.ndarray | None = None    # S13: the final norm's weight once folded into the head
 
     def __init__(self, config, mode: str, layers: list, embed: Embedding, output_norm: np.ndarray, head: Linear,
                  tied: bool, **extra):
@@ -250,7 +251,7 @@ def fold_norms(w: Weights) -> None:
         w.layers[i] = L._replace(**done)
     if not w.tied and isinstance(w.head, BlockedLinear) and w.output_norm is not None:
         w.head.scale_inputs(w.output_norm)
-        w.output_norm = None
+        w.folded_output_norm, w.output_norm = w.output_norm, None
 
 
 class TensorReader:
@@ -421,6 +422,13 @@ class TransformerModel:
         if self.logit_scale is not None:
             ops.call(np.divide, logits, np.float32(self.logit_scale), logits)
         return logits
+
+    def final_hidden(self, x: np.ndarray, idx: np.ndarray) -> np.ndarray:
+        """S19: rows ``idx`` of the final residual stream ``x`` after the final norm (its weight even when folded
+        into the head): the hidden state the LM head reads, a new (len(idx), d) float32 array."""
+        w = self.weights
+        g = w.output_norm if w.output_norm is not None else w.folded_output_norm
+        return rms_norm(np.take(x, idx, axis=0), g, self.config.rms_eps)
 
     def add_residual(self, b: Buffers, ops: EagerOps = EAGER) -> None:
         """b.x += b.proj (times ``residual_scale``, if any), in place."""

@@ -3,7 +3,8 @@
     app = create_app(engine, model_id="SmolLM2-135M-Instruct.Q4_1")
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
-POST /v1/chat/completions, POST /v1/completions, POST /v1/responses (SSE when "stream": true), GET /v1/models,
+POST /v1/chat/completions, POST /v1/completions, POST /v1/responses (SSE when "stream": true), POST /v1/embeddings
+(server/embeddings.py), GET /v1/models,
 POST /tokenize, POST /detokenize (vLLM's shapes), GET /health, GET /metrics (Prometheus text). Every
 error is OpenAI-shaped: {"error": {"message", "type", "param", "code"}} with the matching HTTP status,
 and names no internals. guard.py holds the defences around the routes (Host check, CORS, auth, 500s).
@@ -23,6 +24,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 
 from pyengine.engine import prompt_cache
+from pyengine.server import embeddings as E
 from pyengine.server import guard
 from pyengine.server import protocol as P
 from pyengine.server import responses as R
@@ -40,7 +42,8 @@ MAX_BODY_BYTES = 1 << 20          # 1 MiB: larger bodies get 413
 DRAIN_LIMIT = 64 << 20            # read (and drop) at most this much of an oversized body before answering
 # The route table, written once: the router is built from it and the 404 text lists it.
 ROUTE_TABLE = (("POST", "/v1/chat/completions", "chat_completions"), ("POST", "/v1/completions", "completions"),
-               ("POST", "/v1/responses", "responses"), ("GET", "/v1/models", "models"), ("POST", "/tokenize", "tokenize"),
+               ("POST", "/v1/responses", "responses"), ("POST", "/v1/embeddings", "embeddings"),
+               ("GET", "/v1/models", "models"), ("POST", "/tokenize", "tokenize"),
                ("POST", "/detokenize", "detokenize"), ("GET", "/health", "health"),
                ("GET", "/metrics", "metrics_endpoint"), ("POST", "/prompt_cache/{action}", "prompt_cache_route"))
 ROUTES = tuple(f"{method} {path}" for method, path, _ in ROUTE_TABLE)
@@ -225,6 +228,16 @@ def create_app(engine: EngineClient, *, model_id: str | None = None, aliases=(),
     async def responses(request: Request) -> Response:
         return await api(request, lambda r: complete(r, "responses"))
 
+    async def embeddings(request: Request) -> Response:
+        async def handle(r):            # S19: server/embeddings.py
+            state.check_admitting()
+            body = await state.read_json(r)
+            state.check_model(body)
+            parsed = await state.parse(E.parse_embeddings, body)
+            state.check_admitting()
+            return JSONResponse(await E.run(state, parsed, P.new_id("embd")))
+        return await api(request, handle)
+
     async def tokenize(request: Request) -> Response:
         async def handle(r):
             body = await state.read_json(r)
@@ -318,6 +331,7 @@ def create_app(engine: EngineClient, *, model_id: str | None = None, aliases=(),
             state.grammars.close()
 
     handlers = {"chat_completions": chat_completions, "completions": completions, "responses": responses,
+                "embeddings": embeddings,
                 "models": models, "tokenize": tokenize, "detokenize": detokenize, "health": health,
                 "metrics_endpoint": metrics_endpoint, "prompt_cache_route": prompt_cache_route}
     routes = [Route(path, handlers[name], methods=[method]) for method, path, name in ROUTE_TABLE]

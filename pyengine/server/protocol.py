@@ -197,6 +197,7 @@ class ParsedRequest:
     reasoning_open: bool = False    # the prompt leaves the model inside an open <think>
     include_reasoning: bool = True  # return the reasoning as reasoning_content (else drop it)
     priority: int = 0               # the scheduler's priority (vLLM's sign: lower is earlier; sampling_fields.py)
+    prompt_logprobs: int | None = None   # vLLM's prompt_logprobs the client asked for (server/prompt_logprobs.py)
 
 
 def _common(body: dict, vocab_size: int, chat: bool = False) -> dict:
@@ -207,7 +208,7 @@ def _common(body: dict, vocab_size: int, chat: bool = False) -> dict:
     if best_of is not None and best_of != (n or 1):
         raise bad_param("best_of", "best_of other than n is not supported")
     max_completion = _int(body, "max_completion_tokens", 1)
-    max_tokens = _int(body, "max_tokens", 1)
+    max_tokens = _int(body, "max_tokens", 0 if not chat and body.get("echo") is True else 1)   # 0: echo scores
     seed = _int(body, "seed", -(1 << 63), (1 << 64) - 1)
     for unsupported in ("functions", "suffix") + (() if chat else ("tools",)):
         if body.get(unsupported):
@@ -448,7 +449,10 @@ def parse_chat(body: dict, tokenizer, limits: RequestPolicy | int) -> ParsedRequ
         _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
         raise bad_param("top_logprobs", "top_logprobs requires logprobs: true")
     text, ids = encode_messages(tokenizer, messages, limits, template_kwargs=_chat_template_kwargs(body))
+    from pyengine.server import prompt_logprobs
+    asked = prompt_logprobs.parse(body, common, False, None)
     parsed = _finish("chat", body, common, [ids], [text], tokenizer, limits, logprobs, False, "messages")
+    parsed.prompt_logprobs = asked
     parser = parser_for(getattr(tokenizer, "chat_template", None))
     if parser is not None:
         parsed.reasoning, parsed.reasoning_open = parser, parser.opens_in_prompt(text)
@@ -494,11 +498,13 @@ def parse_completion(body: dict, tokenizer, limits: RequestPolicy | int) -> Pars
         raise bad_param("n", f"prompts x n must be at most {MAX_N}, got {len(prompts) * common['n']}")
     logprobs = _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
     echo = _bool(body, "echo")
-    if echo and logprobs is not None:
-        raise bad_param("echo", "echo with logprobs (prompt logprobs) is not supported")
+    from pyengine.server import prompt_logprobs     # echo + logprobs, vLLM's prompt_logprobs
+    asked = prompt_logprobs.parse(body, common, echo, logprobs)
     if echo:
         texts = [t if t is not None else tokenizer.decode(ids) for t, ids in zip(texts, prompts)]
-    return _finish("completion", body, common, prompts, texts, tokenizer, limits, logprobs, echo, "prompt")
+    parsed = _finish("completion", body, common, prompts, texts, tokenizer, limits, logprobs, echo, "prompt")
+    parsed.prompt_logprobs = asked
+    return parsed
 
 
 # --- /tokenize and /detokenize (vLLM's shapes) -------------------------------------------------------

@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from pyengine.server import prompt_logprobs as PL
 from pyengine.server import protocol as P
 from pyengine.server.engine_loop import Aborted, EngineFailure, EngineLoop, EngineUnavailable
 from pyengine.server.sampling_fields import FIELDS as TOKEN_FIELDS
@@ -114,6 +115,7 @@ class Generation:
         self.first_token_at: float | None = None
         self.failure: BaseException | None = None
         self.abort_reason: str | None = None   # why the engine dropped it (disconnect, shutdown)
+        self.prompt_logprobs: dict[int, list] = {}   # prompt -> its prompt logprobs (server/prompt_logprobs.py)
         self.closed = False
 
     @property
@@ -168,6 +170,8 @@ class Generation:
                 continue
             if item.finished:
                 self.pending.discard(rid)
+            if item.prompt_logprobs is not None:
+                self.prompt_logprobs[p] = item.prompt_logprobs
             for comp in item.outputs:
                 c = p * n + comp.index
                 if self.finish[c] is not None:
@@ -256,11 +260,14 @@ async def collect(gen: Generation, tokenizer, model_id: str, created: int) -> di
                 choices[-1]["message"]["reasoning_content"] = reasoning
         else:
             prefix = p.prompt_texts[c // p.n] if p.echo else ""
-            lp = (P.completion_logprobs(tokenizer, ids[c], lps[c], p.logprobs, 0)
+            lp = (P.completion_logprobs(tokenizer, ids[c], lps[c], p.logprobs, len(prefix))
                   if p.logprobs is not None else None)
+            if p.echo and lp is not None:      # the prompt's logprobs first (S19)
+                lp = PL.joined(PL.echo_logprobs(tokenizer, p.prompts[c // p.n], gen.prompt_logprobs.get(c // p.n),
+                                                p.logprobs), lp)
             choices.append(P.completion_choice(c, prefix + gen.texts[c], reason, lp))
     build = P.chat_response if p.kind == "chat" else P.completion_response
-    return build(gen.api_id, created, model_id, choices, use)
+    return PL.decorate(build(gen.api_id, created, model_id, choices, use), p, gen.prompt_logprobs, tokenizer)
 
 
 # --- streaming -------------------------------------------------------------------------------------
@@ -289,10 +296,16 @@ async def stream(gen: Generation, tokenizer, model_id: str, created: int) -> Asy
             splitters = [ThinkSplitter(p.reasoning, p.reasoning_open) for _ in range(gen.n_choices)]
     elif p.echo:
         for c in range(gen.n_choices):
-            text = p.prompt_texts[c // p.n]
-            offsets[c] = len(text)
-            yield event([P.completion_choice(c, text, None, None)])
+            offsets[c] = len(p.prompt_texts[c // p.n])
+            if p.logprobs is None:
+                yield event([P.completion_choice(c, p.prompt_texts[c // p.n], None, None)])
+    echo_due = set(range(gen.n_choices)) if p.echo and p.logprobs is not None and not chat else set()
     async for u in gen.updates():
+        if u.choice in echo_due:               # S19: the echoed prompt with its logprobs, known after its prefill
+            echo_due.discard(u.choice)
+            q = u.choice // p.n
+            yield event([P.completion_choice(u.choice, p.prompt_texts[q], None, PL.echo_logprobs(
+                tokenizer, p.prompts[q], gen.prompt_logprobs.get(q), p.logprobs))])
         reason = P.openai_finish_reason(u.finish_reason)
         if not (u.delta or u.logprobs or reason):
             continue

@@ -1,0 +1,194 @@
+"""S19: what a request asks of its prompt's own forward pass — prompt logprobs and pooled states (engine/pooling.py).
+
+Prompt logprobs (vLLM's ``SamplingParams.prompt_logprobs``; OpenAI's ``echo`` + ``logprobs``): entry i of
+`RequestOutput.prompt_logprobs` is {token id: `Logprob`} for prompt token i — its log-probability given tokens
+< i, plus the top-k of that distribution — and entry 0 is None (nothing predicts the first token). They come from
+the SAME forward as the prefill: after every step that runs a chunk of such a prompt, the model's head is applied
+to the final hidden states of that chunk's positions (`HiddenStateRunner.prompt_logits`, read from the runner
+before its next run), so chunked prefill gives each chunk's positions in its own step and no layer runs twice. The
+head rows go through in slices of at most PROMPT_LOGITS_BYTES of logits (V floats a row: Gemma 3's 262k vocabulary
+would need 2 GiB for a 2048-token chunk at once), each reduced to its logprobs before the next. They need one local
+model runner (not a parallel group, not S18's disaggregated instances).
+
+Prefix caching: a cached block holds K/V, not logits, so such a request (its first sequence) bypasses the prefix
+cache lookup and computes its whole prompt; its blocks are still cached for later requests. A preempted sequence
+that recomputes its prompt does not report a position twice (``covered``).
+
+With ``max_tokens=0`` a request only scores its prompt (lm-eval's loglikelihood): it ends after its prefill with
+finish_reason "length" and no token is sampled.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+PROMPT_LOGITS_BYTES = 64 << 20      # memory bound of one slice of prompt logits (rows x vocab x 4 bytes)
+
+
+@dataclass
+class Logprob:
+    """vLLM's per-token record: the logprob, its rank in the distribution (1 = most likely) and, once the server
+    decodes it, the token's text."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+def prompt_logprob_entries(logits: np.ndarray, next_ids: np.ndarray, k: int) -> list[dict[int, Logprob]]:
+    """Per row of raw ``logits`` (m, V): {next id: its Logprob, and the top-k ids: theirs}, from the full
+    log-softmax (the normalizer summed in float64; one float32 temporary of the slice's size), best first (ties by
+    id)."""
+    x = np.asarray(logits, dtype=np.float32)
+    m = x.max(axis=1, keepdims=True)
+    lse = m[:, 0].astype(np.float64) + np.log(np.exp(x - m).sum(axis=1, dtype=np.float64))
+    out = []
+    for r in range(x.shape[0]):
+        row, tok = x[r], int(next_ids[r])
+        entry: dict[int, Logprob] = {}
+        if k > 0:
+            n = min(k, row.shape[0])
+            cand = np.argpartition(-row, n - 1)[:n]
+            cand = cand[np.lexsort((cand, -row[cand]))]
+            for rank, i in enumerate(cand.tolist(), 1):
+                entry[i] = Logprob(float(row[i]) - lse[r], rank)
+        if tok not in entry:
+            rank = int(np.count_nonzero(row > row[tok])) + 1
+            entry = {tok: Logprob(float(row[tok]) - lse[r], rank), **entry}
+        out.append(entry)
+    return out
+
+
+class PromptState:
+    """One request's prompt-logprob collection: entries so far (entry 0 None) and how many positions are done."""
+
+    def __init__(self, k: int, prompt_token_ids: list[int]):
+        self.k, self.ids = k, prompt_token_ids
+        self.entries: list = [None]
+
+    def positions(self, start: int, n: int) -> range:
+        """Positions of a chunk [start, start + n) whose rows give prompt tokens not reported yet (position p's
+        row predicts token p + 1)."""
+        return range(max(start, len(self.entries) - 1), min(start + n, len(self.ids) - 1))
+
+
+class PromptPass:
+    """The extra rows of one step: ``rows`` (token rows of the batch whose prompt logprobs are wanted), ``hidden``
+    (token rows whose hidden states are pooled), who gets them, and the scoring-only requests it ends."""
+
+    def __init__(self):
+        self.rows: list[int] = []
+        self.logprob_parts: list[tuple] = []     # (PromptState, positions)
+        self.hidden: list[int] = []
+        self.pool_parts: list[tuple] = []        # (PoolState, positions, rows)
+        self.scoring: list = []                  # (request, sequence) whose prompt ends in this step, no sampling
+
+    @classmethod
+    def plan(cls, scheduled, owner_of) -> "PromptPass | None":
+        """The extra rows of a step scheduling ``scheduled`` ((sequence, n) in batch order; ``owner_of``:
+        sequence -> its request); None if no request asks for any."""
+        p, offset = None, 0
+        for seq, n in scheduled:
+            req = owner_of(seq)
+            if seq.index == 0 and (req.prompt_state is not None or req.pool is not None):
+                start = seq.num_computed_tokens
+                p = p or cls()
+                if req.prompt_state is not None:
+                    pos = req.prompt_state.positions(start, n)
+                    if len(pos):
+                        p.rows.extend(offset + q - start for q in pos)
+                        p.logprob_parts.append((req.prompt_state, pos))
+                if req.pool is not None:
+                    pos = req.pool.positions(start, n)
+                    if len(pos):
+                        rows = [offset + q - start for q in pos]
+                        p.hidden.extend(rows)
+                        p.pool_parts.append((req.pool, pos, len(rows)))
+            if req.score_only and seq.num_computed_tokens + n == seq.num_tokens:
+                p = p or cls()
+                p.scoring.append((req, seq))
+            offset += n
+        return p
+
+    def take(self, runner, vocab_size: int) -> None:
+        """Prompt logprobs and pooled states of the step ``runner`` ran last (read before its next run)."""
+        if self.rows:
+            next_ids = np.concatenate([np.asarray(s.ids[p.start + 1:p.stop + 1]) for s, p in self.logprob_parts])
+            owners = [s for s, p in self.logprob_parts for _ in p]
+            for at, logits in runner.prompt_logits(np.asarray(self.rows, dtype=np.int64),
+                                                   max(1, PROMPT_LOGITS_BYTES // (4 * vocab_size))):
+                m = len(logits)
+                k = max(s.k for s in owners[at:at + m])       # a slice shared by requests: the largest k, then
+                for r, entry in enumerate(prompt_logprob_entries(logits, next_ids[at:at + m], k)):   # each its own
+                    state = owners[at + r]
+                    if state.k < k:
+                        entry = {t: e for t, e in entry.items() if e.rank <= state.k or t == int(next_ids[at + r])}
+                    state.entries.append(entry)
+        if self.hidden:
+            states = runner.hidden_states(np.asarray(self.hidden, dtype=np.int64))
+            at = 0
+            for pool, pos, count in self.pool_parts:
+                pool.add(pos, states[at:at + count])
+                at += count
+
+
+# --- the engine's hooks (LLMEngine.add_request, ._complete) --------------------------------------------------------
+def pooling_of(engine, params):
+    """(PoolingParams or None, the SamplingParams the request runs with). A pooling request runs greedy with no
+    sampled token; ValueError if this engine cannot return hidden states or ``dimensions`` is not its width."""
+    from pyengine.engine.pooling import PoolingParams
+    from pyengine.sampling_params import SamplingParams
+    if not isinstance(params, PoolingParams):
+        if params.prompt_logprobs is not None:
+            local_runner(engine, "prompt_logprobs")
+        return None, params
+    params.check(int(local_runner(engine, "embeddings").config.d_model))
+    return params, SamplingParams(max_tokens=1, temperature=0.0)
+
+
+def local_runner(engine, what: str):
+    """The engine's runner if it can return hidden states and head rows of its latest run, else ValueError."""
+    from pyengine.engine.pooling import HiddenStateRunner
+    runner = engine.runner
+    if not isinstance(runner, HiddenStateRunner) or engine.executor.group is not None:
+        raise ValueError(f"{what} need one local model runner (not a parallel group, not this engine's runner)")
+    return runner
+
+
+def init_request(req, params, pooling, max_tokens: int) -> None:
+    """Set a new request's S19 state: prompt logprobs, pooled state, scoring only (max_tokens 0)."""
+    from pyengine.engine.pooling import PoolState
+    if params.prompt_logprobs is not None:
+        req.prompt_state = PromptState(params.prompt_logprobs, req.prompt_token_ids)
+    if pooling is not None:
+        req.pool = PoolState(pooling, len(req.prompt_token_ids))
+    req.score_only = max_tokens == 0
+    if req.score_only and params.n > 1:
+        raise ValueError("max_tokens=0 (scoring the prompt) takes n=1")
+
+
+def finish_scoring(engine, scoring, deltas: dict) -> None:
+    """End the scoring-only sequences whose prompt ran to its end in this step: finish_reason "length"."""
+    import time
+    now = time.monotonic()
+    for req, seq in scoring:
+        if seq.is_finished or req.request_id not in engine.requests:      # aborted meanwhile
+            continue
+        req.checkers[seq.index].finish("length")
+        seq.finish_reason = "length"
+        engine._finish(seq)
+        deltas.setdefault(req.request_id, {}).setdefault(seq.index, [[], ""])
+        if req.finished:
+            req.metrics.finished_time = now
+
+
+def refuse_disaggregated(params) -> None:
+    """S18's router: ValueError for what a disaggregated deployment does not carry from its prefill instances
+    (prompt logprobs, pooled states)."""
+    from pyengine.engine.pooling import PoolingParams
+    if isinstance(params, PoolingParams):
+        raise ValueError("embeddings are not served by a disaggregated deployment (its prefill instances do not "
+                         "return hidden states)")
+    if params.prompt_logprobs is not None:
+        raise ValueError("prompt_logprobs (and echo with logprobs) are not served by a disaggregated deployment "
+                         "(its prefill instances do not return them)")

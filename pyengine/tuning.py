@@ -33,6 +33,10 @@ LEAN_SCALE_BLOCKS = 16       # S21 lean: block scales decoded for 16 row blocks 
 #                               float32 scales and mins; per row block they cost 3.4 of 9 ms for 5632 Q4_K rows)
 LEAN_FOLD_MAX_ROWS = 8        # S21 lean: up to this many input rows fold the block scales into the activations
 #                               (per-group batched products); more rows scale the block in place and take one sgemm
+LEAN_STREAM_MAX_ROWS = 1      # S21 lean: one input row (decode) multiplies the decode streams of LEAN_STREAM_TYPES
+LEAN_STREAM_TYPES = ("Q4_K", "Q6_K", "Q4_0", "Q4_1")  # (gguf/quants_stream.py: whole-row unpacking, x in stream
+#                               order): 5632 x 2048, CPU ms folded -> stream, same run: Q4_K 9.3 -> 7.2, Q6_K 23.8 ->
+#                               19.8, Q4_0 10.9 -> 9.8; Q8_0 6.7 = 6.8 (stays folded); 8 rows: folded 1.3-1.6x faster
 
 # --- attention (layers/attention.py, layers/paged_attention.py) ----------------------------------------
 DECODE_SLOTS = 2048         # padded context slots per batched decode group: its K and V stay in cache

@@ -24,7 +24,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from pyengine import tuning
-from pyengine.gguf import quants
+from pyengine.gguf import quants, quants_stream
 from pyengine.layers.activation import gated_activation
 
 
@@ -286,6 +286,12 @@ class LeanLinear(Linear):
         span = br * tuning.LEAN_SCALE_BLOCKS             # rows whose scales are decoded at once (small arrays)
         base = 0
         for i, (raw, t) in enumerate(self.q.parts):
+            stream = (quants_stream.layout(t, k) if T <= tuning.LEAN_STREAM_MAX_ROWS
+                      and quants.type_name(t) in tuning.LEAN_STREAM_TYPES else None)
+            if stream is not None:
+                self._stream(i, t, stream, x, buf, out[:, base:base + raw.shape[0]])
+                base += raw.shape[0]
+                continue
             folded = t in quants.FOLDED_TYPES
             for c0 in range(0, raw.shape[0], span):
                 c1 = min(raw.shape[0], c0 + span)
@@ -315,6 +321,43 @@ class LeanLinear(Linear):
                     out[:, base + c0:base + c1] += per_group[g][1] @ biases.T
             base += raw.shape[0]
         return out
+
+    def _stream(self, i: int, t: int, lay: "quants_stream.StreamLayout", x: np.ndarray, buf: np.ndarray,
+                out: np.ndarray) -> None:
+        """out (T, rows of part i) = x @ part i through its decode stream (gguf/quants_stream.py): per block of
+        rows, the raw rows unpacked with whole-row operations, cast once into the float32 scratch, multiplied
+        segment by segment (one batched product) against x in stream order, the (segments, rows) sums scaled
+        and added up; the mins / offsets as one small product with the per-group sums of x. The scratch holds as
+        many rows of stream (plus their unpacking bytes) as it holds float32 rows of weights."""
+        k, T = self.q.cols, x.shape[0]
+        n_rows = self.q.parts[i][0].shape[0]
+        rows = max(1, buf.nbytes // (4 * lay.width + lay.tmp_bytes))
+        floats = buf[:rows * lay.width]
+        tmp = buf[rows * lay.width:].view(np.uint8)
+        if floats.size < rows * lay.width or tmp.size < rows * lay.tmp_bytes:   # a scratch smaller than one row
+            floats, tmp = np.empty(rows * lay.width, np.float32), np.empty(rows * lay.tmp_bytes, np.uint8)
+        S, L = lay.x_index.shape
+        xg = np.ascontiguousarray(x[:, lay.x_index].transpose(1, 2, 0))          # (S, L, T): x in stream order
+        span = rows * tuning.LEAN_SCALE_BLOCKS
+        for c0 in range(0, n_rows, span):
+            c1 = min(n_rows, c0 + span)
+            with np.errstate(all="ignore"):              # inf / NaN scales in a file stay inf / NaN, silently
+                seg_scale, bias_t, g = lay.scales(self.q.part_rows(i, c0, c1))      # (S, rows), (G, rows)
+            for a in range(c0, c1, rows):
+                b = min(c1, a + rows)
+                n = b - a
+                q = lay.unpack(self.q.part_rows(i, a, b), tmp[:n * lay.tmp_bytes].reshape(n, lay.tmp_bytes))
+                f = floats[:n * lay.width].reshape(n, lay.width)
+                np.copyto(f, q, casting="unsafe")
+                v = lay.segments(f)
+                d = np.matmul(v, xg.reshape(v.shape[:-2] + (L, T))).reshape(S, n, T)
+                s = seg_scale[:, a - c0:b - c0]
+                for r in range(T):
+                    dr = d[:, :, r]
+                    dr *= s
+                    np.sum(dr, axis=0, out=out[r, a:b])
+            if bias_t is not None:
+                out[:, c0:c1] += x.reshape(T, k // g, g).sum(axis=2) @ bias_t
 
     @staticmethod
     def _product(x: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:

@@ -84,10 +84,13 @@ def test_memory_plan_matches_what_the_runner_allocates(tmp_path):
 @pytest.mark.parametrize("t", (GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0),
                          ids=lambda t: t.name)
 @pytest.mark.parametrize("cols", (512, 768))
-def test_decode_stream_rebuilds_ggml_dequantization(t, cols):
+@pytest.mark.parametrize("wasm", (False, True), ids=("cpython", "wasm-form"))
+def test_decode_stream_rebuilds_ggml_dequantization(t, cols, wasm, monkeypatch):
     """The decode stream of a format (gguf/quants_stream.py: whole-row unpacking, weights in byte order, block
     headers skipped by the segments) puts every weight back where `gguf` (independent) dequantizes it: value q
-    of segment s, row r, lane l is weight x_index[s, l] of row r, = scale[s, r] * q + bias[group, r]."""
+    of segment s, row r, lane l is weight x_index[s, l] of row r, = scale[s, r] * q + bias[group, r]. Both
+    runtime forms: nibbles unpacked in bytes (CPython) and in uint64 lanes (Pyodide)."""
+    monkeypatch.setattr(tuning, "LEAN_LANE_BYTES", 8 if wasm else 1)
     n = 5
     raw = _rows(t, n, cols, 7)
     ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(int(t))).reshape(n, cols)
@@ -122,3 +125,4 @@ def test_decode_stream_equals_folded_product(monkeypatch):
     ref = x.astype(np.float64) @ lin.dense().astype(np.float64)
     assert np.abs(stream - ref).max() <= 2e-6 * np.abs(ref).max()
     assert np.abs(stream - folded).max() <= 2e-6 * np.abs(ref).max()
+

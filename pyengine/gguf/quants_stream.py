@@ -27,6 +27,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
+from pyengine import tuning
 from pyengine.gguf.quants import GGML_BLOCK, GGMLType
 
 
@@ -41,12 +42,28 @@ class StreamLayout(NamedTuple):
 
 
 def _nibbles(raw: np.ndarray, tmp: np.ndarray) -> np.ndarray:
-    """Low nibbles of every byte of each row, then its high nibbles: (n, 2 * row_bytes) uint8."""
+    """Low nibbles of every byte of each row, then its high nibbles: (n, 2 * row_bytes) uint8. In bytes (two
+    operations), or in lanes of up to tuning.LEAN_LANE_BYTES bytes (three: the high nibbles need a mask)."""
     n, rb = raw.shape
     o = tmp.reshape(n, 2, rb)
-    np.bitwise_and(raw, 15, out=o[:, 0])
-    np.right_shift(raw, 4, out=o[:, 1])
+    lane = _lane(rb, tuning.LEAN_LANE_BYTES)
+    if lane is np.uint8:
+        np.bitwise_and(raw, 15, out=o[:, 0])
+        np.right_shift(raw, 4, out=o[:, 1])
+        return tmp
+    m = lane(int.from_bytes(b"\x0f" * np.dtype(lane).itemsize, "little"))
+    v = np.ascontiguousarray(raw).view(lane)
+    lo, hi = o[:, 0].view(lane), o[:, 1].view(lane)
+    np.bitwise_and(v, m, out=lo)
+    np.right_shift(v, lane(4), out=hi)
+    hi &= m
     return tmp
+
+
+def _lane(nbytes: int, most: int) -> type:
+    """The widest unsigned lane of at most ``most`` bytes dividing a row of ``nbytes`` bytes."""
+    return next(t for t in (np.uint64, np.uint32, np.uint16, np.uint8)
+                if np.dtype(t).itemsize <= most and nbytes % np.dtype(t).itemsize == 0)
 
 
 def _int8(raw: np.ndarray, tmp: np.ndarray) -> np.ndarray:

@@ -339,6 +339,7 @@ class LeanLinear(Linear):
         S, L = lay.x_index.shape
         xg = np.ascontiguousarray(x[:, lay.x_index].transpose(1, 2, 0))          # (S, L, T): x in stream order
         span = rows * tuning.LEAN_SCALE_BLOCKS
+        views: dict[int, tuple] = {}
         for c0 in range(0, n_rows, span):
             c1 = min(n_rows, c0 + span)
             with np.errstate(all="ignore"):              # inf / NaN scales in a file stay inf / NaN, silently
@@ -346,16 +347,20 @@ class LeanLinear(Linear):
             for a in range(c0, c1, rows):
                 b = min(c1, a + rows)
                 n = b - a
-                q = lay.unpack(self.q.part_rows(i, a, b), tmp[:n * lay.tmp_bytes].reshape(n, lay.tmp_bytes))
-                f = floats[:n * lay.width].reshape(n, lay.width)
-                np.copyto(f, q, casting="unsafe")
-                v = lay.segments(f)
-                d = np.matmul(v, xg.reshape(v.shape[:-2] + (L, T))).reshape(S, n, T)
+                if n not in views:                      # views of the scratch per block size, made once a call
+                    f = floats[:n * lay.width].reshape(n, lay.width)
+                    v = lay.segments(f)
+                    views[n] = (tmp[:n * lay.tmp_bytes].reshape(n, lay.tmp_bytes), f, v,
+                                xg.reshape(v.shape[:-2] + (L, T)), np.empty(v.shape[:-1] + (T,), np.float32))
+                tb, f, v, xb, d = views[n]
+                np.copyto(f, lay.unpack(self.q.part_rows(i, a, b), tb), casting="unsafe")
+                np.matmul(v, xb, out=d)
                 s = seg_scale[:, a - c0:b - c0]
+                ds = d.reshape(S, n, T)
                 for r in range(T):
-                    dr = d[:, :, r]
+                    dr = ds[:, :, r]
                     dr *= s
-                    np.sum(dr, axis=0, out=out[r, a:b])
+                    np.add.reduce(dr, axis=0, out=out[r, a:b])
             if bias_t is not None:
                 out[:, c0:c1] += x.reshape(T, k // g, g).sum(axis=2) @ bias_t
 

@@ -264,7 +264,8 @@ class LeanLinear(Linear):
     cast straight into the scratch (no scale pass over the weights), per-group dot products run as one batched
     product, the (rows, groups) partial sums are scaled there, and the mins / offsets become one small product
     with the per-group sums of x: y[r] = sum_g scale[r,g] * (q[r,g] . x[g]) + bias[r,g] * sum(x[g]). Up to
-    LEAN_FOLD_MAX_ROWS input rows; more (prefill) scale the block in place and take one sgemm."""
+    LEAN_FOLD_MAX_ROWS input rows; more (prefill) scale the block in place and take one sgemm. One row (a decode)
+    of a LEAN_STREAM_TYPES part goes through its decode stream instead (``_stream``, gguf/quants_stream.py)."""
 
     def __init__(self, m: QuantMatrix, act: str | None = None, chunk_rows: int | None = None):
         self.q = m

@@ -6,6 +6,8 @@ process. None of them changes a result beyond float rounding: they only choose b
 """
 from __future__ import annotations
 
+import sys
+
 # --- BLAS threads (engine/threads.py) ---------------------------------------------------------------------
 DEFAULT_THREADS_MAX = 1     # default BLAS threads at most this many (the usable cores, fewer when busy): one thread
 #                             decoded faster than two on this machine class even when quiet (1 vs 2 threads: 49.5
@@ -33,6 +35,15 @@ LEAN_SCALE_BLOCKS = 16       # S21 lean: block scales decoded for 16 row blocks 
 #                               float32 scales and mins; per row block they cost 3.4 of 9 ms for 5632 Q4_K rows)
 LEAN_FOLD_MAX_ROWS = 8        # S21 lean: up to this many input rows fold the block scales into the activations
 #                               (per-group batched products); more rows scale the block in place and take one sgemm
+# S21 lean in Pyodide: NumPy in wasm runs integer operations on bytes without SIMD (1 MiB of uint8 `& 15`: 0.26
+# CPU ms, the same bytes as uint64 lanes: 0.06 ms); CPython's NumPy does bytes with SIMD as fast as lanes (0.45 ms
+# both, memory-bound) and keeps the two-operation byte form (lanes need a third, a mask). The one runtime switch.
+LEAN_WASM = sys.platform == "emscripten"
+LEAN_LANE_BYTES = 8 if LEAN_WASM else 1   # decode streams unpack nibbles in lanes of this many bytes
+LEAN_STREAM_MAX_ROWS = 1      # S21 lean: one input row (decode) multiplies the decode streams of LEAN_STREAM_TYPES
+LEAN_STREAM_TYPES = ("Q4_K", "Q6_K", "Q4_0", "Q4_1")  # (gguf/quants_stream.py: whole-row unpacking, x in stream
+#                               order): 5632 x 2048, CPU ms folded -> stream, same run: Q4_K 9.3 -> 7.2, Q6_K 23.8 ->
+#                               19.8, Q4_0 10.9 -> 9.8; Q8_0 6.7 = 6.8 (stays folded); 8 rows: folded 1.3-1.6x faster
 
 # --- attention (layers/attention.py, layers/paged_attention.py) ----------------------------------------
 DECODE_SLOTS = 2048         # padded context slots per batched decode group: its K and V stay in cache

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pyengine import tuning
-from pyengine.gguf import quants
+from pyengine.gguf import quants, quants_stream
 from pyengine.gguf.quants import GGMLType
 from pyengine.layers.linear import LeanLinear, QuantMatrix
 
@@ -79,3 +79,50 @@ def test_memory_plan_matches_what_the_runner_allocates(tmp_path):
         held = r.weights.nbytes if mode == "resident" else r.weights.nbytes - plan["mapped"]
         assert abs(plan["weights"] - held) <= 0.01 * max(held, 1) + 4096
     assert main(["info", str(path), "--memory", "--max-model-len", "128", "--kv-cache-dtype", "fp16"]) == 0
+
+
+@pytest.mark.parametrize("t", (GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0),
+                         ids=lambda t: t.name)
+@pytest.mark.parametrize("cols", (512, 768))
+@pytest.mark.parametrize("wasm", (False, True), ids=("cpython", "wasm-form"))
+def test_decode_stream_rebuilds_ggml_dequantization(t, cols, wasm, monkeypatch):
+    """The decode stream of a format (gguf/quants_stream.py: whole-row unpacking, weights in byte order, block
+    headers skipped by the segments) puts every weight back where `gguf` (independent) dequantizes it: value q
+    of segment s, row r, lane l is weight x_index[s, l] of row r, = scale[s, r] * q + bias[group, r]. Both
+    runtime forms: nibbles unpacked in bytes (CPython) and in uint64 lanes (Pyodide)."""
+    monkeypatch.setattr(tuning, "LEAN_LANE_BYTES", 8 if wasm else 1)
+    n = 5
+    raw = _rows(t, n, cols, 7)
+    ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(int(t))).reshape(n, cols)
+    lay = quants_stream.layout(int(t), cols)
+    q = lay.unpack(raw, np.empty((n, lay.tmp_bytes), np.uint8))
+    f = np.empty((n, lay.width), np.float32)
+    np.copyto(f, q, casting="unsafe")
+    seg = lay.segments(f)
+    S, L = lay.x_index.shape
+    seg = seg.reshape(S, n, L) if seg.flags.c_contiguous else np.ascontiguousarray(seg).reshape(S, n, L)
+    scale, bias, g = lay.scales(raw)
+    w = np.full((n, cols), np.nan)
+    for s in range(S):
+        b = 0 if bias is None else bias[lay.seg_group[s]][:, None]
+        w[:, lay.x_index[s]] = scale[s][:, None] * seg[s] + b
+    assert sorted(lay.x_index.reshape(-1)) == list(range(cols))       # every weight exactly once
+    assert np.abs(w - ref).max() <= 1e-6 * np.abs(ref).max()
+
+
+def test_decode_stream_equals_folded_product(monkeypatch):
+    """One row through the decode streams and through the folded products (the path before them) of a fused
+    matrix whose parts are the stream formats: the same product to float32 rounding, a scratch of 3-row blocks."""
+    parts = [(_rows(t, 19, 512, i), int(t)) for i, t in enumerate((GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q4_0,
+                                                                    GGMLType.Q4_1, GGMLType.Q8_0))]
+    lin = LeanLinear(QuantMatrix(parts, 512), chunk_rows=3)
+    lin.scratch = np.empty(lin.scratch_floats, np.float32)
+    x = np.random.default_rng(5).standard_normal((1, 512)).astype(np.float32)
+    monkeypatch.setattr(tuning, "LEAN_STREAM_TYPES", ("Q4_K", "Q6_K", "Q4_0", "Q4_1", "Q8_0"))
+    stream = lin.matmul(x, np.empty((1, lin.shape[1]), np.float32))
+    monkeypatch.setattr(tuning, "LEAN_STREAM_MAX_ROWS", 0)
+    folded = lin.matmul(x, np.empty((1, lin.shape[1]), np.float32))
+    ref = x.astype(np.float64) @ lin.dense().astype(np.float64)
+    assert np.abs(stream - ref).max() <= 2e-6 * np.abs(ref).max()
+    assert np.abs(stream - folded).max() <= 2e-6 * np.abs(ref).max()
+

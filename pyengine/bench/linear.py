@@ -159,8 +159,10 @@ def _forward(args, path) -> None:
 
 
 def _formats(args) -> None:
-    """S21: per format, CPU ms of one row times a random matrix: LeanLinear (folded), its rows dequantized into
-    the same L2-sized blocks then multiplied (the lean product before S21), and the float32 matrix (resident)."""
+    """S21: per format, CPU ms of one row times a random matrix: LeanLinear as it runs (the decode stream of
+    LEAN_STREAM_TYPES, else folded), LeanLinear folded (the product before the streams), its rows dequantized
+    into the same L2-sized blocks then multiplied (the lean product before S21), and the float32 matrix
+    (resident); alternated round by round, so a loaded host slows them alike."""
     from pyengine.gguf import quants
     from pyengine.gguf.quants import GGMLType
     from pyengine.layers.linear import LeanLinear, QuantMatrix
@@ -170,7 +172,8 @@ def _formats(args) -> None:
     x = rng.standard_normal((1, n_in), dtype=np.float32)
     w = (rng.standard_normal((n_out, n_in), dtype=np.float32) * 0.05)
     print(f"\none row x ({n_out} x {n_in}), CPU ms, min of {args.rounds} rounds (x float32)")
-    print(f"{'format':>7} {'lean folded':>18} {'dequant + product':>18} {'float32':>10} {'max rel err':>12}")
+    print(f"{'format':>7} {'lean':>16} {'lean folded':>16} {'dequant + product':>18} {'float32':>10} "
+          f"{'max rel err':>12}")
     for name in args.formats.split(","):
         t = GGMLType[name.strip().upper()]
         raw = quants.quantizer(t)(w).reshape(n_out, -1)
@@ -185,7 +188,14 @@ def _formats(args) -> None:
                 rows = lin.q.dequantize(lin.scratch[:(r1 - r0) * n_in].reshape(r1 - r0, n_in), r0, r1)
                 np.matmul(x, rows.T, out=out[:, r0:r1])
 
-        fns = {"lean": lambda: lin.matmul(x, out), "dequant": dequant_product,
+        def folded():
+            keep, tuning.LEAN_STREAM_MAX_ROWS = tuning.LEAN_STREAM_MAX_ROWS, 0
+            try:
+                lin.matmul(x, out)
+            finally:
+                tuning.LEAN_STREAM_MAX_ROWS = keep
+
+        fns = {"lean": lambda: lin.matmul(x, out), "folded": folded, "dequant": dequant_product,
                "f32": lambda: np.matmul(x, dense, out=out)}
         best = dict.fromkeys(fns, float("inf"))
         for _ in range(args.rounds):
@@ -196,7 +206,8 @@ def _formats(args) -> None:
         ref = x.astype(np.float64) @ dense.astype(np.float64)
         err = np.abs(lin.matmul(x) - ref).max() / np.abs(ref).max()
         f = best["f32"]
-        print(f"{t.name:>7} {best['lean'] * 1e3:10.2f} ({best['lean'] / f:4.1f}x) "
+        print(f"{t.name:>7} {best['lean'] * 1e3:9.2f} ({best['lean'] / f:4.1f}x) "
+              f"{best['folded'] * 1e3:9.2f} ({best['folded'] / f:4.1f}x) "
               f"{best['dequant'] * 1e3:10.2f} ({best['dequant'] / f:4.1f}x) {f * 1e3:10.2f} {err:12.1e}")
 
 

@@ -24,7 +24,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from pyengine import tuning
-from pyengine.gguf import quants
+from pyengine.gguf import quants, quants_stream
 from pyengine.layers.activation import gated_activation
 
 
@@ -264,7 +264,8 @@ class LeanLinear(Linear):
     cast straight into the scratch (no scale pass over the weights), per-group dot products run as one batched
     product, the (rows, groups) partial sums are scaled there, and the mins / offsets become one small product
     with the per-group sums of x: y[r] = sum_g scale[r,g] * (q[r,g] . x[g]) + bias[r,g] * sum(x[g]). Up to
-    LEAN_FOLD_MAX_ROWS input rows; more (prefill) scale the block in place and take one sgemm."""
+    LEAN_FOLD_MAX_ROWS input rows; more (prefill) scale the block in place and take one sgemm. One row (a decode)
+    of a LEAN_STREAM_TYPES part goes through its decode stream instead (``_stream``, gguf/quants_stream.py)."""
 
     def __init__(self, m: QuantMatrix, act: str | None = None, chunk_rows: int | None = None):
         self.q = m
@@ -286,6 +287,12 @@ class LeanLinear(Linear):
         span = br * tuning.LEAN_SCALE_BLOCKS             # rows whose scales are decoded at once (small arrays)
         base = 0
         for i, (raw, t) in enumerate(self.q.parts):
+            stream = (quants_stream.layout(t, k) if T <= tuning.LEAN_STREAM_MAX_ROWS
+                      and quants.type_name(t) in tuning.LEAN_STREAM_TYPES else None)
+            if stream is not None:
+                self._stream(i, t, stream, x, buf, out[:, base:base + raw.shape[0]])
+                base += raw.shape[0]
+                continue
             folded = t in quants.FOLDED_TYPES
             for c0 in range(0, raw.shape[0], span):
                 c1 = min(raw.shape[0], c0 + span)
@@ -315,6 +322,48 @@ class LeanLinear(Linear):
                     out[:, base + c0:base + c1] += per_group[g][1] @ biases.T
             base += raw.shape[0]
         return out
+
+    def _stream(self, i: int, t: int, lay: "quants_stream.StreamLayout", x: np.ndarray, buf: np.ndarray,
+                out: np.ndarray) -> None:
+        """out (T, rows of part i) = x @ part i through its decode stream (gguf/quants_stream.py): per block of
+        rows, the raw rows unpacked with whole-row operations, cast once into the float32 scratch, multiplied
+        segment by segment (one batched product) against x in stream order, the (segments, rows) sums scaled
+        and added up; the mins / offsets as one small product with the per-group sums of x. The scratch holds as
+        many rows of stream (plus their unpacking bytes) as it holds float32 rows of weights."""
+        k, T = self.q.cols, x.shape[0]
+        n_rows = self.q.parts[i][0].shape[0]
+        rows = max(1, buf.nbytes // (4 * lay.width + lay.tmp_bytes))
+        floats = buf[:rows * lay.width]
+        tmp = buf[rows * lay.width:].view(np.uint8)
+        if floats.size < rows * lay.width or tmp.size < rows * lay.tmp_bytes:   # a scratch smaller than one row
+            floats, tmp = np.empty(rows * lay.width, np.float32), np.empty(rows * lay.tmp_bytes, np.uint8)
+        S, L = lay.x_index.shape
+        xg = np.ascontiguousarray(x[:, lay.x_index].transpose(1, 2, 0))          # (S, L, T): x in stream order
+        span = rows * tuning.LEAN_SCALE_BLOCKS
+        views: dict[int, tuple] = {}
+        for c0 in range(0, n_rows, span):
+            c1 = min(n_rows, c0 + span)
+            with np.errstate(all="ignore"):              # inf / NaN scales in a file stay inf / NaN, silently
+                seg_scale, bias_t, g = lay.scales(self.q.part_rows(i, c0, c1))      # (S, rows), (G, rows)
+            for a in range(c0, c1, rows):
+                b = min(c1, a + rows)
+                n = b - a
+                if n not in views:                      # views of the scratch per block size, made once a call
+                    f = floats[:n * lay.width].reshape(n, lay.width)
+                    v = lay.segments(f)
+                    views[n] = (tmp[:n * lay.tmp_bytes].reshape(n, lay.tmp_bytes), f, v,
+                                xg.reshape(v.shape[:-2] + (L, T)), np.empty(v.shape[:-1] + (T,), np.float32))
+                tb, f, v, xb, d = views[n]
+                np.copyto(f, lay.unpack(self.q.part_rows(i, a, b), tb), casting="unsafe")
+                np.matmul(v, xb, out=d)
+                s = seg_scale[:, a - c0:b - c0]
+                ds = d.reshape(S, n, T)
+                for r in range(T):
+                    dr = ds[:, :, r]
+                    dr *= s
+                    np.add.reduce(dr, axis=0, out=out[r, a:b])
+            if bias_t is not None:
+                out[:, c0:c1] += x.reshape(T, k // g, g).sum(axis=2) @ bias_t
 
     @staticmethod
     def _product(x: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:

@@ -64,41 +64,51 @@ const vdot = simd(0xba), vshl = simd(0xab);
 // |q·xq| sums, which stay below 2^31. The scales per block (16 B at sc + 16·b): xd, then xsum.
 
 /**
- * One kernel: for rows r = 0 .. rows-1, acc = Σ_blocks (its block tail), out[r] = f32(acc). `unpack` leaves the
- * block's 32 weights as 4 i16x8 vectors in locals h0..h3 (weights 0-7, 8-15, 16-23, 24-31); `tail` adds the
- * block's scaled sum (int32 in local v's lanes) to acc. Params: 0 w, 1 nb, 2 rows, 3 out, 4 xin, 5 sc, 6 half.
+ * One kernel over R consecutive rows at a time (R = 1 or 2; rows are contiguous, so row j+1 starts where row j
+ * ends): for each group, acc_j = Σ_blocks (the block tail of row j), out[r + j] = f32(acc_j). A pair shares the
+ * input loads and the loop. `unpack` leaves a block's 32 weights as 4 i16x8 vectors in locals h[0..3] (weights
+ * 0-7, 8-15, 16-23, 24-31); `tail` adds the block's scaled sum (int32 in the lanes of its v) to acc.
+ * Params: 0 w, 1 nb, 2 rows (a multiple of R), 3 out, 4 xin, 5 sc, 6 half.
  */
-function kernel(blockBytes: number, unpack: (w: number, a: number, h: number[]) => number[],
+function kernel(R: 1 | 2, blockBytes: number, unpack: (w: number, a: number, h: number[]) => number[],
   tail: (w: number, ps: number, half: number, acc: number, s: number[]) => number[]): number[] {
-  const w = 0, nb = 1, rows = 2, out = 3, xin = 4, sc = 5, half = 6, r = 7, xp = 8, ps = 9, wend = 10, acc = 11;
-  const a = 12, v = 13, h = [14, 15, 16, 17];
-  const dots = (o: number) => h.flatMap((hk, k) => [...get(hk), ...get(xp), ...vload(o + 16 * k), ...vdot, ...(k ? vadd : [])]);
-  const s = [...get(v), ...lane(0), ...get(v), ...lane(1), ...add, ...get(v), ...lane(2), ...add, ...get(v), ...lane(3), ...add];
+  const nb = 1, rows = 2, out = 3, xin = 4, sc = 5, half = 6, r = 7, xp = 8, ps = 9, wend = 10;
+  const W = [0, 11], acc = [12, 13], a = 14, xk = 15, v = [16, 17], h = [[18, 19, 20, 21], [22, 23, 24, 25]];
+  const J = R === 1 ? [0] : [0, 1];
+  const lanes = (vj: number) => [...get(vj), ...lane(0), ...get(vj), ...lane(1), ...add, ...get(vj), ...lane(2), ...add,
+    ...get(vj), ...lane(3), ...add];
+  const dots = (o: number, first: boolean) => [0, 1, 2, 3].flatMap((k) => [
+    ...get(xp), ...vload(o + 16 * k), ...set(xk),
+    ...J.flatMap((j) => [...(first && k === 0 ? [] : get(v[j])), ...get(h[j][k]), ...get(xk), ...vdot,
+      ...(first && k === 0 ? [] : vadd), ...set(v[j])]),
+  ]);
   const body = [
-    ...unpack(w, a, h),
-    ...dots(0), ...i32c(11), ...vshl, ...dots(64), ...vadd, ...set(v),
-    ...tail(w, ps, half, acc, s),
-    ...get(w), ...i32c(blockBytes), ...add, ...set(w), ...get(xp), ...i32c(128), ...add, ...set(xp),
-    ...get(ps), ...i32c(16), ...add, ...set(ps),
+    ...J.flatMap((j) => unpack(W[j], a, h[j])),
+    ...dots(0, true), ...J.flatMap((j) => [...get(v[j]), ...i32c(11), ...vshl, ...set(v[j])]), ...dots(64, false),
+    ...J.flatMap((j) => tail(W[j], ps, half, acc[j], lanes(v[j]))),
+    ...J.flatMap((j) => [...get(W[j]), ...i32c(blockBytes), ...add, ...set(W[j])]),
+    ...get(xp), ...i32c(128), ...add, ...set(xp), ...get(ps), ...i32c(16), ...add, ...set(ps),
   ];
   const code = [
     ...i32c(0), ...set(r),
     ...block(loop(
       get(r), get(rows), geU, brIf(1),
-      f64zero, set(acc), get(xin), set(xp), get(sc), set(ps),
-      get(w), get(nb), i32c(blockBytes), [0x6c], add, set(wend),
-      loop(body, get(w), get(wend), ltU, brIf(0)),
-      get(out), get(r), i32c(2), shl, add, get(acc), f32fromF64, f32store,
-      get(r), i32c(1), add, set(r), br(0),
+      ...J.map((j) => [...f64zero, ...set(acc[j])]), get(xin), set(xp), get(sc), set(ps),
+      get(W[0]), get(nb), i32c(blockBytes), [0x6c], add, tee(wend), R === 2 ? set(W[1]) : [0x1a],
+      loop(body, get(W[0]), get(wend), ltU, brIf(0)),
+      ...J.map((j) => [...get(out), ...get(r), ...i32c(j), ...add, ...i32c(2), ...shl, ...add, ...get(acc[j]), ...f32fromF64,
+        ...f32store]),
+      R === 2 ? [...get(W[1]), ...set(W[0])] : [],
+      get(r), i32c(R), add, set(r), br(0),
     )),
     0x0b,
   ];
-  return [...vec([[...uleb(4), I32], [...uleb(1), F64], [...uleb(6), V128]]), ...code];
+  return [...vec([[...uleb(5), I32], [...uleb(2), F64], [...uleb(12), V128]]), ...code];
 }
 
 // Q4_1 (20 B: f16 d, f16 m, 16 bytes: weight j in the low nibble of byte j, weight j+16 in its high nibble):
 // acc = acc + (d·xd·s + m·xsum), in the order of dotQ4_1x2i.
-const q41Body = () => kernel(20, (w, a, h) => [
+const q41Body = (R: 1 | 2) => kernel(R, 20, (w, a, h) => [
   ...get(w), ...vload(4), ...tee(a), ...simd(0x0c, ...new Array(16).fill(0x0f)), ...vand, ...tee(h[0]), ...i16hi(false),
   ...set(h[1]), ...get(h[0]), ...i16lo(false), ...set(h[0]),
   ...get(a), ...i32c(4), ...i8shrU, ...tee(h[2]), ...i16hi(false), ...set(h[3]), ...get(h[2]), ...i16lo(false), ...set(h[2]),
@@ -108,7 +118,7 @@ const q41Body = () => kernel(20, (w, a, h) => [
 ]);
 
 // Q8_0 (34 B: f16 d, 32 int8): acc = acc + d·xd·s, as dotQ8_0x2i.
-const q80Body = () => kernel(34, (w, a, h) => [
+const q80Body = (R: 1 | 2) => kernel(R, 34, (w, a, h) => [
   ...get(w), ...vload(2), ...tee(a), ...i16lo(true), ...set(h[0]), ...get(a), ...i16hi(true), ...set(h[1]),
   ...get(w), ...vload(18), ...tee(a), ...i16lo(true), ...set(h[2]), ...get(a), ...i16hi(true), ...set(h[3]),
 ], (w, ps, half, acc, s) => [
@@ -116,17 +126,17 @@ const q80Body = () => kernel(34, (w, a, h) => [
   ...set(acc),
 ]);
 
-/** The module's bytes: imports env.mem (shared or not), exports q41 and q80. */
+/** The module's bytes: imports env.mem (shared or not), exports q41, q80 (one row per pass) and q41x2, q80x2 (two). */
 export function simdModuleBytes(shared: boolean): Uint8Array<ArrayBuffer> {
   const fn = (params: number) => [0x60, ...vec(new Array(params).fill([I32])), 0];
   const mem = shared ? [0x03, ...uleb(1), ...uleb(65536)] : [0x00, ...uleb(1)];
-  const code = [q41Body(), q80Body()].map((b) => [...uleb(b.length), ...b]);
+  const code = [q41Body(1), q80Body(1), q41Body(2), q80Body(2)].map((b) => [...uleb(b.length), ...b]);
   return new Uint8Array([
     0x00, 0x61, 0x73, 0x6d, 0x01, 0x00, 0x00, 0x00,
     ...section(1, vec([fn(7)])),
     ...section(2, vec([[...str("env"), ...str("mem"), 0x02, ...mem]])),
-    ...section(3, vec([[0], [0]])),
-    ...section(7, vec([[...str("q41"), 0x00, 0], [...str("q80"), 0x00, 1]])),
+    ...section(3, vec([[0], [0], [0], [0]])),
+    ...section(7, vec([[...str("q41"), 0x00, 0], [...str("q80"), 0x00, 1], [...str("q41x2"), 0x00, 2], [...str("q80x2"), 0x00, 3]])),
     ...section(10, vec(code)),
   ]);
 }
@@ -156,6 +166,8 @@ export class SimdKernels {
   private readonly xin: Int16Array; private readonly sc: Float64Array; private readonly out: Float32Array;
   private readonly q41: (w: number, nb: number, rows: number, out: number, xin: number, sc: number, half: number) => void;
   private readonly q80: SimdKernels["q41"];
+  private readonly q41x2: SimdKernels["q41"];
+  private readonly q80x2: SimdKernels["q41"];
   private readonly halfPtr: number;
 
   private constructor(spec: SimdSpec, shared: boolean) {
@@ -172,6 +184,8 @@ export class SimdKernels {
     const ex = new WebAssembly.Instance(mod, { env: { mem: memory } }).exports as Record<string, unknown>;
     this.q41 = ex.q41 as SimdKernels["q41"];
     this.q80 = ex.q80 as SimdKernels["q41"];
+    this.q41x2 = ex.q41x2 as SimdKernels["q41"];
+    this.q80x2 = ex.q80x2 as SimdKernels["q41"];
   }
 
   private static layout(ggufBytes: number, maxIn: number, maxRows: number) {
@@ -219,9 +233,10 @@ export class SimdKernels {
   /** out[oo + r] = W[r,:] · input for rows r0 .. r1 of t (input set by setInput). */
   rows(t: TensorInfo, out: Float32Array, oo: number, r0: number, r1: number): void {
     if (r1 <= r0) return;
-    const f = t.type === GGMLType.Q4_1 ? this.q41 : this.q80;
-    f(t.offset + r0 * t.rowBytes, t.rowLength / 32, r1 - r0, this.out.byteOffset + 4 * r0, this.xin.byteOffset,
-      this.sc.byteOffset, this.halfPtr);
+    const q4 = t.type === GGMLType.Q4_1, n = r1 - r0, pairs = n & ~1, nb = t.rowLength / 32;
+    const w = t.offset + r0 * t.rowBytes, o = this.out.byteOffset + 4 * r0, xin = this.xin.byteOffset, sc = this.sc.byteOffset;
+    if (pairs) (q4 ? this.q41x2 : this.q80x2)(w, nb, pairs, o, xin, sc, this.halfPtr); // two rows per pass
+    if (n > pairs) (q4 ? this.q41 : this.q80)(w + pairs * t.rowBytes, nb, 1, o + 4 * pairs, xin, sc, this.halfPtr);
     out.set(this.out.subarray(r0, r1), oo + r0);
   }
 }

@@ -64,8 +64,10 @@ def make_baseline(where: Path, commit: str) -> None:
     if vendor.is_symlink():
         vendor.unlink()
     (vendor / "wheels").mkdir(parents=True, exist_ok=True)
-    if not (vendor / "pyodide").exists():
-        (vendor / "pyodide").symlink_to(ROOT / "web" / "vendor" / "pyodide")
+    if (vendor / "pyodide").is_symlink():
+        (vendor / "pyodide").unlink()
+    if not (vendor / "pyodide").exists():   # a copy: the server serves no symlink that leaves its web root
+        shutil.copytree(ROOT / "web" / "vendor" / "pyodide", vendor / "pyodide")
     shutil.copy(ROOT / "web" / "vendor" / "manifest.json", vendor / "manifest.json")
     wheel = json.loads((vendor / "manifest.json").read_text())["pyengine"]
     with tempfile.TemporaryDirectory() as tmp:

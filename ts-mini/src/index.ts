@@ -177,7 +177,8 @@ export function defaultThreads(): number {
 }
 
 /**
- * loadModel on `threads` threads: the GGUF is copied into a SharedArrayBuffer (unless it is one), the arena is
+ * loadModel on `threads` threads: the GGUF is copied into a SharedArrayBuffer (unless it is one; with the SIMD
+ * kernels of 13c, into their shared WebAssembly.Memory, whose buffer is one), the arena is
  * shared, and a MatmulPool of threads-1 helpers splits every product by rows. Where memory cannot be shared
  * (a page that is not cross-origin isolated) or a helper cannot start, the engine runs on one thread and
  * `threadNote` says why. Call engine.close() to stop the helpers.

@@ -26,6 +26,11 @@ SMALL_GEMM_CHUNK_MIN = 24   # from 24 rows (below REGROUP_MIN_ROWS) row chunks o
 #                             (and below 24 wherever one product passes SMALL_GEMM_MNK: 21-23 rows x 1536 inputs 1.5x)
 REGROUP_MIN_ROWS = 256      # from 256 rows (prefill) blocks are copied back in 1024-column groups for one sgemm each:
 REGROUP_COLS = 1024         # 512 rows, one layer: 38.1 ms vs 40.6 per block vs 36.5 whole matrix; 128 rows: no gain
+RESIDENT_LAYOUT = "rows" if sys.platform == "emscripten" else "column-blocks"
+#                             how a resident DenseLinear holds its matrix: column blocks for OpenBLAS's small kernel
+#                             (CPython), or the GGUF's (out, in) rows multiplied one input row at a time by
+#                             np.einsum("oi,i->o") (Pyodide: NumPy without BLAS; its einsum loop is 3.1-4.6x the
+#                             column blocks' matmul for one row: docs/performance.md, "Pyodide resident layout")
 SMALL_GEMM_MNK = 1_000_000  # OpenBLAS's small-matrix kernel takes M*N*K <= 100^3 (beyond: packed sgemm, 3x slower
 #                             for 9 rows of a 576 x 3072 block product; bit-identity across row counts ends there)
 LEAN_ROW_LOOP_MAX = 12      # lean: matvecs over the just-dequantized rows beat one product up to ~12 rows

@@ -6,7 +6,7 @@
 Engines, measured alternately in each round (so all see the same load on a shared host): ts-mini on 1 thread and
 on N threads (default: all cores), the Pyodide worker in each --modes, and with --baseline the same engines
 of the build checked out in DIR (e.g. `git worktree add DIR 0c9021e`; --make-baseline COMMIT makes it, builds
-its ts-mini and links this tree's web/vendor). Per engine: decode tok/s (wall, tokens after the first) and
+its ts-mini and its pyengine wheel beside this tree's Pyodide runtime). Per engine: decode tok/s (wall, tokens after the first) and
 tokens per CPU-second of the whole Chromium process tree during the generation (the steadier figure on a busy
 host), then the model load time cold (empty store, download) and on a second visit (from the Cache API).
 Prints the table and the ratios new/baseline. Timings on a shared machine are noisy: compare within one run.
@@ -14,9 +14,12 @@ Prints the table and the ratios new/baseline. Timings on a shared machine are no
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -56,9 +59,27 @@ def make_baseline(where: Path, commit: str) -> None:
     if not nm.exists():
         nm.symlink_to(ROOT / "ts-mini" / "node_modules")
     subprocess.run(["npm", "run", "build"], cwd=where / "ts-mini", check=True, capture_output=True)
+    # the same Pyodide runtime and NumPy, but the baseline's own pyengine wheel (its Python code is what is measured)
     vendor = where / "web" / "vendor"
-    if not vendor.exists():
-        vendor.symlink_to(ROOT / "web" / "vendor")   # same Pyodide runtime and wheels
+    if vendor.is_symlink():
+        vendor.unlink()
+    (vendor / "wheels").mkdir(parents=True, exist_ok=True)
+    if (vendor / "pyodide").is_symlink():
+        (vendor / "pyodide").unlink()
+    if not (vendor / "pyodide").exists():   # a copy: the server serves no symlink that leaves its web root
+        shutil.copytree(ROOT / "web" / "vendor" / "pyodide", vendor / "pyodide")
+    shutil.copy(ROOT / "web" / "vendor" / "manifest.json", vendor / "manifest.json")
+    wheel = json.loads((vendor / "manifest.json").read_text())["pyengine"]
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copy(where / "pyproject.toml", tmp)
+        if (where / "README.md").exists():
+            shutil.copy(where / "README.md", tmp)
+        shutil.copytree(where / "pyengine", Path(tmp) / "pyengine", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        (vendor / wheel).unlink(missing_ok=True)
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", tmp, "-w", str(vendor / "wheels")],
+                       check=True, capture_output=True)
+    if not (vendor / wheel).exists():
+        raise SystemExit(f"measure_web: building the baseline's wheel did not give {wheel}")
 
 
 def start_server(web_root: Path, ts_dist: Path, model: str) -> tuple[subprocess.Popen, str]:

@@ -18,6 +18,7 @@ import {
   dotQ4_1x2i, dotQ5_0, dotQ8_0, dotQ8_0i, dotQ8_0x2, dotQ8_0x2i, prepareInput, prepareInputInt,
 } from "./06_q8_q4_dot.js";
 import { dequantQ4_K, dequantQ6_K, dotQ4_K, dotQ6_K } from "./07_kquants.js";
+import type { SimdKernels } from "./13c_simd.js";
 
 type Dequant = (w: WeightViews, off: number, n: number, out: Float32Array, o: number) => void;
 const DEQUANT: Record<number, Dequant> = {
@@ -57,6 +58,7 @@ export interface MatScratch {
   xd?: Float64Array; // >= max input length / 32: their per-block scales
   lut?: Int32Array; // >= LUT_MAX_IN / 32 * 4096: Q4_1 lookup table of the input (tall matrices), optional
   pool?: RowSplitter | null; // split products over threads
+  simd?: SimdKernels | null; // WebAssembly SIMD kernels (13c_simd.ts) over the memory holding the weights
 }
 
 /** Whether the integer kernels serve tensor type `type` with this scratch. */
@@ -74,7 +76,8 @@ export function useLut(t: TensorInfo, s: MatScratch): boolean {
 export function prepareMatvec(t: TensorInfo, x: Float32Array, xo: number, s: MatScratch): void {
   if (intKernel(t.type, s)) {
     prepareInputInt(x, xo, t.rowLength, t.type === GGMLType.Q4_1 ? QMAX_Q4 : QMAX_Q8, s.xq!, s.xd!, s.xsum);
-    if (useLut(t, s)) buildQ4Lut(s.xq!, t.rowLength, s.lut!);
+    if (s.simd && s.simd.serves(t)) s.simd.setInput(s.xq!, s.xd!, s.xsum, t.rowLength);
+    else if (useLut(t, s)) buildQ4Lut(s.xq!, t.rowLength, s.lut!);
   }
   else prepareInput(x, xo, t.rowLength, s.xs, s.xsum);
 }
@@ -94,6 +97,7 @@ export function matvecRows(w: WeightViews, t: TensorInfo, out: Float32Array, oo:
   const xs = s.xs, xsum = s.xsum;
   let off = t.offset + r0 * rb;
   if (intKernel(t.type, s)) {
+    if (s.simd && s.simd.serves(t)) return s.simd.rows(t, out, oo, r0, r1); // the same sums, in WebAssembly SIMD
     const xq = s.xq!, xd = s.xd!;
     let r = r0;
     if (useLut(t, s)) {

@@ -16,6 +16,7 @@
 import type { TensorInfo } from "./04_tensor_table.js";
 import { WeightViews, fillHalfTable, makeWeightViews } from "./05_f16_bf16.js";
 import { MatScratch, RowSplitter, matmulRows, matvecRows } from "./13_matmul.js";
+import { SimdKernels, SimdSpec } from "./13c_simd.js";
 
 // control words (Int32Array) and job parameters (Float64Array)
 const SEQ = 0, PENDING = 1, STOP = 2, FAILED = 3;
@@ -60,8 +61,11 @@ export class RowWorker {
   private readonly tensors = new Map<number, TensorInfo>();
   private readonly xViews = new Map<number, Float32Array>();
   private scratch: MatScratch | null = null;
+  private readonly simd: SimdKernels | null;
 
-  constructor(gguf: ArrayBufferLike, arena: ArrayBufferLike, maxIn: number) {
+  /** simd: the main thread's SIMD memory (then `gguf` is its buffer), or none. */
+  constructor(gguf: ArrayBufferLike, arena: ArrayBufferLike, maxIn: number, simd?: SimdSpec | null) {
+    this.simd = simd ? SimdKernels.attach(simd) : null;
     this.w = makeWeightViews(gguf, fillHalfTable(new Float32Array(65536)));
     this.f32 = new Float32Array(arena); this.f64 = new Float64Array(arena, 0, arena.byteLength >>> 3);
     this.i32 = new Int32Array(arena);
@@ -88,6 +92,7 @@ export class RowWorker {
           xq: prm[P.xq] >= 0 ? this.i32.subarray(prm[P.xq] / 4, prm[P.xq] / 4 + nIn) : undefined,
           xd: prm[P.xd] >= 0 ? this.f64.subarray(prm[P.xd] / 8, prm[P.xd] / 8 + nb) : undefined,
           lut: prm[P.lut] >= 0 ? this.i32.subarray(prm[P.lut] / 4, prm[P.lut] / 4 + prm[P.lutLen]) : undefined,
+          simd: this.simd,
         };
       }
       matvecRows(this.w, t, this.f32, prm[P.out] / 4, s, r0, r1);
@@ -166,9 +171,12 @@ export class MatmulPool implements RowSplitter {
     this.rowScratch = new Float32Array(2 * maxIn);
   }
 
-  /** threads >= 2; gguf and arena must be SharedArrayBuffers; w: the model's weight views; maxIn: longest row. */
+  /**
+   * threads >= 2; gguf and arena must be SharedArrayBuffers; w: the model's weight views; maxIn: longest row;
+   * simd: the model's SIMD kernels' spec (13c) when it has them (then gguf is their memory's buffer).
+   */
   static async start(threads: number, gguf: SharedArrayBuffer, arena: SharedArrayBuffer, w: WeightViews,
-    maxIn: number): Promise<MatmulPool> {
+    maxIn: number, simd: SimdSpec | null = null): Promise<MatmulPool> {
     if (!Number.isInteger(threads) || threads < 2) throw new RangeError(`a pool needs >= 2 threads, got ${threads}`);
     if (!(gguf instanceof SharedArrayBuffer) || !(arena instanceof SharedArrayBuffer)) {
       throw new TypeError("MatmulPool needs the weights and the arena in SharedArrayBuffers");
@@ -177,7 +185,7 @@ export class MatmulPool implements RowSplitter {
     const prm = new Float64Array(new SharedArrayBuffer(8 * 32));
     const helpers: ThreadHandle[] = [];
     try {
-      for (let k = 0; k < threads - 1; k++) helpers.push(await spawn({ gguf, arena, ctl: ctl.buffer, prm: prm.buffer, k, maxIn }));
+      for (let k = 0; k < threads - 1; k++) helpers.push(await spawn({ gguf, arena, ctl: ctl.buffer, prm: prm.buffer, k, maxIn, simd }));
     } catch (e) {
       Atomics.store(ctl, STOP, 1); Atomics.add(ctl, SEQ, 1); Atomics.notify(ctl, SEQ);
       for (const h of helpers) void h.terminate();

@@ -16,6 +16,7 @@ import { WeightViews, fillHalfTable, makeWeightViews } from "./05_f16_bf16.js";
 import { embed, rmsnorm } from "./11_embed_rmsnorm.js";
 import { applyRope, fillRopeTables } from "./12_rope.js";
 import { MatScratch, RowSplitter, checkSupported, matmul } from "./13_matmul.js";
+import { SimdKernels, simdAvailable } from "./13c_simd.js";
 import { LUT_MAX_IN } from "./06_q8_q4_dot.js";
 import { KVCache, attend, storeKV } from "./14_attention.js";
 import { addInPlace, swiglu } from "./15_swiglu.js";
@@ -108,6 +109,7 @@ export interface ModelOptions {
   maxSeqLen?: number; // KV cache length (default min(context_length, 2048))
   prefillChunk?: number; // tokens per prefill matmul (default 32)
   sharedArena?: boolean; // arena in a SharedArrayBuffer (needed by a matmul worker pool, 13b)
+  simd?: boolean; // Q4_1/Q8_0 matvecs in WebAssembly SIMD where available (13c; default true): the GGUF moves into its memory
 }
 
 export class LlamaModel {
@@ -117,6 +119,7 @@ export class LlamaModel {
   readonly maxSeq: number;
   readonly chunk: number;
   readonly w: WeightViews; // views over the GGUF buffer (the pool's main thread reads the weights through them)
+  readonly simd: SimdKernels | null; // the SIMD kernels, whose memory then holds the GGUF (g.buffer points there)
   private readonly weights: LlamaWeights;
   private readonly cache: KVCache;
   private readonly ropeCos: Float32Array;
@@ -155,6 +158,11 @@ export class LlamaModel {
       .add("scores", "f64", this.maxSeq).add("acc", "f64", c.headDim)
       .add("sample_probs", "f64", V).add("sample_idx", "i32", V).add("sample_vals", "f64", V);
     const a = (this.arena = new Arena(L, !!opts.sharedArena));
+    this.simd = null;
+    if (opts.simd !== false && simdAvailable()) {
+      this.simd = SimdKernels.create(g.buffer, maxIn, Math.max(V, c.ffnDim, d, qDim, kvDim), !!opts.sharedArena);
+      g.buffer = this.simd.buffer; // same bytes at the same offsets
+    }
 
     this.w = makeWeightViews(g.buffer, fillHalfTable(a.f32("half")));
     this.ropeCos = a.f32("rope_cos");
@@ -165,7 +173,8 @@ export class LlamaModel {
     this.q = a.f32("q"); this.k = a.f32("k"); this.v = a.f32("v"); this.att = a.f32("att");
     this.gate = a.f32("gate"); this.up = a.f32("up");
     this.logits = a.f32("logits");
-    this.mat = { xs: a.f64("mat_xs"), xsum: a.f64("mat_xsum"), row: a.f32("mat_row"), xq: a.i32("mat_xq"), xd: a.f64("mat_xd"), lut: a.i32("mat_lut") };
+    this.mat = { xs: a.f64("mat_xs"), xsum: a.f64("mat_xsum"), row: a.f32("mat_row"), xq: a.i32("mat_xq"), xd: a.f64("mat_xd"), lut: a.i32("mat_lut"),
+      simd: this.simd };
     this.scores = a.f64("scores"); this.acc = a.f64("acc");
     this.samplerScratch = { probs: a.f64("sample_probs"), idx: a.i32("sample_idx"), vals: a.f64("sample_vals") };
   }

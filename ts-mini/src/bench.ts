@@ -9,6 +9,7 @@ import { loadModel, loadModelThreaded } from "./index.js";
 import { parseGGUF } from "./04_tensor_table.js";
 import { fillHalfTable, makeWeightViews } from "./05_f16_bf16.js";
 import { MatScratch, matvec, useLut } from "./13_matmul.js";
+import { SimdKernels, simdAvailable } from "./13c_simd.js";
 import { defaultModelPath, readArrayBuffer } from "./model_path.js";
 
 const N = 64;
@@ -32,6 +33,8 @@ process.stdout.write(`load: read file ${(t1 - t0).toFixed(0)} ms, parse+tokenize
   const w = makeWeightViews(buf, fillHalfTable(new Float32Array(65536)));
   const names = ["blk.0.ffn_gate.weight", "blk.0.ffn_down.weight", "blk.0.attn_k.weight", "output.weight", "token_embd.weight"];
   const seen = new Set<string>();
+  const sk = simdAvailable() ? SimdKernels.create(buf, 1536, 65536, false) : null; // the GGUF in SIMD memory
+  const ws = sk ? makeWeightViews(sk.buffer, w.half) : w;
   for (const name of names) {
     const t = g.tensors.get(name);
     if (!t || (name === "token_embd.weight" && g.tensors.has("output.weight"))) continue;
@@ -44,20 +47,23 @@ process.stdout.write(`load: read file ${(t1 - t0).toFixed(0)} ms, parse+tokenize
     const f64: MatScratch = { xs: new Float64Array(n), xsum: new Float64Array(n / 32), row: new Float32Array(2 * n) };
     const int: MatScratch = { ...f64, xq: new Int32Array(n), xd: new Float64Array(n / 32) };
     const lut: MatScratch = { ...int, lut: new Int32Array((n / 32) * 4096) };
-    const withLut = useLut(t, lut);
+    const withLut = useLut(t, lut), simd: MatScratch = { ...int, simd: sk };
+    const withSimd = sk !== null && sk.serves(t);
     const reps = Math.max(3, Math.round(2e7 / (t.rows * n)));
     const time = (sc: MatScratch) => {
-      const c = process.cpuUsage();
-      for (let k = 0; k < reps; k++) matvec(w, t, x, 0, out, 0, sc);
+      const c = process.cpuUsage(), views = sc.simd ? ws : w;
+      for (let k = 0; k < reps; k++) matvec(views, t, x, 0, out, 0, sc);
       return cpuMs(process.cpuUsage(c)) / reps;
     };
-    time(f64); time(int); if (withLut) time(lut); // warm up
-    let a = Infinity, b = Infinity, c = Infinity;
+    time(f64); time(int); if (withLut) time(lut); if (withSimd) time(simd); // warm up
+    let a = Infinity, b = Infinity, c = Infinity, d = Infinity;
     for (let k = 0; k < 3; k++) { // alternate, best of 3
       a = Math.min(a, time(f64)); b = Math.min(b, time(int)); if (withLut) c = Math.min(c, time(lut));
+      if (withSimd) d = Math.min(d, time(simd));
     }
     process.stdout.write(`kernel ${label}: float64 ${a.toFixed(3)} ms, integer ${b.toFixed(3)} ms` +
-      (withLut ? `, integer+table ${c.toFixed(3)} ms` : "") + ` per matvec (cpu) -> ${(a / Math.min(b, c)).toFixed(2)}x\n`);
+      (withLut ? `, integer+table ${c.toFixed(3)} ms` : "") + (withSimd ? `, wasm simd ${d.toFixed(3)} ms` : "") +
+      ` per matvec (cpu) -> ${(a / Math.min(b, c, d)).toFixed(2)}x\n`);
   }
 }
 
@@ -66,7 +72,9 @@ const threadsArg = process.argv.indexOf("--threads");
 const nThreads = threadsArg > 0 ? Number(process.argv[threadsArg + 1]) : Math.max(2, availableParallelism());
 const pooled = await loadModelThreaded(buf, { threads: nThreads });
 if (pooled.threadNote) process.stdout.write(`note: ${pooled.threadNote}\n`);
-const engines = [{ label: "1 thread", e: engine }, { label: `${pooled.threads} threads`, e: pooled }];
+const noSimd = loadModel(buf, { simd: false }); // the JS integer kernels, for comparison
+const engines = [{ label: "1 thread, no SIMD", e: noSimd }, { label: `1 thread${engine.model.simd ? ", SIMD" : ""}`, e: engine },
+  { label: `${pooled.threads} threads`, e: pooled }];
 for (const { e } of engines) e.generate(ids, { maxTokens: 4, ignoreEos: true }); // warm up the JIT
 
 for (let run = 1; run <= 2; run++) {

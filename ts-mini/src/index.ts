@@ -7,6 +7,7 @@
 import { GGUFError } from "./02_gguf_header.js";
 import { GGUFFile, isBuffer, parseGGUF } from "./04_tensor_table.js";
 import { MatmulPool, canShareMemory, toShared } from "./13b_matmul_pool.js";
+import { simdAvailable } from "./13c_simd.js";
 import { Vocab, readVocab, tokenBytes } from "./08_vocab.js";
 import { BPEEncoder, ChatMessage, applyChatTemplate } from "./09_bpe_encode.js";
 import { Utf8Stream } from "./10_utf8_stream.js";
@@ -23,6 +24,7 @@ export { LlamaModel, Generation } from "./18_generate.js";
 export { Pcg64, lawExp, sample, streamFor, checkSamplingOptions } from "./17_sampler.js";
 export type { SamplingOptions, SamplerScratch } from "./17_sampler.js";
 export { MatmulPool, canShareMemory } from "./13b_matmul_pool.js";
+export { SimdKernels, simdAvailable } from "./13c_simd.js";
 export type { GenerateOptions, FinishReason, LlamaConfig, ModelOptions } from "./18_generate.js";
 export type { ChatMessage } from "./09_bpe_encode.js";
 
@@ -175,7 +177,8 @@ export function defaultThreads(): number {
 }
 
 /**
- * loadModel on `threads` threads: the GGUF is copied into a SharedArrayBuffer (unless it is one), the arena is
+ * loadModel on `threads` threads: the GGUF is copied into a SharedArrayBuffer (unless it is one; with the SIMD
+ * kernels of 13c, into their shared WebAssembly.Memory, whose buffer is one), the arena is
  * shared, and a MatmulPool of threads-1 helpers splits every product by rows. Where memory cannot be shared
  * (a page that is not cross-origin isolated) or a helper cannot start, the engine runs on one thread and
  * `threadNote` says why. Call engine.close() to stop the helpers.
@@ -190,11 +193,13 @@ export async function loadModelThreaded(buffer: ArrayBufferLike, opts: ThreadedL
     return e;
   }
   if (!isBuffer(buffer)) throw new GGUFError("loadModel expects an ArrayBuffer holding a GGUF file");
-  const shared = toShared(buffer);
-  const e = loadModel(shared, { ...opts, sharedArena: true });
+  // with SIMD kernels (13c) the model copies the GGUF into their shared memory itself
+  const simd = opts.simd !== false && simdAvailable();
+  const e = loadModel(simd ? buffer : toShared(buffer), { ...opts, sharedArena: true });
   const c = e.config, maxIn = Math.max(c.dModel, c.nHeads * c.headDim, c.ffnDim);
   try {
-    e.attachPool(await MatmulPool.start(threads, shared, e.model.arena.buffer as SharedArrayBuffer, e.model.w, maxIn));
+    e.attachPool(await MatmulPool.start(threads, e.gguf.buffer as SharedArrayBuffer, e.model.arena.buffer as SharedArrayBuffer,
+      e.model.w, maxIn, e.model.simd?.spec ?? null));
   } catch (err) {
     e.threadNote = `one thread: the matmul workers did not start (${err instanceof Error ? err.message : String(err)})`;
   }

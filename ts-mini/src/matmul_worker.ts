@@ -2,11 +2,12 @@
 // then it serves row ranges until the pool stops. Runs as a Web Worker (module) or a Node worker_threads Worker.
 
 import { RowWorker, jobCounter, serveJobs } from "./13b_matmul_pool.js";
+import type { SimdSpec } from "./13c_simd.js";
 
-interface Init { gguf: SharedArrayBuffer; arena: SharedArrayBuffer; ctl: SharedArrayBuffer; prm: SharedArrayBuffer; k: number; maxIn: number }
+interface Init { gguf: SharedArrayBuffer; arena: SharedArrayBuffer; ctl: SharedArrayBuffer; prm: SharedArrayBuffer; k: number; maxIn: number; simd: SimdSpec | null }
 
 function start(init: Init, reply: (m: unknown) => void): void {
-  const worker = new RowWorker(init.gguf, init.arena, init.maxIn);
+  const worker = new RowWorker(init.gguf, init.arena, init.maxIn, init.simd);
   const ctl = new Int32Array(init.ctl), prm = new Float64Array(init.prm);
   const seen = jobCounter(ctl); // before the reply: the pool may post a job as soon as it hears from us
   reply({ ready: init.k });

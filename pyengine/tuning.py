@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import sys
 
+WASM = sys.platform == "emscripten"   # the one runtime switch: Pyodide's NumPy (no BLAS, no SIMD) picks other paths
+
 # --- BLAS threads (engine/threads.py) ---------------------------------------------------------------------
 DEFAULT_THREADS_MAX = 1     # default BLAS threads at most this many (the usable cores, fewer when busy): one thread
 #                             decoded faster than two on this machine class even when quiet (1 vs 2 threads: 49.5
@@ -26,7 +28,7 @@ SMALL_GEMM_CHUNK_MIN = 24   # from 24 rows (below REGROUP_MIN_ROWS) row chunks o
 #                             (and below 24 wherever one product passes SMALL_GEMM_MNK: 21-23 rows x 1536 inputs 1.5x)
 REGROUP_MIN_ROWS = 256      # from 256 rows (prefill) blocks are copied back in 1024-column groups for one sgemm each:
 REGROUP_COLS = 1024         # 512 rows, one layer: 38.1 ms vs 40.6 per block vs 36.5 whole matrix; 128 rows: no gain
-RESIDENT_LAYOUT = "rows" if sys.platform == "emscripten" else "column-blocks"
+RESIDENT_LAYOUT = "rows" if WASM else "column-blocks"
 #                             how a resident DenseLinear holds its matrix: column blocks for OpenBLAS's small kernel
 #                             (CPython), or the GGUF's (out, in) rows multiplied one input row at a time by
 #                             np.einsum("oi,i->o") (Pyodide: NumPy without BLAS; its einsum loop is 3.1-4.6x the
@@ -42,9 +44,8 @@ LEAN_FOLD_MAX_ROWS = 8        # S21 lean: up to this many input rows fold the bl
 #                               (per-group batched products); more rows scale the block in place and take one sgemm
 # S21 lean in Pyodide: NumPy in wasm runs integer operations on bytes without SIMD (1 MiB of uint8 `& 15`: 0.26
 # CPU ms, the same bytes as uint64 lanes: 0.06 ms); CPython's NumPy does bytes with SIMD as fast as lanes (0.45 ms
-# both, memory-bound) and keeps the two-operation byte form (lanes need a third, a mask). The one runtime switch.
-LEAN_WASM = sys.platform == "emscripten"
-LEAN_LANE_BYTES = 8 if LEAN_WASM else 1   # decode streams unpack nibbles in lanes of this many bytes
+# both, memory-bound) and keeps the two-operation byte form (lanes need a third, a mask).
+LEAN_LANE_BYTES = 8 if WASM else 1   # decode streams unpack nibbles in lanes of this many bytes
 LEAN_STREAM_MAX_ROWS = 1      # S21 lean: one input row (decode) multiplies the decode streams of LEAN_STREAM_TYPES
 LEAN_STREAM_TYPES = ("Q4_K", "Q6_K", "Q4_0", "Q4_1")  # (gguf/quants_stream.py: whole-row unpacking, x in stream
 #                               order): 5632 x 2048, CPU ms folded -> stream, same run: Q4_K 9.3 -> 7.2, Q6_K 23.8 ->

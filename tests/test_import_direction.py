@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1] / "pyengine"
 
 # package -> the pyengine packages (first component below pyengine) it must never import
 FORBIDDEN = {
-    "engine": {"parallel", "disagg", "cli", "server", "llm", "bench", "web_server"},
+    "engine": {"parallel", "disagg", "cli", "server", "llm", "bench"},
     "server": {"cli"},
     "disagg": {"cli"},
     "models": {"engine", "parallel", "disagg", "cli", "server", "llm", "bench"},

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from pyengine.model_files import default_model_path
 from pyengine.server.app import create_app, served_names
-from pyengine.server.runner import ServerThread
-from pyengine.server.structured import GrammarCompiler
+from pyengine.server.http_server import ServerThread
+from pyengine.server.constraints import GrammarCompiler
 
 AMBIGUOUS = 'root ::= e\ne ::= " " e "x" | " " g "y" | "b"\ng ::= " " e "z" | " " g "w" | "b"'
 ASK = [{"role": "user", "content": "Say something."}]

@@ -24,7 +24,7 @@ from starlette.routing import Mount, Route
 
 from pyengine.engine import prompt_cache
 from pyengine.server import guard
-from pyengine.server import protocol as P
+from pyengine.server import parsing as P
 from pyengine.server import responses as R
 from pyengine.server import serving as S
 from pyengine.server.engine_client import EngineClient, check_engine_client
@@ -32,7 +32,7 @@ from pyengine.server.engine_loop import EngineLoop
 from pyengine.server.guard import ServerLimits
 from pyengine.server.metrics import ServerMetrics, stats_line
 from pyengine.server.streaming import DisconnectWatcher, EventStreamResponse
-from pyengine.server.structured import GrammarCompiler
+from pyengine.server.constraints import GrammarCompiler
 
 log = logging.getLogger("pyengine.server")
 
@@ -91,7 +91,7 @@ class ServerState:
             return await self.parser.run(fn, body, self.request_limits)
         return await asyncio.to_thread(fn, body, self.tokenizer, self.request_limits)
 
-    # --- a graceful stop (runner.uvicorn_server's Drain) ---------------------------------------------
+    # --- a graceful stop (http_server.uvicorn_server's Drain) ---------------------------------------------
     def stop_admissions(self) -> None:
         self.stopping = True
 
@@ -158,7 +158,7 @@ def create_app(engine: EngineClient, *, model_id: str | None = None, aliases=(),
     e.g. the web demo) is mounted at / so the demo and the API share one process and port. `limits`: timeouts, queue
     bounds, Host/CORS policy (guard.ServerLimits); `api_key` covers every route but /health.
     `sampling_defaults`: for fields a request leaves out (default: the model GGUF's general.sampling.*).
-    `grammars`: the S15 grammar compiler (server/structured.GrammarCompiler: its budgets)."""
+    `grammars`: the S15 grammar compiler (server/constraints.GrammarCompiler: its budgets)."""
     from pyengine.sampling_params import model_sampling_defaults
 
     check_engine_client(engine)

@@ -16,7 +16,7 @@ which the page may read the answers. The defences, outermost first:
 The API handlers themselves require `Content-Type: application/json` on POST bodies (415), which turns
 the preflight-free text/plain POST into a request browsers must ask permission for. Connection-level
 limits (body and header timeouts, idle keep-alive, a connection cap) are `ServerLimits` (limits.py, free of
-starlette so the CLI can describe them without the extras), applied by `runner.uvicorn_server`.
+starlette so the CLI can describe them without the extras), applied by `http_server.uvicorn_server`.
 """
 from __future__ import annotations
 

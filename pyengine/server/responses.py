@@ -24,7 +24,7 @@ import json
 import uuid
 from collections.abc import AsyncIterator
 
-from pyengine.server import protocol as P
+from pyengine.server import parsing as P
 
 _PASS = ("temperature", "top_p", "parallel_tool_calls", "user", "seed", "top_k", "min_p", "stream",
          "repetition_penalty", "include_reasoning", "chat_template_kwargs")

@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from pyengine.server import protocol as P
+from pyengine.server import parsing as P
 from pyengine.server.engine_loop import Aborted, EngineFailure, EngineLoop, EngineUnavailable
 from pyengine.server.streaming import DONE, sse
 
@@ -267,7 +267,7 @@ async def stream(gen: Generation, tokenizer, model_id: str, created: int) -> Asy
     p = gen.parsed
     chat = p.kind == "chat"
     if chat and p.tool_plan is not None:     # S15: tool calls stream as delta.tool_calls
-        from pyengine.server.structured import stream_tool_calls
+        from pyengine.server.constraints import stream_tool_calls
         async for event in stream_tool_calls(gen, model_id, created):
             yield event
         return

@@ -51,7 +51,7 @@ _VLLM_ALIASES = {"guided_json": "json", "guided_regex": "regex", "guided_choice"
 
 
 def _bad(param: str, message: str):
-    from pyengine.server.protocol import bad_param
+    from pyengine.server.parsing import bad_param
     return bad_param(param, message)
 
 
@@ -421,7 +421,7 @@ def grammar_field(body: dict) -> str:
 # --- streaming -------------------------------------------------------------------------------------
 async def stream_tool_calls(gen, model_id: str, created: int):
     """SSE events of a chat request with a tool plan (see the module docstring)."""
-    from pyengine.server import protocol as P
+    from pyengine.server import parsing as P
     from pyengine.server.serving import _failure_error
     from pyengine.server.streaming import DONE, sse
 

@@ -191,7 +191,7 @@ class ParsedRequest:
     logprobs: int | None            # top-k alternatives per token (0: only the sampled token); None: off
     echo: bool = False
     user: str | None = None
-    tool_plan: object = None        # S15: how a reply to a request with tools is read (server/structured.py)
+    tool_plan: object = None        # S15: how a reply to a request with tools is read (server/constraints.py)
     reasoning: object = None        # a thinking model's ReasoningParser (server/reasoning.py), else None
     reasoning_open: bool = False    # the prompt leaves the model inside an open <think>
     include_reasoning: bool = True  # return the reasoning as reasoning_content (else drop it)
@@ -199,7 +199,7 @@ class ParsedRequest:
 
 def _common(body: dict, vocab_size: int, chat: bool = False) -> dict:
     """Sampling fields shared by both endpoints, validated with OpenAI's ranges and names."""
-    from pyengine.server.structured import parse_structured
+    from pyengine.server.constraints import parse_structured
     n = _int(body, "n", 1, MAX_N)
     best_of = _int(body, "best_of", 1, MAX_N)
     if best_of is not None and best_of != (n or 1):
@@ -425,7 +425,7 @@ def parse_chat(body: dict, tokenizer, limits: RequestPolicy | int) -> ParsedRequ
     """POST /v1/chat/completions body -> ParsedRequest (prompt rendered with the model's chat template).
     `limits`: a RequestPolicy, or just max_model_len."""
     limits = _limits(limits)
-    from pyengine.server.structured import prepare_chat
+    from pyengine.server.constraints import prepare_chat
     _check_model(body)
     messages = _messages(prepare_chat(body, None))
     common = _common(body, tokenizer.vocab_size, chat=True)

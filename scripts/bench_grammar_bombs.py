@@ -117,7 +117,7 @@ def main() -> None:
     model_id, aliases = served_names(path)
     kw = {}
     if "grammars" in inspect.signature(create_app).parameters:
-        from pyengine.server.constraints import GrammarCompiler
+        from pyengine.server.grammar_worker import GrammarCompiler
         kw["grammars"] = GrammarCompiler(mode=args.mode)
     with ServerThread(create_app(engine, model_id=model_id, aliases=aliases, **kw)) as srv:
         asyncio.run(window(srv.url, None, args.cap))       # warm up

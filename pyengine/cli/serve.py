@@ -168,7 +168,7 @@ def server_limits(args):
 
 
 def grammar_compiler(args):
-    from pyengine.server.constraints import GrammarCompiler
+    from pyengine.server.grammar_worker import GrammarCompiler
     return GrammarCompiler(max_compile_s=getattr(args, "max_grammar_compile_s", DEFAULT_COMPILE_S),
                            max_states=getattr(args, "max_grammar_states", DEFAULT_MAX_STATES))
 

@@ -28,6 +28,7 @@ import logging
 
 from starlette.responses import JSONResponse
 
+from pyengine.server.errors import error_body
 from pyengine.server.limits import ServerLimits, is_loopback  # noqa: F401 (ServerLimits: re-exported)
 
 log = logging.getLogger("pyengine.server")
@@ -87,8 +88,7 @@ def key_matches(authorization: str, api_key: str) -> bool:
 
 
 def error_json(status: int, message: str, type: str, code: str, headers: dict | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": type, "param": None, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(error_body(message, type, None, code), status_code=status, headers=headers)
 
 
 def _header(scope, name: bytes) -> str | None:

@@ -26,6 +26,8 @@ import hmac
 import ipaddress
 import logging
 
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse
 
 from pyengine.server.errors import error_body
@@ -159,9 +161,6 @@ class AuthGuard:
 
 def middleware(limits: ServerLimits, api_key: str | None) -> list:
     """The starlette middleware list (outermost first) for `create_app`."""
-    from starlette.middleware import Middleware
-    from starlette.middleware.cors import CORSMiddleware
-
     stack = [Middleware(ErrorGuard), Middleware(HostGuard, policy=HostPolicy(limits.bind_host, limits.allowed_hosts))]
     if limits.allowed_origins:
         stack.append(Middleware(CORSMiddleware, allow_origins=list(limits.allowed_origins),

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def client(model_path):
     from starlette.testclient import TestClient
 
-    from pyengine.web_server import create_app
+    from pyengine.server.web import create_app
     with TestClient(create_app(model=model_path)) as c:
         yield c
 
@@ -66,7 +66,7 @@ def test_model_range_requests(client, model_path):
 def test_no_model_and_traversal():
     from starlette.testclient import TestClient
 
-    from pyengine.web_server import create_app
+    from pyengine.server.web import create_app
     with TestClient(create_app(model=None)) as c:
         assert c.get("/model/default.gguf").status_code == 404
         cfg = c.get("/config.js").text
@@ -84,7 +84,7 @@ def test_mountable_under_a_prefix(model_path):
     from starlette.routing import Mount
     from starlette.testclient import TestClient
 
-    from pyengine.web_server import create_app
+    from pyengine.server.web import create_app
     outer = Starlette(routes=[Mount("/demo", app=create_app(model=model_path))])
     with TestClient(outer) as c:
         page = c.get("/demo/")

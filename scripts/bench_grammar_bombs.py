@@ -110,14 +110,14 @@ def main() -> None:
     from pyengine.engine.llm_engine import LLMEngine
     from pyengine.model_files import default_model_path
     from pyengine.server.app import create_app, served_names
-    from pyengine.server.runner import ServerThread
+    from pyengine.server.http_server import ServerThread
 
     path = default_model_path()
     engine = LLMEngine(path, max_model_len=512, max_num_seqs=8)
     model_id, aliases = served_names(path)
     kw = {}
     if "grammars" in inspect.signature(create_app).parameters:
-        from pyengine.server.structured import GrammarCompiler
+        from pyengine.server.grammar_worker import GrammarCompiler
         kw["grammars"] = GrammarCompiler(mode=args.mode)
     with ServerThread(create_app(engine, model_id=model_id, aliases=aliases, **kw)) as srv:
         asyncio.run(window(srv.url, None, args.cap))       # warm up

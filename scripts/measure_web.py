@@ -84,7 +84,7 @@ def make_baseline(where: Path, commit: str) -> None:
 
 def start_server(web_root: Path, ts_dist: Path, model: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    code = ("import sys, uvicorn; from pyengine.web_server import create_app; "
+    code = ("import sys, uvicorn; from pyengine.server.web import create_app; "
             "uvicorn.run(create_app(model=sys.argv[1], web_root=sys.argv[2], ts_dist=sys.argv[3]), "
             "host='127.0.0.1', port=int(sys.argv[4]), log_level='warning')")
     proc = subprocess.Popen([sys.executable, "-c", code, model, str(web_root), str(ts_dist), str(port)], cwd=ROOT,

@@ -135,9 +135,9 @@ MUTATIONS = [
      "np.right_shift(qs, 4, out=q[:, 1], casting=\"unsafe\")", "np.right_shift(qs, 3, out=q[:, 1], casting=\"unsafe\")",
      ["tests/test_quants_formats.py"]),
     # --- server (OpenAI logprobs)
-    ("server-top-logprobs-carry-the-sampled-value", "pyengine/server/protocol.py",
-     "alts.setdefault(_token_text(tokenizer, aid)[0], _safe_lp(alp))",
-     "alts.setdefault(_token_text(tokenizer, aid)[0], _safe_lp(lp))",
+    ("server-top-logprobs-carry-the-sampled-value", "pyengine/server/shaping.py",
+     "alts.setdefault(token_text(tokenizer, aid)[0], _safe_lp(alp))",
+     "alts.setdefault(token_text(tokenizer, aid)[0], _safe_lp(lp))",
      ["tests/test_server_openai.py::test_completion_logprobs_match_transformers"]),
     # --- sampling params
     ("sampling-params-top-p-zero-accepted", "pyengine/sampling_params.py",

@@ -29,7 +29,7 @@ from pyengine.cli import main
 from pyengine.sampling_params import SamplingParams, model_sampling_defaults
 from pyengine.server.app import create_app
 from pyengine.server.guard import ServerLimits
-from pyengine.server.runner import ServerThread
+from pyengine.server.http_server import ServerThread
 from pyengine.tokenizer.tokenizer import Tokenizer
 from test_server_errors import ERROR_SCHEMA, FakeEngine, check_error
 
@@ -425,7 +425,7 @@ def test_forged_turn_through_the_server(smol_tokenizer):
 
 # --- 6. static files never follow symlinks out of their roots ---------------------------------------------
 def test_vendor_does_not_follow_symlinks(tmp_path):
-    from pyengine.web_server import create_app as web_app
+    from pyengine.server.web import create_app as web_app
     web = tmp_path / "web"
     (web / "vendor").mkdir(parents=True)
     (web / "index.html").write_text("<html></html>")

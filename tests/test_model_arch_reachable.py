@@ -71,7 +71,7 @@ def test_server_completion_on_a_new_architecture(paths):
 
     from pyengine.engine.llm_engine import LLMEngine
     from pyengine.server.app import create_app, served_names
-    from pyengine.server.runner import ServerThread
+    from pyengine.server.http_server import ServerThread
     golden = golden_of("phi3")
     case = clear_case(golden)
     engine = LLMEngine(paths["phi3"], max_model_len=128, max_num_seqs=4)

@@ -108,7 +108,7 @@ def test_server_save_restore_erase(models, tmp_path):
     import httpx
 
     from pyengine.server.app import create_app
-    from pyengine.server.runner import ServerThread
+    from pyengine.server.http_server import ServerThread
 
     def completion(c, ids):
         r = c.post("/v1/completions", json={"model": "m", "prompt": ids, "max_tokens": 4, "temperature": 0})

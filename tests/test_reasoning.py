@@ -58,7 +58,7 @@ def serve(tokenizer, template: str, text: str):
 
     from pyengine.engine.llm_engine import LLMEngine
     from pyengine.server.app import create_app
-    from pyengine.server.runner import ServerThread
+    from pyengine.server.http_server import ServerThread
     tok = copy.copy(tokenizer)
     tok.chat_template = template
     runner = FakeRunner(num_blocks=256, block_size=16, logits_fn=scripted(tok, text), tokenizer=tok)

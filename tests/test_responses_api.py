@@ -19,7 +19,7 @@ def server():
     from pyengine.engine.llm_engine import LLMEngine
     from pyengine.model_files import default_model_path
     from pyengine.server.app import create_app
-    from pyengine.server.runner import ServerThread
+    from pyengine.server.http_server import ServerThread
     engine = LLMEngine(default_model_path(), max_model_len=1024, max_num_seqs=4)
     with ServerThread(create_app(engine, model_id="smol")) as srv:
         yield srv

@@ -18,7 +18,7 @@ import pytest
 
 from pyengine.model_files import default_model_path
 from pyengine.server.app import create_app
-from pyengine.server.runner import ServerThread
+from pyengine.server.http_server import ServerThread
 
 N_STREAMS = 200
 CONCURRENCY = 32

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pyengine import web_server
+from pyengine.server import web as web_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 from e2e_support import free_port, stop_process, wait_http  # noqa: E402

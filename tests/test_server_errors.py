@@ -16,7 +16,7 @@ import pytest
 
 from pyengine.engine.outputs import CompletionOutput, RequestOutput
 from pyengine.server.app import create_app
-from pyengine.server.runner import ServerThread
+from pyengine.server.http_server import ServerThread
 
 ERROR_SCHEMA = {
     "type": "object", "required": ["error"], "additionalProperties": False,

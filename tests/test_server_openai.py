@@ -23,10 +23,10 @@ import numpy as np
 import openai
 import pytest
 
-from pyengine import web_server
+from pyengine.server import web as web_server
 from pyengine.model_files import default_model_path
 from pyengine.server.app import create_app, served_names
-from pyengine.server.runner import ServerThread
+from pyengine.server.http_server import ServerThread
 
 GOLDEN = json.loads((pathlib.Path(__file__).parent / "golden" / "generation_smollm2.json").read_text())
 MAX_MODEL_LEN = 1024

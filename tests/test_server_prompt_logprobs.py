@@ -15,7 +15,7 @@ import pytest
 
 from pyengine.model_files import default_model_path
 from pyengine.server.app import create_app, served_names
-from pyengine.server.runner import ServerThread
+from pyengine.server.http_server import ServerThread
 
 GOLDEN = json.loads((pathlib.Path(__file__).parent / "golden" / "prompt_outputs_smollm2.json").read_text())
 CASES = [c for c in GOLDEN["cases"] if len(c["prompt_ids"]) <= 40]

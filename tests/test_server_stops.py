@@ -19,7 +19,7 @@ import pytest
 
 from pyengine.server.app import create_app
 from pyengine.server.limits import ServerLimits
-from pyengine.server.runner import ServerThread, client_key
+from pyengine.server.http_server import ServerThread, client_key
 from test_mpi_serve import ranks_of, tagged
 from test_server_errors import FakeEngine
 

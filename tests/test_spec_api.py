@@ -62,7 +62,7 @@ def test_server_reports_spec_metrics_and_honours_the_opt_out():
     from pyengine.engine.llm_engine import LLMEngine
     from pyengine.model_files import default_model_path
     from pyengine.server.app import create_app
-    from pyengine.server.runner import ServerThread
+    from pyengine.server.http_server import ServerThread
 
     engine = LLMEngine(default_model_path(), max_model_len=512, max_num_seqs=4, speculative_config=NGRAM)
     with ServerThread(create_app(engine, model_id="m")) as srv:

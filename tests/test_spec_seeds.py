@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from pyengine.server.runner import ServerThread
+from pyengine.server.http_server import ServerThread
 from pyengine.sampling_params import SamplingParams
 from test_server_openai import reference_choices
 

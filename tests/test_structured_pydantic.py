@@ -12,7 +12,7 @@ import jsonschema
 import numpy as np
 import pytest
 
-from pyengine.server.structured import parse_structured
+from pyengine.server.constraints import parse_structured
 from pyengine.structured import GrammarError, compile_grammar
 from pyengine.structured.automaton import compile_rules
 from pyengine.structured.budget import Budget, GrammarTooLarge, compile_budget
@@ -96,7 +96,7 @@ def test_pydantic_models_through_the_server_with_the_openai_client():
     from pyengine.engine.llm_engine import LLMEngine
     from pyengine.model_files import default_model_path
     from pyengine.server.app import create_app, served_names
-    from pyengine.server.runner import ServerThread
+    from pyengine.server.http_server import ServerThread
     picked = {n: m for n, m, _ in corpus() if n in ("Settings", "Versioned")}
     path = default_model_path()
     engine = LLMEngine(path, max_model_len=512, max_num_seqs=4)

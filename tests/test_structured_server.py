@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field
 
 from pyengine.model_files import default_model_path
 from pyengine.server.app import create_app, served_names
-from pyengine.server.runner import ServerThread
+from pyengine.server.http_server import ServerThread
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",

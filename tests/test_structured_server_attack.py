@@ -1,4 +1,4 @@
-"""Issue 27 (S15) on the wire: grammars compile off the serving loop (server/structured.GrammarCompiler), so
+"""Issue 27 (S15) on the wire: grammars compile off the serving loop (server/grammar_worker.GrammarCompiler), so
 bombs are refused with a 400 naming the limit while running streams keep their cadence and /health stays
 quick; every body of the issue that answered 500 now answers 400 naming its field; the ambiguous GBNF
 beside three streams leaves them to finish normally; and a hypothesis fuzz over schemas, regexes, GBNF
@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from pyengine.model_files import default_model_path
 from pyengine.server.app import create_app, served_names
-from pyengine.server.runner import ServerThread
-from pyengine.server.structured import GrammarCompiler
+from pyengine.server.http_server import ServerThread
+from pyengine.server.grammar_worker import GrammarCompiler
 
 AMBIGUOUS = 'root ::= e\ne ::= " " e "x" | " " g "y" | "b"\ng ::= " " e "z" | " " g "w" | "b"'
 ASK = [{"role": "user", "content": "Say something."}]

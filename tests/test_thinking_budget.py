@@ -107,7 +107,7 @@ def test_budget_holds_under_speculation(tokenizer):
 
 def test_budget_through_the_openai_client(tokenizer):
     from pyengine.server.app import create_app
-    from pyengine.server.runner import ServerThread
+    from pyengine.server.http_server import ServerThread
     for template, opens in ((QWEN3_STYLE, False), (R1_STYLE, True)):
         eng, think, answer, tok = engine(tokenizer, template, opens)
         with ServerThread(create_app(eng, model_id="qwen3-style")) as srv:
@@ -144,7 +144,7 @@ def test_budget_through_the_openai_client(tokenizer):
 
 def test_fields_reach_the_engine_through_the_openai_client(tokenizer):
     from pyengine.server.app import create_app
-    from pyengine.server.runner import ServerThread
+    from pyengine.server.http_server import ServerThread
     eng, think, answer, tok = engine(tokenizer, QWEN3_STYLE)
     seen = []
     add = eng.add_request
@@ -188,7 +188,7 @@ def test_fields_reach_the_engine_through_the_openai_client(tokenizer):
 
 def test_a_model_without_thinking_refuses_the_budget(tokenizer):
     from pyengine.server.app import create_app
-    from pyengine.server.runner import ServerThread
+    from pyengine.server.http_server import ServerThread
     eng, *_ = engine(tokenizer, "{% for m in messages %}{{ m.content }}{% endfor %}")
     with ServerThread(create_app(eng, model_id="plain")) as srv:
         resp = httpx.post(srv.url + "/v1/chat/completions", json={"model": "plain", "messages": HI, "max_tokens": 4,

@@ -233,7 +233,7 @@ class InProcess:
     def serve(self, prefix_cache: bool, chunked: bool):
         from pyengine.engine.llm_engine import LLMEngine
         from pyengine.server.app import create_app
-        from pyengine.server.runner import ServerThread
+        from pyengine.server.http_server import ServerThread
 
         engine = LLMEngine(runner=self.runner, tokenizer=self.tokenizer, enable_prefix_caching=prefix_cache,
                            enable_chunked_prefill=chunked, max_waiting=None)

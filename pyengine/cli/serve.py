@@ -24,7 +24,7 @@ from pyengine.engine.args import EngineArgs
 from pyengine.structured.budget import DEFAULT_COMPILE_S, DEFAULT_MAX_STATES
 
 # The web demo's dev-server app factory (the demo owns that module): create_app(model=path, pyodide=None).
-DEMO_MODULE = "pyengine.web_server"
+DEMO_MODULE = "pyengine.server.web"
 SERVER_MODULES = ("uvicorn", "starlette", "prometheus_client")
 
 
@@ -168,7 +168,7 @@ def server_limits(args):
 
 
 def grammar_compiler(args):
-    from pyengine.server.structured import GrammarCompiler
+    from pyengine.server.grammar_worker import GrammarCompiler
     return GrammarCompiler(max_compile_s=getattr(args, "max_grammar_compile_s", DEFAULT_COMPILE_S),
                            max_states=getattr(args, "max_grammar_states", DEFAULT_MAX_STATES))
 
@@ -192,7 +192,7 @@ def make_app(args):
 def run(args) -> int:
     if not require_server_extras("serve"):
         return 1
-    from pyengine.server.runner import bind_socket, uvicorn_server
+    from pyengine.server.http_server import bind_socket, uvicorn_server
 
     from pyengine.server.metrics import kv_capacity
     warn_if_exposed("serve", args.host, args.api_key)

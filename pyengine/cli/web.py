@@ -24,8 +24,8 @@ def run(args) -> int:
     if not require_server_extras("web"):
         return 1
     from pyengine.model_files import default_model_path, resolve_model
-    from pyengine.server.runner import bind_socket, uvicorn_server
-    from pyengine.web_server import WEB_ROOT, create_app
+    from pyengine.server.http_server import bind_socket, uvicorn_server
+    from pyengine.server.web import WEB_ROOT, create_app
 
     warn_if_exposed("web", args.host, None, what="(the demo has no key; `serve --with-demo --api-key` has)")
     sock = bind_socket(args.host, args.port)

@@ -96,7 +96,7 @@ def run(args) -> int:
         n = 1 + sum(len(i.ranks) for i in insts)
         if not launched_under_mpi():                  # one host: this command line as n ranks
             from pyengine.parallel.launch import check_split, relaunch
-            from pyengine.server.runner import bind_socket
+            from pyengine.server.http_server import bind_socket
             for t_ in sorted(set(tp)):
                 check_split(args.model, t_, 1)
             bind_socket(args.host, args.port).close()     # a taken port fails before any rank starts
@@ -160,7 +160,7 @@ def serve_router(args, t, pre: list[int], dec: list[int]) -> int:
     from pyengine.server.app import create_app, served_names
     from pyengine.server.guard import limits_from_args
     from pyengine.server.metrics import kv_capacity
-    from pyengine.server.runner import bind_socket, uvicorn_server
+    from pyengine.server.http_server import bind_socket, uvicorn_server
     from pyengine.tokenizer import Tokenizer
 
     sock = bind_socket(args.host, args.port)

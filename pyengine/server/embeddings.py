@@ -23,7 +23,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from pyengine.engine.pooling import POOLING_TYPES, PoolingParams
-from pyengine.server import protocol as P
+from pyengine.server import parsing as P
+from pyengine.server import serving as S
+from pyengine.server.engine_loop import Aborted, EngineFailure
+from pyengine.server.errors import APIError, bad_param, engine_failed
 
 MAX_INPUTS = 256
 
@@ -42,42 +45,42 @@ def parse_embeddings(body: dict, tokenizer, limits) -> EmbeddingRequest:
     vocab = tokenizer.vocab_size
     inp = body.get("input")
     if inp is None:
-        raise P.APIError(400, "input is required", param="input", code="missing_required_parameter")
+        raise APIError(400, "input is required", param="input", code="missing_required_parameter")
     if isinstance(inp, str):
         inp = [inp]
     if not isinstance(inp, list) or not inp:
-        raise P.bad_param("input", "input must be a string, a list of strings, a list of token ids or a list of "
+        raise bad_param("input", "input must be a string, a list of strings, a list of token ids or a list of "
                                    "token id lists, and not empty")
     if all(isinstance(t, int) and not isinstance(t, bool) for t in inp):
         inp = [inp]
     if len(inp) > MAX_INPUTS:
-        raise P.bad_param("input", f"input has {len(inp)} items; at most {MAX_INPUTS} per request")
+        raise bad_param("input", f"input has {len(inp)} items; at most {MAX_INPUTS} per request")
     prompts = []
     for i, item in enumerate(inp):
         if isinstance(item, str):
             if not item:
-                raise P.bad_param("input", f"input[{i}] is an empty string")
+                raise bad_param("input", f"input[{i}] is an empty string")
             ids = P.encode_prompt(tokenizer, item, limits.max_model_len, "input", add_special_tokens=True,
                                   parse_special=False)
             if not ids:
-                raise P.bad_param("input", f"input[{i}] encodes to no tokens")
+                raise bad_param("input", f"input[{i}] encodes to no tokens")
         elif isinstance(item, list) and item:
             ids = P._check_ids(item, vocab, f"input[{i}]", param="input")
         else:
-            raise P.bad_param("input", f"input[{i}] must be a non-empty string or a non-empty list of token ids")
+            raise bad_param("input", f"input[{i}] must be a non-empty string or a non-empty list of token ids")
         if len(ids) >= limits.max_model_len:
             raise P._too_long(limits.max_model_len, f"input[{i}] has {len(ids)} tokens", "input")
         prompts.append(ids)
     fmt = body.get("encoding_format", "float")
     if fmt not in ("float", "base64"):
-        raise P.bad_param("encoding_format", f"encoding_format must be 'float' or 'base64', got {fmt!r}")
+        raise bad_param("encoding_format", f"encoding_format must be 'float' or 'base64', got {fmt!r}")
     dims = P._int(body, "dimensions", 1)
     pooling = body.get("pooling", "last")
     if pooling not in POOLING_TYPES:
-        raise P.bad_param("pooling", f"pooling must be one of {', '.join(POOLING_TYPES)}, got {pooling!r}")
+        raise bad_param("pooling", f"pooling must be one of {', '.join(POOLING_TYPES)}, got {pooling!r}")
     user = body.get("user")
     if user is not None and not isinstance(user, str):
-        raise P.bad_param("user", "user must be a string")
+        raise bad_param("user", "user must be a string")
     params = PoolingParams(pooling=pooling, normalize=P._bool(body, "normalize", True), dimensions=dims)
     return EmbeddingRequest(prompts, params, fmt, user)
 
@@ -90,9 +93,6 @@ def encode_vector(v: np.ndarray, fmt: str):
 
 async def run(state, req: EmbeddingRequest, api_id: str) -> dict:
     """Add every input to the engine (all or none), wait for their pooled states, answer in OpenAI's shape."""
-    from pyengine.server import serving as S
-    from pyengine.server.engine_loop import Aborted, EngineFailure
-
     queue: asyncio.Queue = asyncio.Queue()
     rids = [f"{api_id}-{i}" for i in range(len(req.prompts))]
     pending: set[str] = set()
@@ -105,7 +105,7 @@ async def run(state, req: EmbeddingRequest, api_id: str) -> dict:
         for rid in pending:
             state.loop.abort(rid)
             state.admission.release(rid)
-        if isinstance(exc, P.APIError):
+        if isinstance(exc, APIError):
             raise
         err = S.engine_error(exc)
         if "dimensions" in str(exc):
@@ -120,9 +120,9 @@ async def run(state, req: EmbeddingRequest, api_id: str) -> dict:
                 continue
             state.admission.release(rid)
             if isinstance(item, EngineFailure):
-                raise S.engine_error(item.exc) if S.is_unavailable(item.exc) else S.engine_failed()
+                raise S.engine_error(item.exc) if S.is_unavailable(item.exc) else engine_failed()
             if isinstance(item, Aborted):
-                raise P.APIError(503, f"request aborted: {item.reason}", type="server_error", code="aborted")
+                raise APIError(503, f"request aborted: {item.reason}", type="server_error", code="aborted")
             if item.finished:
                 pending.discard(rid)
                 vectors[rid] = item.pooled

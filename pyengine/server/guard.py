@@ -16,7 +16,7 @@ which the page may read the answers. The defences, outermost first:
 The API handlers themselves require `Content-Type: application/json` on POST bodies (415), which turns
 the preflight-free text/plain POST into a request browsers must ask permission for. Connection-level
 limits (body and header timeouts, idle keep-alive, a connection cap) are `ServerLimits` (limits.py, free of
-starlette so the CLI can describe them without the extras), applied by `runner.uvicorn_server`.
+starlette so the CLI can describe them without the extras), applied by `http_server.uvicorn_server`.
 """
 from __future__ import annotations
 
@@ -26,8 +26,11 @@ import hmac
 import ipaddress
 import logging
 
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse
 
+from pyengine.server.errors import error_body
 from pyengine.server.limits import ServerLimits, is_loopback  # noqa: F401 (ServerLimits: re-exported)
 
 log = logging.getLogger("pyengine.server")
@@ -87,8 +90,7 @@ def key_matches(authorization: str, api_key: str) -> bool:
 
 
 def error_json(status: int, message: str, type: str, code: str, headers: dict | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": type, "param": None, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(error_body(message, type, None, code), status_code=status, headers=headers)
 
 
 def _header(scope, name: bytes) -> str | None:
@@ -159,9 +161,6 @@ class AuthGuard:
 
 def middleware(limits: ServerLimits, api_key: str | None) -> list:
     """The starlette middleware list (outermost first) for `create_app`."""
-    from starlette.middleware import Middleware
-    from starlette.middleware.cors import CORSMiddleware
-
     stack = [Middleware(ErrorGuard), Middleware(HostGuard, policy=HostPolicy(limits.bind_host, limits.allowed_hosts))]
     if limits.allowed_origins:
         stack.append(Middleware(CORSMiddleware, allow_origins=list(limits.allowed_origins),

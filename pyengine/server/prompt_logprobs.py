@@ -15,21 +15,8 @@ A request that asks for them bypasses the prefix cache (a cached block has no lo
 """
 from __future__ import annotations
 
-from pyengine.server import protocol as P
-
-
-def parse(body: dict, common: dict, echo: bool, logprobs: int | None) -> int | None:
-    """Set the engine's prompt_logprobs in ``common["kw"]`` from a request body; returns the vLLM
-    ``prompt_logprobs`` the client asked for (None: not asked). APIError for bad values."""
-    asked = P._int(body, "prompt_logprobs", 0, P.MAX_TOP_LOGPROBS)
-    if asked is not None and common["stream"]:
-        raise P.bad_param("prompt_logprobs", "prompt_logprobs is not available with stream: true")
-    kw = common["kw"]
-    want = [k for k in (asked, logprobs if echo else None) if k is not None]
-    if echo and kw.get("max_tokens") == 0 and not want:
-        want = [0]                        # scoring the prompt: the engine still runs it for its logprobs
-    kw["prompt_logprobs"] = max(want) if want else None
-    return asked
+from pyengine.server.parsing import token_text
+from pyengine.server.shaping import _safe_lp, completion_logprobs
 
 
 def _entry_dict(entry) -> dict:
@@ -38,8 +25,8 @@ def _entry_dict(entry) -> dict:
 
 def echo_logprobs(tokenizer, prompt_ids: list[int], entries: list | None, k: int) -> dict:
     """The legacy logprobs object of the echoed prompt (first token null), offsets from 0."""
-    first, _ = P._token_text(tokenizer, prompt_ids[0])
-    rest = P.completion_logprobs(tokenizer, prompt_ids[1:], [_entry_dict(e) for e in (entries or [None])[1:]], k,
+    first, _ = token_text(tokenizer, prompt_ids[0])
+    rest = completion_logprobs(tokenizer, prompt_ids[1:], [_entry_dict(e) for e in (entries or [None])[1:]], k,
                                  len(first))
     return {"tokens": [first] + rest["tokens"], "token_logprobs": [None] + rest["token_logprobs"],
             "top_logprobs": [None] + rest["top_logprobs"], "text_offset": [0] + rest["text_offset"]}
@@ -57,8 +44,8 @@ def vllm_prompt_logprobs(tokenizer, entries: list | None) -> list | None:
     if entries is None:
         return None
     return [None if e is None else
-            {str(tid): {"logprob": P._safe_lp(lp.logprob), "rank": lp.rank,
-                        "decoded_token": P._token_text(tokenizer, tid)[0]} for tid, lp in e.items()}
+            {str(tid): {"logprob": _safe_lp(lp.logprob), "rank": lp.rank,
+                        "decoded_token": token_text(tokenizer, tid)[0]} for tid, lp in e.items()}
             for e in entries]
 
 

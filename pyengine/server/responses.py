@@ -17,6 +17,9 @@ response.content_part.done, response.output_item.done, response.completed.
 
 Nothing is stored: `previous_response_id` and `background` are refused with a 400 that says to send the
 conversation in `input`; `store` is accepted and has no effect (there is no GET /v1/responses/{id}).
+
+Serving layer of the server (errors -> request parsing -> response shaping -> serving -> app), after serving.py:
+it imports errors, reasoning and serving, never app.
 """
 from __future__ import annotations
 
@@ -24,7 +27,9 @@ import json
 import uuid
 from collections.abc import AsyncIterator
 
-from pyengine.server import protocol as P
+from pyengine.server.errors import APIError, bad_param
+from pyengine.server.reasoning import ThinkSplitter
+from pyengine.server.serving import failure_error
 
 _PASS = ("temperature", "top_p", "parallel_tool_calls", "user", "seed", "top_k", "min_p", "stream",
          "repetition_penalty", "include_reasoning", "chat_template_kwargs", "min_tokens", "bad_words",
@@ -37,8 +42,8 @@ _IGNORED = ("store", "metadata", "include", "truncation", "service_tier", "promp
 PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
 
 
-def _bad(param: str, message: str) -> P.APIError:
-    return P.bad_param(param, message)
+def _bad(param: str, message: str) -> APIError:
+    return bad_param(param, message)
 
 
 def _text_of(content, where: str) -> str:
@@ -233,11 +238,10 @@ def _message(text: str, status: str, mid: str | None = None) -> dict:
 
 
 async def collect(gen, model_id: str, created: int, body: dict) -> dict:
-    from pyengine.server.serving import _failure_error
     ids: list[int] = []
     async for u in gen.updates():
         ids += u.token_ids
-    err = _failure_error(gen)
+    err = failure_error(gen)
     if err is not None:
         raise err
     items, incomplete = _items(gen.parsed, gen.texts[0], gen.finish[0])
@@ -255,8 +259,6 @@ def _event(seq: list[int], kind: str, **fields) -> bytes:
 async def stream(gen, model_id: str, created: int, body: dict) -> AsyncIterator[bytes]:
     """Responses SSE events. Text streams as it is decided; a thinking model's reasoning item is sent whole when
     its answer starts; with tools the items are sent when the choice finishes (a reply is a call only once whole)."""
-    from pyengine.server.reasoning import ThinkSplitter
-    from pyengine.server.serving import _failure_error
     p = gen.parsed
     seq = [-1]
     shape = _Shape("resp_" + gen.api_id.split("-", 1)[-1], created, model_id, body)
@@ -297,7 +299,7 @@ async def stream(gen, model_id: str, created: int, body: dict) -> AsyncIterator[
                          content_index=0, part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
         yield _event(seq, "response.output_text.delta", item_id=message["id"], output_index=len(placed) - 1,
                      content_index=0, delta=delta, logprobs=[])
-    err = _failure_error(gen)
+    err = failure_error(gen)
     if err is not None:
         yield _event(seq, "error", code=err.code or "server_error", message=err.message, param=None)
         return

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 
 class FieldError(ValueError):
-    """A bad value of one field (protocol.py turns it into OpenAI's 400 with ``param``)."""
+    """A bad value of one field (parsing.py turns it into OpenAI's 400 with ``param``)."""
 
     def __init__(self, param: str, message: str):
         super().__init__(message)

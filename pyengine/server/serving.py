@@ -1,4 +1,7 @@
-"""S19 One API request as engine requests: choices, per-token updates, OpenAI bodies.
+"""S19 Serving: one API request as engine requests: choices, per-token updates, OpenAI bodies and streams.
+
+Layer 4 of the server (errors -> request parsing -> response shaping -> serving -> app): it imports errors,
+parsing (`ParsedRequest`), shaping, streaming (SSE framing) and engine_loop, never app.
 
 A request with P prompts (completions may send several) becomes P engine requests `<api id>-<p>`, each
 with the client's n (the engine runs n sequences sharing the prompt's KV blocks). Choice numbers follow
@@ -14,12 +17,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from pyengine.server import prompt_logprobs as PL
-from pyengine.server import protocol as P
+from pyengine.server import shaping as fmt
+from pyengine.server.constraints import ToolPlan
 from pyengine.server.engine_loop import Aborted, EngineFailure, EngineLoop, EngineUnavailable
+from pyengine.server.errors import (APIError, aborted, engine_failed, engine_unavailable, overloaded,
+                                    param_named_in)
+from pyengine.server.parsing import ParsedRequest
+from pyengine.server.reasoning import ThinkSplitter
 from pyengine.server.sampling_fields import FIELDS as TOKEN_FIELDS
 from pyengine.server.streaming import DONE, sse
 
@@ -32,35 +41,20 @@ def is_overloaded(exc: BaseException) -> bool:
     return any(c.__name__ == "EngineOverloaded" for c in type(exc).__mro__)
 
 
-def overloaded(why: str) -> P.APIError:
-    return P.APIError(429, f"The server is overloaded: {why}. Retry later.", type="rate_limit_exceeded",
-                      code="engine_overloaded", headers={"retry-after": "1"})
-
-
-def engine_failed() -> P.APIError:
-    # The exception is in the server's log; its text may hold internals, so the client gets none of it.
-    return P.APIError(500, "The engine failed while running this request; the server's log has the details.",
-                      type="server_error", code="engine_error", headers={"connection": "close"})
-
-
 def is_unavailable(exc: BaseException) -> bool:
     """S17: the engine lost a parallel rank (its ParallelError, recognised by name, or EngineUnavailable)."""
     return isinstance(exc, EngineUnavailable) or any(c.__name__ == "ParallelError" for c in type(exc).__mro__)
 
 
-def unavailable_error(exc: BaseException) -> P.APIError:
-    return P.APIError(503, f"engine unavailable: {exc}", type="server_error", code="engine_unavailable")
-
-
-def engine_error(exc: Exception) -> P.APIError:
+def engine_error(exc: Exception) -> APIError:
     if is_unavailable(exc):
-        return unavailable_error(exc)
+        return engine_unavailable(exc)
     if is_overloaded(exc):
         return overloaded(str(exc))
     if isinstance(exc, ValueError):
-        return P.APIError(400, str(exc), param=P.param_named_in(str(exc), ("prompt", "max_tokens", "logit_bias",
-                                                                            "stop_token_ids", "logprobs")
-                                                                + TOKEN_FIELDS))
+        return APIError(400, str(exc), param=param_named_in(str(exc), ("prompt", "max_tokens", "logit_bias",
+                                                                        "stop_token_ids", "logprobs")
+                                                            + TOKEN_FIELDS))
     log.error("engine refused a request: %r", exc)
     return engine_failed()
 
@@ -100,7 +94,7 @@ class Update:
 
 
 class Generation:
-    def __init__(self, loop: EngineLoop, metrics, parsed: P.ParsedRequest, api_id: str, arrival: float,
+    def __init__(self, loop: EngineLoop, metrics, parsed: ParsedRequest, api_id: str, arrival: float,
                  admission: Admission | None = None):
         self.loop, self.metrics, self.parsed, self.api_id, self.arrival = loop, metrics, parsed, api_id, arrival
         self.admission = admission or Admission(1 << 62, 1 << 62)
@@ -143,7 +137,7 @@ class Generation:
         except Exception as exc:
             self.abort()
             self.closed = True
-            raise exc if isinstance(exc, P.APIError) else engine_error(exc) from exc
+            raise exc if isinstance(exc, APIError) else engine_error(exc) from exc
 
     def abort(self) -> None:
         for rid in list(self.pending):
@@ -218,17 +212,17 @@ class Generation:
         m.observe_finished(time.perf_counter() - self.arrival if normal else None, self.prompt_tokens,
                            self.completion_tokens, [reason or "abort" for reason in self.finish])
         if self.failure is not None:     # the status the client saw (503 for a lost MPI rank, else 500)
-            m.errors.labels(status=str(_failure_error(self).status)).inc()
+            m.errors.labels(status=str(failure_error(self).status)).inc()
 
 
-def _failure_error(gen: Generation) -> P.APIError | None:
+def failure_error(gen: Generation) -> APIError | None:
     """Why a generation ended without finishing, as an API error (None if it finished)."""
     if gen.failure is not None and is_unavailable(gen.failure):
-        return unavailable_error(gen.failure)
+        return engine_unavailable(gen.failure)
     if gen.failure is not None:
         return engine_failed()
     if gen.abort_reason is not None:
-        return P.APIError(503, f"request aborted: {gen.abort_reason}", type="server_error", code="aborted")
+        return aborted(gen.abort_reason)
     return None
 
 
@@ -241,32 +235,32 @@ async def collect(gen: Generation, tokenizer, model_id: str, created: int) -> di
         ids[u.choice] += u.token_ids
         if u.logprobs:
             lps[u.choice] += u.logprobs
-    err = _failure_error(gen)
+    err = failure_error(gen)
     if err is not None:
         raise err
-    use = P.usage(gen.prompt_tokens, gen.completion_tokens)
+    use = fmt.usage(gen.prompt_tokens, gen.completion_tokens)
     choices = []
     for c in range(gen.n_choices):
-        reason = P.openai_finish_reason(gen.finish[c])
+        reason = fmt.openai_finish_reason(gen.finish[c])
         if p.kind == "chat":
-            lp = P.chat_logprobs(tokenizer, ids[c], lps[c], p.logprobs) if p.logprobs is not None else None
+            lp = fmt.chat_logprobs(tokenizer, ids[c], lps[c], p.logprobs) if p.logprobs is not None else None
             reasoning, text = None, gen.texts[c]
             if p.reasoning is not None:     # a thinking model: its <think> part is not the answer
                 reasoning, text = p.reasoning.split(text, p.reasoning_open)
-            choices.append(P.chat_choice(c, text, reason, lp))
+            choices.append(fmt.chat_choice(c, text, reason, lp))
             if p.tool_plan is not None:     # S15: a reply that is a call becomes tool_calls
-                choices[-1]["message"], choices[-1]["finish_reason"] = p.tool_plan.message(text, reason)
+                choices[-1]["message"], choices[-1]["finish_reason"] = fmt.tool_message(p.tool_plan, text, reason)
             if reasoning is not None and p.include_reasoning:
                 choices[-1]["message"]["reasoning_content"] = reasoning
         else:
             prefix = p.prompt_texts[c // p.n] if p.echo else ""
-            lp = (P.completion_logprobs(tokenizer, ids[c], lps[c], p.logprobs, len(prefix))
+            lp = (fmt.completion_logprobs(tokenizer, ids[c], lps[c], p.logprobs, len(prefix))
                   if p.logprobs is not None else None)
             if p.echo and lp is not None:      # the prompt's logprobs first (S19)
                 lp = PL.joined(PL.echo_logprobs(tokenizer, p.prompts[c // p.n], gen.prompt_logprobs.get(c // p.n),
                                                 p.logprobs), lp)
-            choices.append(P.completion_choice(c, prefix + gen.texts[c], reason, lp))
-    build = P.chat_response if p.kind == "chat" else P.completion_response
+            choices.append(fmt.completion_choice(c, prefix + gen.texts[c], reason, lp))
+    build = fmt.chat_response if p.kind == "chat" else fmt.completion_response
     return PL.decorate(build(gen.api_id, created, model_id, choices, use), p, gen.prompt_logprobs, tokenizer)
 
 
@@ -277,11 +271,10 @@ async def stream(gen: Generation, tokenizer, model_id: str, created: int) -> Asy
     p = gen.parsed
     chat = p.kind == "chat"
     if chat and p.tool_plan is not None:     # S15: tool calls stream as delta.tool_calls
-        from pyengine.server.structured import stream_tool_calls
         async for event in stream_tool_calls(gen, model_id, created):
             yield event
         return
-    chunk = P.chat_chunk if chat else P.completion_chunk
+    chunk = fmt.chat_chunk if chat else fmt.completion_chunk
     offsets = [0] * gen.n_choices
 
     def event(choices: list[dict]) -> bytes:
@@ -290,27 +283,26 @@ async def stream(gen: Generation, tokenizer, model_id: str, created: int) -> Asy
     splitters = None
     if chat:
         for c in range(gen.n_choices):
-            yield event([P.chat_delta(c, {"role": "assistant", "content": ""})])
+            yield event([fmt.chat_delta(c, {"role": "assistant", "content": ""})])
         if p.reasoning is not None:
-            from pyengine.server.reasoning import ThinkSplitter
             splitters = [ThinkSplitter(p.reasoning, p.reasoning_open) for _ in range(gen.n_choices)]
     elif p.echo:
         for c in range(gen.n_choices):
             offsets[c] = len(p.prompt_texts[c // p.n])
             if p.logprobs is None:
-                yield event([P.completion_choice(c, p.prompt_texts[c // p.n], None, None)])
+                yield event([fmt.completion_choice(c, p.prompt_texts[c // p.n], None, None)])
     echo_due = set(range(gen.n_choices)) if p.echo and p.logprobs is not None and not chat else set()
     async for u in gen.updates():
         if u.choice in echo_due:               # S19: the echoed prompt with its logprobs, known after its prefill
             echo_due.discard(u.choice)
             q = u.choice // p.n
-            yield event([P.completion_choice(u.choice, p.prompt_texts[q], None, PL.echo_logprobs(
+            yield event([fmt.completion_choice(u.choice, p.prompt_texts[q], None, PL.echo_logprobs(
                 tokenizer, p.prompts[q], gen.prompt_logprobs.get(q), p.logprobs))])
-        reason = P.openai_finish_reason(u.finish_reason)
+        reason = fmt.openai_finish_reason(u.finish_reason)
         if not (u.delta or u.logprobs or reason):
             continue
         if chat:
-            lp = P.chat_logprobs(tokenizer, u.token_ids, u.logprobs or [], p.logprobs) if u.logprobs else None
+            lp = fmt.chat_logprobs(tokenizer, u.token_ids, u.logprobs or [], p.logprobs) if u.logprobs else None
             if splitters is not None:       # reasoning and answer as separate delta fields
                 r, a = splitters[u.choice].push(u.delta)
                 if reason:
@@ -322,17 +314,69 @@ async def stream(gen: Generation, tokenizer, model_id: str, created: int) -> Asy
                     continue
             else:
                 delta = {"content": u.delta} if u.delta or not reason else {}
-            yield event([P.chat_delta(u.choice, delta, reason, lp)])
+            yield event([fmt.chat_delta(u.choice, delta, reason, lp)])
         else:
-            lp = (P.completion_logprobs(tokenizer, u.token_ids, u.logprobs, p.logprobs, offsets[u.choice])
+            lp = (fmt.completion_logprobs(tokenizer, u.token_ids, u.logprobs, p.logprobs, offsets[u.choice])
                   if u.logprobs else None)
             offsets[u.choice] += len(u.delta)
-            yield event([P.completion_choice(u.choice, u.delta, reason, lp)])
-    err = _failure_error(gen)
+            yield event([fmt.completion_choice(u.choice, u.delta, reason, lp)])
+    err = failure_error(gen)
     if err is not None:   # the client is gone if it disconnected; otherwise it learns why it ended
         yield sse(err.body())
     elif p.include_usage:
         final = chunk(gen.api_id, created, model_id, [], False)
-        final["usage"] = P.usage(gen.prompt_tokens, gen.completion_tokens)
+        final["usage"] = fmt.usage(gen.prompt_tokens, gen.completion_tokens)
+        yield sse(final)
+    yield DONE
+
+
+async def stream_tool_calls(gen, model_id: str, created: int):
+    """SSE events of a chat request with a tool plan: with a named function the arguments stream as they are
+    generated; with required / auto the calls are sent once the reply is complete (only then is it known to be a
+    call), as ``delta.tool_calls`` chunks the official client assembles."""
+    p = gen.parsed
+    plan: ToolPlan = p.tool_plan
+
+    def event(choices):
+        return sse(fmt.chat_chunk(gen.api_id, created, model_id, choices, p.include_usage))
+
+    for c in range(gen.n_choices):
+        yield event([fmt.chat_delta(c, {"role": "assistant", "content": None})])
+    ids = {}
+    if plan.choice == "named":
+        for c in range(gen.n_choices):
+            ids[c] = "call_" + uuid.uuid4().hex[:24]
+            yield event([fmt.chat_delta(c, {"tool_calls": [{"index": 0, "id": ids[c], "type": "function",
+                                                          "function": {"name": plan.named, "arguments": ""}}]})])
+    async for u in gen.updates():
+        reason = fmt.openai_finish_reason(u.finish_reason)
+        if plan.choice == "named":
+            if u.delta:
+                yield event([fmt.chat_delta(u.choice, {"tool_calls": [{"index": 0, "function": {"arguments": u.delta}}]})])
+            if reason:
+                yield event([fmt.chat_delta(u.choice, {}, "tool_calls" if reason == "stop" else reason)])
+            continue
+        if not reason:
+            continue
+        text = gen.texts[u.choice]
+        if p.reasoning is not None:      # a thinking model: the call is read from the answer after </think>
+            reasoning, text = p.reasoning.split(text, p.reasoning_open)
+            if reasoning and p.include_reasoning:
+                yield event([fmt.chat_delta(u.choice, {"reasoning_content": reasoning})])
+        calls = plan.calls(text) if reason == "stop" else None
+        if calls is None:
+            if text:
+                yield event([fmt.chat_delta(u.choice, {"content": text})])
+            yield event([fmt.chat_delta(u.choice, {}, reason)])
+            continue
+        for k, call in enumerate(calls):
+            yield event([fmt.chat_delta(u.choice, {"tool_calls": [{"index": k, **call}]})])
+        yield event([fmt.chat_delta(u.choice, {}, "tool_calls")])
+    err = failure_error(gen)
+    if err is not None:
+        yield sse(err.body())
+    elif p.include_usage:
+        final = fmt.chat_chunk(gen.api_id, created, model_id, [], False)
+        final["usage"] = fmt.usage(gen.prompt_tokens, gen.completion_tokens)
         yield sse(final)
     yield DONE

@@ -14,6 +14,8 @@ import multiprocessing
 import os
 import pickle
 import signal
+import threading
+import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
@@ -34,9 +36,6 @@ def _exit_with_parent(parent: int) -> None:
     """End this worker when the server process is gone. A pool worker blocks reading its call queue, whose
     pipe it also holds open for writing, so a server killed without shutting the pool down (SIGKILL, a crash,
     an MPI job's rank 0 ended by its launcher) would leave it waiting forever, orphaned."""
-    import threading
-    import time
-
     def watch():
         while os.getppid() == parent:
             time.sleep(PARENT_POLL_S)

@@ -1,17 +1,20 @@
-"""S19 The OpenAI wire format: request bodies in, `SamplingParams` out; engine outputs in, OpenAI JSON out.
+"""S19 Request parsing, the OpenAI wire format in: request bodies -> `ParsedRequest` (token ids, `SamplingParams`,
+the tool plan and reasoning parser the reply will be read with); /tokenize and /detokenize.
 
-Everything here is plain functions over dicts so it can be read (and tested) without a server. Bad input
-raises `APIError` carrying the HTTP status and the OpenAI error body, naming the offending parameter.
+Layer 2 of the server (errors -> request parsing -> response shaping -> serving -> app): it imports errors,
+constraints (response_format / tools -> a grammar) and reasoning, never a layer above. Everything here is plain
+functions over dicts so it can be read (and tested) without a server, and run in the tokenizer worker process. Bad
+input raises `APIError` carrying the HTTP status and the OpenAI error body, naming the offending parameter.
 """
 from __future__ import annotations
 
 import json
 import math
-import time
-import uuid
 from dataclasses import dataclass
 
 from pyengine.sampling_params import SamplingParams
+from pyengine.server.constraints import parse_structured, prepare_chat
+from pyengine.server.errors import APIError, bad_param, missing_param, param_named_in
 from pyengine.server.reasoning import parser_for
 from pyengine.server.sampling_fields import FieldError, parse_priority, parse_sampling_fields
 from pyengine.tokenizer.length_bound import TooManyTokens
@@ -22,31 +25,6 @@ MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS_ENTRIES = 300
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # OpenAI's legacy default; chat defaults to "rest of the context"
 MAX_JSON_DEPTH = 64         # no OpenAI body nests deeper than ~6; deep nesting only costs recursion
-
-
-class APIError(Exception):
-    """An error the client caused (or a server failure), already in OpenAI's shape."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return error_body(self.message, self.type, self.param, self.code)
-
-    def __reduce__(self):   # it crosses from the tokenizer process (tokenizer_process.py)
-        return APIError, (self.status, self.message, self.type, self.param, self.code, self.headers)
-
-
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def bad_param(param: str, message: str) -> APIError:
-    return APIError(400, message, param=param, code="invalid_value")
 
 
 # --- the body: JSON that is safe to read ------------------------------------------------------------
@@ -170,14 +148,6 @@ def _logit_bias(body: dict, vocab_size: int):
     return out
 
 
-def param_named_in(message: str, candidates) -> str | None:
-    """SamplingParams' ValueError starts with the parameter's name; find it for the error body."""
-    for name in sorted(candidates, key=len, reverse=True):
-        if message.startswith(name) or f" {name}" in message:
-            return name
-    return None
-
-
 # --- parsed requests ----------------------------------------------------------------------------
 @dataclass
 class ParsedRequest:
@@ -192,7 +162,7 @@ class ParsedRequest:
     logprobs: int | None            # top-k alternatives per token (0: only the sampled token); None: off
     echo: bool = False
     user: str | None = None
-    tool_plan: object = None        # S15: how a reply to a request with tools is read (server/structured.py)
+    tool_plan: object = None        # S15: how a reply to a request with tools is read (server/constraints.py)
     reasoning: object = None        # a thinking model's ReasoningParser (server/reasoning.py), else None
     reasoning_open: bool = False    # the prompt leaves the model inside an open <think>
     include_reasoning: bool = True  # return the reasoning as reasoning_content (else drop it)
@@ -202,7 +172,6 @@ class ParsedRequest:
 
 def _common(body: dict, vocab_size: int, chat: bool = False) -> dict:
     """Sampling fields shared by both endpoints, validated with OpenAI's ranges and names."""
-    from pyengine.server.structured import parse_structured
     n = _int(body, "n", 1, MAX_N)
     best_of = _int(body, "best_of", 1, MAX_N)
     if best_of is not None and best_of != (n or 1):
@@ -274,7 +243,7 @@ def _check_model(body: dict) -> str | None:
 def _messages(body: dict) -> list[dict]:
     msgs = body.get("messages")
     if msgs is None:
-        raise APIError(400, "messages is required", param="messages", code="missing_required_parameter")
+        raise missing_param("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad_param("messages", "messages must be a non-empty list of {role, content} objects")
     out = []
@@ -436,7 +405,6 @@ def parse_chat(body: dict, tokenizer, limits: RequestPolicy | int) -> ParsedRequ
     """POST /v1/chat/completions body -> ParsedRequest (prompt rendered with the model's chat template).
     `limits`: a RequestPolicy, or just max_model_len."""
     limits = _limits(limits)
-    from pyengine.server.structured import prepare_chat
     _check_model(body)
     messages = _messages(prepare_chat(body, None))
     common = _common(body, tokenizer.vocab_size, chat=True)
@@ -449,8 +417,7 @@ def parse_chat(body: dict, tokenizer, limits: RequestPolicy | int) -> ParsedRequ
         _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
         raise bad_param("top_logprobs", "top_logprobs requires logprobs: true")
     text, ids = encode_messages(tokenizer, messages, limits, template_kwargs=_chat_template_kwargs(body))
-    from pyengine.server import prompt_logprobs
-    asked = prompt_logprobs.parse(body, common, False, None)
+    asked = parse_prompt_logprobs(body, common, False, None)
     parsed = _finish("chat", body, common, [ids], [text], tokenizer, limits, logprobs, False, "messages")
     parsed.prompt_logprobs = asked
     parser = parser_for(getattr(tokenizer, "chat_template", None))
@@ -468,7 +435,7 @@ def parse_completion(body: dict, tokenizer, limits: RequestPolicy | int) -> Pars
     vocab = tokenizer.vocab_size
     prompt = body.get("prompt")
     if prompt is None:
-        raise APIError(400, "prompt is required", param="prompt", code="missing_required_parameter")
+        raise missing_param("prompt")
     common = _common(body, vocab)
     if isinstance(prompt, str):
         prompt = [prompt]
@@ -498,8 +465,7 @@ def parse_completion(body: dict, tokenizer, limits: RequestPolicy | int) -> Pars
         raise bad_param("n", f"prompts x n must be at most {MAX_N}, got {len(prompts) * common['n']}")
     logprobs = _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
     echo = _bool(body, "echo")
-    from pyengine.server import prompt_logprobs     # echo + logprobs, vLLM's prompt_logprobs
-    asked = prompt_logprobs.parse(body, common, echo, logprobs)
+    asked = parse_prompt_logprobs(body, common, echo, logprobs)     # echo + logprobs, vLLM's prompt_logprobs
     if echo:
         texts = [t if t is not None else tokenizer.decode(ids) for t, ids in zip(texts, prompts)]
     parsed = _finish("completion", body, common, prompts, texts, tokenizer, limits, logprobs, echo, "prompt")
@@ -521,11 +487,10 @@ def tokenize(body: dict, tokenizer, limits: RequestPolicy | int) -> dict:
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
-            raise APIError(400, "tokenize needs prompt (a string) or messages", param="prompt",
-                           code="missing_required_parameter")
+            raise missing_param("prompt", "tokenize needs prompt (a string) or messages")
         ids = encode_prompt(tokenizer, prompt, limits.max_model_len, "prompt",
                             add_special_tokens=_bool(body, "add_special_tokens", True), parse_special=True)
-    strs = [_token_text(tokenizer, t)[0] for t in ids] if want_strs else None
+    strs = [token_text(tokenizer, t)[0] for t in ids] if want_strs else None
     return {"count": len(ids), "max_model_len": limits.max_model_len, "tokens": ids, "token_strs": strs}
 
 
@@ -533,7 +498,7 @@ def detokenize(body: dict, tokenizer) -> dict:
     """{"tokens": [int, ...]} -> {"prompt": text}."""
     tokens = body.get("tokens")
     if tokens is None:
-        raise APIError(400, "tokens is required", param="tokens", code="missing_required_parameter")
+        raise missing_param("tokens")
     if not isinstance(tokens, list):
         raise bad_param("tokens", "tokens must be a list of token ids")
     if tokens:
@@ -541,127 +506,22 @@ def detokenize(body: dict, tokenizer) -> dict:
     return {"prompt": tokenizer.decode(tokens)}
 
 
-# --- responses ------------------------------------------------------------------------------------
-def new_id(kind: str) -> str:
-    return {"chat": "chatcmpl-", "responses": "resp-"}.get(kind, "cmpl-") + uuid.uuid4().hex
-
-
-def now() -> int:
-    return int(time.time())
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def _lp_value(v) -> float:
-    """An engine logprob entry may be a float or an object with `.logprob` (vLLM's Logprob)."""
-    return float(getattr(v, "logprob", v))
-
-
-def split_logprob_entry(entry, token_id: int) -> tuple[float, list[tuple[int, float]]]:
-    """One generated token's logprob record -> (sampled token's logprob, top alternatives best first).
-
-    Accepted shapes: {token_id: logprob-or-Logprob} (vLLM: sampled token plus the top-k), or a dict
-    with keys "logprob" and "top_logprobs" / "top" (a list of (id, logprob) or {id: logprob})."""
-    if isinstance(entry, dict) and "logprob" in entry:
-        top = entry.get("top_logprobs", entry.get("top")) or []
-        if isinstance(top, dict):
-            top = list(top.items())
-        pairs = [(int(i), _lp_value(v)) for i, v in top]
-        return _lp_value(entry["logprob"]), sorted(pairs, key=lambda p: -p[1])
-    if isinstance(entry, dict):
-        pairs = [(int(i), _lp_value(v)) for i, v in entry.items()]
-        ranked = sorted(pairs, key=lambda p: -p[1])
-        sampled = dict(pairs).get(int(token_id), float("nan"))
-        return sampled, ranked
-    if isinstance(entry, (tuple, list)) and len(entry) == 2:
-        return _lp_value(entry[0]), sorted([(int(i), _lp_value(v)) for i, v in entry[1]], key=lambda p: -p[1])
-    return _lp_value(entry), []
-
-
-def _token_text(tokenizer, tid: int) -> tuple[str, list[int]]:
+def token_text(tokenizer, tid: int) -> tuple[str, list[int]]:
+    """A token's text (invalid UTF-8 replaced) and its raw bytes."""
     raw = tokenizer.token_bytes(tid)
     return raw.decode("utf-8", errors="replace"), list(raw)
 
 
-def _safe_lp(x: float) -> float:
-    # JSON has no -inf; OpenAI clamps to a very negative number.
-    return x if math.isfinite(x) else -9999.0
-
-
-def chat_logprobs(tokenizer, token_ids: list[int], entries: list, k: int) -> dict:
-    content = []
-    for tid, entry in zip(token_ids, entries):
-        lp, top = split_logprob_entry(entry, tid)
-        tok, raw = _token_text(tokenizer, tid)
-        alts = []
-        for aid, alp in top[:k]:
-            atok, araw = _token_text(tokenizer, aid)
-            alts.append({"token": atok, "logprob": _safe_lp(alp), "bytes": araw})
-        content.append({"token": tok, "logprob": _safe_lp(lp), "bytes": raw, "top_logprobs": alts})
-    return {"content": content}
-
-
-def completion_logprobs(tokenizer, token_ids: list[int], entries: list, k: int, text_offset: int) -> dict:
-    tokens, token_lps, tops, offsets = [], [], [], []
-    pos = text_offset
-    for tid, entry in zip(token_ids, entries):
-        lp, top = split_logprob_entry(entry, tid)
-        tok, _ = _token_text(tokenizer, tid)
-        tokens.append(tok)
-        token_lps.append(_safe_lp(lp))
-        alts: dict[str, float] = {}
-        for aid, alp in top[:k]:
-            alts.setdefault(_token_text(tokenizer, aid)[0], _safe_lp(alp))
-        if not k:   # logprobs=0: the sampled token alone (as vLLM does)
-            alts[tok] = _safe_lp(lp)
-        tops.append(alts)
-        offsets.append(pos)
-        pos += len(tok)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
-
-
-def chat_response(rid: str, created: int, model: str, choices: list[dict], use: dict) -> dict:
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "system_fingerprint": None, "choices": choices, "usage": use}
-
-
-def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text, "refusal": None},
-            "logprobs": logprobs, "finish_reason": finish_reason}
-
-
-def chat_chunk(rid: str, created: int, model: str, choices: list[dict], with_usage: bool) -> dict:
-    out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-           "system_fingerprint": None, "choices": choices}
-    if with_usage:
-        out["usage"] = None
-    return out
-
-
-def chat_delta(index: int, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
-    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-
-
-def completion_response(rid: str, created: int, model: str, choices: list[dict], use: dict) -> dict:
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "system_fingerprint": None, "choices": choices, "usage": use}
-
-
-def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-
-
-def completion_chunk(rid: str, created: int, model: str, choices: list[dict], with_usage: bool) -> dict:
-    out = {"id": rid, "object": "text_completion", "created": created, "model": model,
-           "system_fingerprint": None, "choices": choices}
-    if with_usage:
-        out["usage"] = None
-    return out
-
-
-def openai_finish_reason(reason: str | None) -> str | None:
-    # The engine's "abort" only reaches a client on shutdown; OpenAI has no such value, "stop" is closest.
-    return {"abort": "stop"}.get(reason, reason)
+def parse_prompt_logprobs(body: dict, common: dict, echo: bool, logprobs: int | None) -> int | None:
+    """Set the engine's prompt_logprobs in ``common["kw"]`` from a request body (echo + logprobs, vLLM's
+    ``prompt_logprobs``; shaped by server/prompt_logprobs.py); returns the ``prompt_logprobs`` the client
+    asked for (None: not asked). APIError for bad values."""
+    asked = _int(body, "prompt_logprobs", 0, MAX_TOP_LOGPROBS)
+    if asked is not None and common["stream"]:
+        raise bad_param("prompt_logprobs", "prompt_logprobs is not available with stream: true")
+    kw = common["kw"]
+    want = [k for k in (asked, logprobs if echo else None) if k is not None]
+    if echo and kw.get("max_tokens") == 0 and not want:
+        want = [0]                        # scoring the prompt: the engine still runs it for its logprobs
+    kw["prompt_logprobs"] = max(want) if want else None
+    return asked

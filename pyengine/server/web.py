@@ -26,7 +26,7 @@ import json
 import os
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WEB_ROOT = ROOT / "web"
 TS_DIST = ROOT / "ts-mini" / "dist"
 

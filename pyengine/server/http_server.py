@@ -3,6 +3,9 @@
 `ServerThread` (a background thread, for tests and `pyengine bench serve`).
 
 The server binds before `ServerThread.start()` returns, on a free port when port=0; `url` is then ready.
+
+HTTP layer of the server (errors -> request parsing -> response shaping -> serving -> app): it imports errors
+and limits; the app it runs is any ASGI app (`Drain` is what it asks of create_app's state).
 """
 from __future__ import annotations
 
@@ -16,6 +19,9 @@ import socket
 import threading
 import time
 from typing import Protocol
+
+from pyengine.server.errors import error_body
+from pyengine.server.limits import ServerLimits
 
 log = logging.getLogger("pyengine.server")
 
@@ -56,8 +62,7 @@ def client_key(host: str | None) -> str:
 def raw_error(status: int, reason: str, message: str, code: str, retry_after: int | None = None) -> bytes:
     """A complete HTTP/1.1 error response (OpenAI-shaped body) that closes the connection, written by the
     protocol itself (before or instead of the app)."""
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                 "code": code}}).encode()
+    body = json.dumps(error_body(message, "invalid_request_error", None, code)).encode()
     head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
             + (f"retry-after: {retry_after}\r\n" if retry_after is not None else "") + "connection: close\r\n\r\n")
     return head.encode() + body
@@ -244,8 +249,6 @@ def uvicorn_server(app, host: str = "127.0.0.1", port: int = 0, log_level: str =
     `app.state.drain`) ends the rest, so every open stream ends with an error event and [DONE] instead of
     being cut."""
     import uvicorn  # lazy: only servers pay for it
-
-    from pyengine.server.limits import ServerLimits
 
     app_state = getattr(app, "state", None)
     limits = limits or getattr(app_state, "limits", None) or ServerLimits()

@@ -26,7 +26,7 @@ def test_rows_layout_products_scalings_and_columns(rows_layout):
     rng = np.random.default_rng(7)
     w = rng.standard_normal((96, 300)).astype(np.float32)                # (in, out)
     lin = DenseLinear(w, act="silu")
-    assert lin.blocks is None and lin.rows.shape == (300, 96) and lin.rows.flags.c_contiguous
+    assert lin.blocks is None and lin.out_in.shape == (300, 96) and lin.out_in.flags.c_contiguous
     assert lin.shape == (96, 300) and lin.nbytes == w.nbytes and lin.act == "silu"
     x = rng.standard_normal((40, 96)).astype(np.float32)
     alone = np.stack([lin.matmul(x[i]) for i in range(len(x))])          # one row as a vector

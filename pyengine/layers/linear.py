@@ -145,15 +145,15 @@ class DenseLinear(Linear):
     def __init__(self, w: np.ndarray, act: str | None = None):
         """``w``: the (in, out) matrix; a transposed view of the GGUF's (out, in) rows is copied only once.
         With ``tuning.RESIDENT_LAYOUT == "rows"`` (Pyodide) it is held as those (out, in) rows instead
-        (``self.rows``; ``blocks`` and ``tail`` are None) and multiplied by ``np.einsum`` one input row at a time."""
+        (``self.out_in``; ``blocks`` and ``tail`` are None) and multiplied by ``np.einsum`` one input row at a time."""
         rows = np.asarray(w, dtype=np.float32).T                     # (out, in): block b is rows b*c..b*c+c-1
         n_out, n_in = rows.shape
         if tuning.RESIDENT_LAYOUT == "rows":
-            self.rows = np.ascontiguousarray(rows)
+            self.out_in = np.ascontiguousarray(rows)
             self.blocks = self.tail = None
-            self.shape, self.act, self.nbytes = (n_in, n_out), act, self.rows.nbytes
+            self.shape, self.act, self.nbytes = (n_in, n_out), act, self.out_in.nbytes
             return
-        self.rows = None
+        self.out_in = None
         c = col_block(n_in)
         nb = n_out // c
         self.blocks = np.ascontiguousarray(rows[:nb * c].reshape(nb, c, n_in).transpose(0, 2, 1))
@@ -168,8 +168,8 @@ class DenseLinear(Linear):
     def _ops(self, x: np.ndarray, out: np.ndarray) -> list:
         if out.strides[1] != out.itemsize:
             raise ValueError("DenseLinear.matmul needs an output with contiguous columns")
-        if self.rows is not None:          # rows layout: a contiguous dot per output, NumPy's einsum loop
-            return [partial(np.einsum, "oi,i->o", self.rows, x[r], out=out[r]) for r in range(x.shape[0])]
+        if self.out_in is not None:          # rows layout: a contiguous dot per output, NumPy's einsum loop
+            return [partial(np.einsum, "oi,i->o", self.out_in, x[r], out=out[r]) for r in range(x.shape[0])]
         nb, _, c = self.blocks.shape
         # prefill-sized row counts: sgemm over regrouped columns (through the small kernel in row chunks,
         # Gemma's 1.5k-token golden prompt was 1.5x further from HF's logits: max 1.28e-3); wide batches (32
@@ -224,8 +224,8 @@ class DenseLinear(Linear):
 
     def scale_inputs(self, g: np.ndarray) -> None:
         """W <- diag(g) W (an RMSNorm weight folded in at load, models/base.py fold_norms)."""
-        if self.rows is not None:
-            self.rows *= g[None, :]
+        if self.out_in is not None:
+            self.out_in *= g[None, :]
             return
         self.blocks *= g[None, :, None]
         if self.tail is not None:
@@ -233,8 +233,8 @@ class DenseLinear(Linear):
 
     def scale_columns(self, stop: int, f: float) -> None:
         """W[:, :stop] *= f (SiLU's halving folded into the gate columns)."""
-        if self.rows is not None:
-            self.rows[:stop] *= np.float32(f)
+        if self.out_in is not None:
+            self.out_in[:stop] *= np.float32(f)
             return
         nb, _, c = self.blocks.shape
         full = min(stop // c, nb)
@@ -246,8 +246,8 @@ class DenseLinear(Linear):
             self.tail[:, :stop - nb * c] *= np.float32(f)
 
     def dense(self):
-        if self.rows is not None:
-            return self.rows.T
+        if self.out_in is not None:
+            return self.out_in.T
         nb, n_in, c = self.blocks.shape
         w = self.blocks.transpose(1, 0, 2).reshape(n_in, nb * c)
         return w if self.tail is None else np.concatenate([w, self.tail], axis=1)
@@ -264,8 +264,8 @@ class BlockedLinear(DenseLinear):
     def columns(self, idx: np.ndarray, out: np.ndarray) -> np.ndarray:
         """out[t] = W[:, idx[t]] for (T,) indices: out is (T, in)."""
         idx = np.asarray(idx, dtype=np.int64)
-        if self.rows is not None:
-            out[:] = self.rows[idx]
+        if self.out_in is not None:
+            out[:] = self.out_in[idx]
             return out
         nb, _, c = self.blocks.shape
         inside = idx < nb * c

@@ -479,14 +479,12 @@ class MPIGroup:
     def _kv_shard(self, kv, blocks: np.ndarray, h0: int, h1: int) -> np.ndarray:
         """(2, n, layers, block_size, h1 - h0, row) of this rank's cache: K and V of global heads h0..h1."""
         l0 = h0 - self._kv_heads(self.rank)[0]
-        out = kv.block_data(len(blocks), h1 - h0)
-        for j, cache in enumerate((kv.k, kv.v)):
-            out[j] = np.take(cache[:, :, :, l0:l0 + h1 - h0], blocks, axis=1).swapaxes(0, 1)
-        return out
+        return kv.read_blocks(blocks, (l0, l0 + h1 - h0))
 
     def kv_gather(self, kv, blocks) -> np.ndarray:
-        """Rank 0: (2, n, layers, block_size, all KV heads, row) — K and V of cache blocks ``blocks``, every
-        rank's heads put in place (one order and one message per contributing rank, however many blocks)."""
+        """Rank 0: (2, n, layers, block_size, all KV heads, row) — K and V of cache blocks ``blocks`` of ``kv``
+        (this rank's `KVBlockStore`, engine/executor.py), every rank's heads put in place (one order and one
+        message per contributing rank, however many blocks)."""
         ids = np.asarray(blocks, np.int64)
         out = kv.block_data(len(ids), self.n_kv_heads)
         if self.tp > 1:
@@ -500,10 +498,8 @@ class MPIGroup:
                     t = self.MPI.BYTE.Create_subarray(sizes, sizes[:4] + [c1 - c0, sizes[5]], [0] * 4 + [c0, 0])
                     types.append(t.Commit())
                     reqs.append(self.world.Irecv([out.reshape(-1).view(np.uint8), 1, t], r, TAG_KV))
-        h0, h1 = self._kv_heads(0)            # meanwhile this rank's own heads, block by block
-        for j, b in enumerate(ids):
-            out[0, j, :, :, h0:h1] = kv.k[:, b]
-            out[1, j, :, :, h0:h1] = kv.v[:, b]
+        h0, h1 = self._kv_heads(0)            # meanwhile this rank's own heads
+        kv.read_blocks(ids, out=out[:, :, :, :, h0:h1])
         if self.tp > 1:
             try:
                 self._wait(reqs, "KV gather")
@@ -558,6 +554,8 @@ class MPIGroup:
             self.steps += count
             self.busy_s += time.perf_counter() - t0 - (self.comm_s - c0)
 
+    # A rank's runner is used through engine/executor.py's `RankRunner` surface only (plan and run a step or a
+    # stage's parts, whole KV blocks): the runner never calls the group back.
     def step(self, runner, batch: ForwardBatch):
         """One step at a time: this rank's part of it; rank 0 returns the logits (len(logits_indices), V)."""
         return self._timed(self._step, runner, batch)
@@ -581,18 +579,17 @@ class MPIGroup:
 
     def _stage_part(self, runner, batch: ForwardBatch, j: int = 0) -> None:
         """This stage's layers over ``batch`` (micro-batch ``j``): embed or receive, run, send on (not waited)."""
-        model, p = runner.model, self.part
-        plan = runner.plan(batch)
-        b = runner.buffers.rows(plan.num_tokens)
+        p = self.part
+        step = runner.stage_input(batch)
         if p.stage == 0:
-            model.embed(plan.token_ids, b.x)
+            runner.embed(step)
         else:
-            self._wait(self.world.Irecv(b.x, self.prev, TAG_ACT + j), "activations")
-        model.run_layers(plan, runner.kv_cache, b)
+            self._wait(self.world.Irecv(step.x, self.prev, TAG_ACT + j), "activations")
+        runner.run_layers(step)
         if p.stage < self.pp - 1:
-            out, tag = b.x.copy(), TAG_ACT + j
+            out, tag = step.x.copy(), TAG_ACT + j
         else:                             # the last stage: the rows whose logits are wanted, back to stage 0
-            out, tag = np.take(b.x, plan.logits_indices, axis=0), TAG_BACK + j
+            out, tag = np.take(step.x, step.logits_indices, axis=0), TAG_BACK + j
         self._sending.append((self.world.Isend(out, self.next, tag), out))
         self._reap()
 
@@ -604,24 +601,25 @@ class MPIGroup:
         self._wait(self.world.Irecv(hx, self.rank + (self.pp - 1) * self.tp, TAG_BACK + j), "last stage")
         if discard:
             return None
-        return runner.model.logits(hx, np.arange(rows), runner.buffers, first)
+        return runner.head(hx, first)
 
     def _step(self, runner, batch):
-        model, kv, p = runner.model, runner.kv_cache, self.part
+        p = self.part
         if self.pp == 1:
-            plan = runner.plan(batch)
-            return model.forward(plan, kv, runner.buffers.rows(plan.num_tokens))
+            return runner.run_part(batch)
         mbs = split_batch(batch, MICRO_BATCHES_PER_STAGE * self.pp)
         for j, (mb, _) in enumerate(mbs):
             self._stage_part(runner, mb, j)
         logits = None
         if p.stage == 0:
-            b, R = runner.buffers, len(batch.logits_indices)
-            logits = b.logits[:R] if R <= b.logits.shape[0] else np.empty((R, runner.config.vocab_size), np.float32)
+            R = len(batch.logits_indices)
+            logits = planned = runner.logits_rows(R)      # the head writes into the runner's rows
             first = 0
             for j, (mb, sel) in enumerate(mbs):
                 part = self._head_part(runner, len(sel), j, first)
-                if R > b.logits.shape[0]:                 # more rows than planned: not in b.logits
+                if planned is None:                       # more rows than planned: not in the runner's rows
+                    if logits is None:
+                        logits = np.empty((R, part.shape[1]), np.float32)
                     logits[first:first + len(sel)] = part
                 first += len(sel)
             order = np.concatenate([sel for _, sel in mbs])

@@ -11,7 +11,7 @@ import pytest
 from model_paths import model_path
 from pyengine.engine.forward_batch import ForwardBatch
 from pyengine.parallel.layout import plan_ranks, rank_config, split_experts, split_heads, split_layers
-from pyengine.parallel.mpi import decode_batch, encode_batch, split_batch
+from pyengine.parallel.wire import decode_batch, encode_batch, split_batch
 
 
 def smollm2():

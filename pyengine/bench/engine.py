@@ -164,7 +164,7 @@ def _fit_exponent(xs, ys) -> float:
 
 def run(args) -> int:
     from pyengine.bench.threads import section as threads_section
-    from pyengine.engine.model_runner import ModelRunner
+    from pyengine.engine.args import EngineArgs
     from pyengine.engine.threads import apply_threads, describe
     from pyengine.layers.attention import flash_attention, grouped_attention
     from pyengine.model_files import resolve_model
@@ -186,9 +186,10 @@ def run(args) -> int:
     apply_threads(args.threads)
     print(describe())
     t = time.perf_counter()
-    runner = ModelRunner(path, max_model_len=max_len, max_num_batched_tokens=max(args.prefill_tokens, max(contexts)),
-                         max_num_seqs=max(batch_sizes, default=1), num_blocks=num_blocks, block_size=16,
-                         weights_mode=args.weights)
+    runner = EngineArgs(model=path, max_model_len=max_len,
+                        max_num_batched_tokens=max(args.prefill_tokens, max(contexts)),
+                        max_num_seqs=max(batch_sizes, default=1), num_blocks=num_blocks, block_size=16,
+                        weights_mode=args.weights, kv_cache_dtype="auto").create_runner()
     print(f"load {time.perf_counter() - t:.1f} s; weights ({args.weights}) {runner.weights.nbytes / 2**20:.0f} MiB")
     print(runner.arena.summary())
     rng = np.random.default_rng(0)

@@ -126,12 +126,12 @@ def _decode_table(g, c, args, rng) -> tuple[dict, dict]:
     both dtypes under the same load."""
     from pyengine.arena import Arena
     from pyengine.engine.kv_cache import PagedKVCache
-    from pyengine.engine.model_runner import ModelRunner
+    from pyengine.engine.args import EngineArgs
     shapes = [(1, 512, args.steps), (1, 2048, args.steps), (32, args.batch_context, max(2, args.steps // 2))]
     bs = 16
     nb_seq = -(-(max(2048, args.batch_context) + args.steps + 2) // bs)
-    runner = ModelRunner(g, max_model_len=nb_seq * bs, max_num_batched_tokens=32, max_num_seqs=32,
-                         num_blocks=32 * nb_seq, kv_cache_dtype="auto")
+    runner = EngineArgs(model=g, max_model_len=nb_seq * bs, max_num_batched_tokens=32, max_num_seqs=32,
+                        num_blocks=32 * nb_seq, kv_cache_dtype="auto").create_runner()
     base = runner.kv_cache
     _fill_random(base, base.num_blocks * bs, rng)
     best = {d: {} for d in set(args.dtypes) | {"auto"}}
@@ -166,7 +166,7 @@ def _fmt(v, spec=".2f"):
 def kv_table(path: str, args, tmp: str) -> None:
     from pyengine.config import ModelConfig
     from pyengine.engine.kv_cache import PagedKVCache
-    from pyengine.engine.model_runner import DEFAULT_KV_BUDGET_BYTES, ModelRunner
+    from pyengine.engine.args import DEFAULT_KV_BUDGET_BYTES, EngineArgs
     from pyengine.gguf.reader import GGUFFile
 
     g = GGUFFile(path)
@@ -175,7 +175,7 @@ def kv_table(path: str, args, tmp: str) -> None:
           f"{c.head_dim}); PPL over {args.windows} windows of {args.ctx}; decode {args.steps} steps x {args.rounds} "
           f"rounds ==")
     try:
-        ModelRunner(g, max_model_len=64, num_blocks=8, max_num_seqs=1, max_num_batched_tokens=64)
+        EngineArgs(model=g, max_model_len=64, num_blocks=8, max_num_seqs=1, max_num_batched_tokens=64).create_runner()
     except ValueError as exc:
         print(f"  skipped: {exc}")
         return
@@ -191,8 +191,8 @@ def kv_table(path: str, args, tmp: str) -> None:
         blocks = DEFAULT_KV_BUDGET_BYTES // per_block                  # the runner's default, before its floor
         ppl, kl = None, None
         if not args.decode_only:
-            runner = ModelRunner(g, max_model_len=args.ctx, max_num_batched_tokens=args.ctx,
-                                 max_num_seqs=1, max_logits=args.ctx // 2, kv_cache_dtype=dtype)
+            runner = EngineArgs(model=g, max_model_len=args.ctx, max_num_batched_tokens=args.ctx,
+                                max_num_seqs=1, max_logits=args.ctx // 2, kv_cache_dtype=dtype).create_runner()
             wins = _text_windows(runner, args.ctx, args.windows)
             ppl, kl = _ppl_kl(runner, wins, base, base if first is None else None)
             del runner
@@ -218,7 +218,7 @@ def kv_table(path: str, args, tmp: str) -> None:
 
 def weights_table(path: str, args, tmp: str) -> None:
     from pyengine.cli.quantize import quantize_model
-    from pyengine.engine.model_runner import ModelRunner
+    from pyengine.engine.args import EngineArgs
 
     print(f"\n== weight formats by `pyengine quantize` from {os.path.basename(path)}: PPL over {args.windows} "
           f"windows of {args.ctx}, KL vs the original file, decode at 128 tokens of context ==")
@@ -236,8 +236,9 @@ def weights_table(path: str, args, tmp: str) -> None:
     for name, f in files:
         rates = {}
         for mode in ("resident", "lean"):
-            runner = ModelRunner(f, max_model_len=max(args.ctx, 256), max_num_batched_tokens=args.ctx,
-                                 max_num_seqs=1, max_logits=args.ctx // 2, weights_mode=mode)
+            runner = EngineArgs(model=f, max_model_len=max(args.ctx, 256), max_num_batched_tokens=args.ctx,
+                                max_num_seqs=1, max_logits=args.ctx // 2, weights_mode=mode,
+                                kv_cache_dtype="auto").create_runner()
             if mode == "resident":
                 wins = _text_windows(runner, args.ctx, args.windows)
                 ppl, kl = _ppl_kl(runner, wins, base, base if first is None else None)

@@ -44,17 +44,17 @@ def add_arguments(p) -> None:
 
 def _chains(path: str, kinds: list[str]) -> dict:
     """kind -> (the matrices a forward multiplies through that kind, their input width)."""
-    from pyengine.engine.model_runner import ModelRunner
+    from pyengine.engine.args import EngineArgs
     from pyengine.layers.linear import BlockedLinear, DenseLinear, LeanLinear
     out = {}
     if "dense" in kinds or "head" in kinds:
-        m = ModelRunner(path, max_model_len=64, max_num_seqs=1, max_num_batched_tokens=64).weights
+        m = EngineArgs(model=path, max_model_len=64, max_num_seqs=1, max_num_batched_tokens=64).create_runner().weights
         lins = [lin for _, lin in m.linears()]
         out["dense"] = [x for x in lins if isinstance(x, DenseLinear) and not isinstance(x, BlockedLinear)]
         out["head"] = [x for x in lins if isinstance(x, BlockedLinear)]
     if "lean" in kinds:
-        m = ModelRunner(path, max_model_len=64, max_num_seqs=1, max_num_batched_tokens=64,
-                        weights_mode="lean").weights
+        m = EngineArgs(model=path, max_model_len=64, max_num_seqs=1, max_num_batched_tokens=64,
+                       weights_mode="lean").create_runner().weights
         out["lean"] = [x for _, x in m.linears() if isinstance(x, LeanLinear)]
     return {k: v for k, v in out.items() if k in kinds and v}
 
@@ -124,12 +124,12 @@ def _rows(args, path) -> None:
 
 def _forward(args, path) -> None:
     from pyengine.engine.forward_batch import ForwardBatch
-    from pyengine.engine.model_runner import ModelRunner
+    from pyengine.engine.args import EngineArgs
 
     qs, B, ctx, bs = list(range(1, 10)), 8, args.context, 16
     per = -(-(ctx + 16) // bs)
-    runner = ModelRunner(path, max_model_len=per * bs, max_num_seqs=B, max_num_batched_tokens=max(ctx, B * 9),
-                         num_blocks=B * per, block_size=bs, max_logits=B * 9)
+    runner = EngineArgs(model=path, max_model_len=per * bs, max_num_seqs=B, max_num_batched_tokens=max(ctx, B * 9),
+                        num_blocks=B * per, block_size=bs, max_logits=B * 9).create_runner()
     rng = np.random.default_rng(0)
     V = runner.config.vocab_size
     tables = [np.arange(s * per, (s + 1) * per, dtype=np.int32) for s in range(B)]

@@ -143,7 +143,7 @@ def _dense_ffn_time(runner, T: int, rng, repeat: int) -> float:
 
 
 def run(a) -> int:
-    from pyengine.engine.model_runner import ModelRunner
+    from pyengine.engine.args import EngineArgs
     if a.quick:
         a.experts, a.top_k, a.d, a.expert_ffn, a.layers, a.prefill, a.decode = 8, 2, 128, 128, 1, 64, 4
     if not 1 <= a.top_k <= a.experts:
@@ -159,8 +159,9 @@ def run(a) -> int:
         for kind in ("moe", "dense-active", "dense-total"):
             path = os.path.join(tmp, kind + ".gguf")
             _write(path, kind, a, np.random.default_rng(1))
-            r = ModelRunner(path, max_model_len=a.prefill + a.decode + 8, max_num_batched_tokens=max(a.prefill, 64),
-                            max_num_seqs=4, num_blocks=(a.prefill + a.decode) // 16 + 4)
+            r = EngineArgs(model=path, max_model_len=a.prefill + a.decode + 8,
+                           max_num_batched_tokens=max(a.prefill, 64),
+                           max_num_seqs=4, num_blocks=(a.prefill + a.decode) // 16 + 4).create_runner()
             results[kind] = _measure(r, a, rng)
             results[kind]["held"] = r.weights.nbytes
             if kind == "moe":

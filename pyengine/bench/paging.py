@@ -138,12 +138,11 @@ def _runner(args):
     """One ModelRunner (weights, arena, KV pool) shared by every engine of this run: each engine has its own
     BlockManager, and a block's contents only mean something through the current engine's block tables."""
     if getattr(args, "_runner", None) is None:
-        from pyengine.engine.model_runner import ModelRunner
-        from pyengine.model_files import resolve_model
+        from pyengine.engine.args import EngineArgs
         longest = max(2048, args.long_prompt + 16, args.system_tokens + 64)
-        args._runner = ModelRunner(resolve_model(args.model), max_model_len=longest,
-                                   max_num_batched_tokens=max(2048, args.long_prompt + args.decoders),
-                                   max_num_seqs=max(args.concurrency, args.decoders + 1, 8))
+        args._runner = EngineArgs(model=args.model, max_model_len=longest,
+                                  max_num_batched_tokens=max(2048, args.long_prompt + args.decoders),
+                                  max_num_seqs=max(args.concurrency, args.decoders + 1, 8)).create_runner()
     return args._runner
 
 

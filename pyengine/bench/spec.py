@@ -202,14 +202,14 @@ def _bracketed(rs: list, plain: list, field: int, is_plain: bool) -> float:
 
 
 def run(args) -> int:
-    from pyengine.engine.model_runner import ModelRunner
+    from pyengine.engine.args import EngineArgs
     from pyengine.model_files import resolve_model
 
     path = resolve_model(args.model)
     streams = [int(s) for s in args.streams.split(",") if s]
     k = args.k
-    runner = ModelRunner(path, max_model_len=1024, max_num_seqs=max(streams), max_num_batched_tokens=4096,
-                         max_logits=max(streams) * (k + 1))
+    runner = EngineArgs(model=path, max_model_len=1024, max_num_seqs=max(streams), max_num_batched_tokens=4096,
+                        max_logits=max(streams) * (k + 1)).create_runner()
     tok = runner.tokenizer
     draft_path = args.draft_model
     if draft_path is None:
@@ -218,8 +218,8 @@ def run(args) -> int:
         draft_path = None
     draft_runner = None
     if draft_path is not None:
-        draft_runner = ModelRunner(draft_path, max_model_len=1024, max_num_seqs=max(streams),
-                                   max_num_batched_tokens=4096, max_logits=max(streams))
+        draft_runner = EngineArgs(model=draft_path, max_model_len=1024, max_num_seqs=max(streams),
+                                  max_num_batched_tokens=4096, max_logits=max(streams)).create_runner()
     configs = {"plain": None, "ngram": {"method": "ngram", "num_speculative_tokens": k}}
     if draft_runner is not None:
         configs["draft"] = {"method": "draft_model", "model": draft_path, "num_speculative_tokens": k}

@@ -30,7 +30,7 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     from pyengine.engine.forward_batch import ForwardBatch
-    from pyengine.engine.model_runner import ModelRunner
+    from pyengine.engine.args import EngineArgs
     from pyengine.model_files import resolve_model
 
     values = [int(v) for v in args.values.split(",") if v]
@@ -40,9 +40,9 @@ def run(args) -> int:
         args.batch, args.context, args.rounds, args.prefill_tokens = 4, 48, 2, 24
     bs = 16
     per = -(-(args.context + args.rounds * len(values) * 2 + 2) // bs)
-    runner = ModelRunner(resolve_model(args.model), max_model_len=args.context + per * bs,
-                         max_num_batched_tokens=max(args.context, args.prefill_tokens), max_num_seqs=args.batch,
-                         num_blocks=(args.batch + 1) * per, block_size=bs)
+    runner = EngineArgs(model=resolve_model(args.model), max_model_len=args.context + per * bs,
+                        max_num_batched_tokens=max(args.context, args.prefill_tokens), max_num_seqs=args.batch,
+                        num_blocks=(args.batch + 1) * per, block_size=bs).create_runner()
     rng = np.random.default_rng(0)
     V = runner.config.vocab_size
     tables = [np.arange(s * per, (s + 1) * per, dtype=np.int32) for s in range(args.batch + 1)]

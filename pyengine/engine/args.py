@@ -300,3 +300,19 @@ class EngineArgs:
             kw["enable_chunked_prefill"] = not args.no_chunked_prefill
         kw.update(override)
         return cls(**kw)
+
+
+def engine_config(config, executor, runner, options: dict):
+    """`LLMEngine`'s (config, executor): as given (a resolved `EngineArgs` and its executor), or built from the
+    keyword form ``LLMEngine(model, max_model_len=.., ...)`` (any `EngineArgs` field) with an injected ``runner``
+    (a local executor over it) or ``executor``."""
+    if isinstance(config, EngineArgs):
+        if options or runner is not None:
+            raise ValueError("LLMEngine(config, executor) takes no other options: set them on the EngineArgs")
+        return config, executor
+    if "model" in options:                  # LLMEngine(model=path, ...): the keyword form of the first one
+        if config is not None:
+            raise TypeError("LLMEngine got the model twice (positionally and as model=)")
+        config = options.pop("model")
+    config = EngineArgs(model=config, **options)
+    return config, config.local_executor(runner) if executor is None else config.attach(executor)

@@ -24,6 +24,50 @@ class Runner(Protocol):
     def run(self, batch: ForwardBatch) -> np.ndarray: ...
 
 
+class KVBlockStore(Protocol):
+    """Whole KV blocks of a rank's cache (engine/kv_cache.py `PagedKVCache`), every layer: (2, n, layers, block_size,
+    heads, row) arrays as stored. ``heads``: a range of this cache's KV heads; ``out``: an array to read into."""
+
+    def block_data(self, n: int, heads: int | None = None) -> np.ndarray: ...
+
+    def read_blocks(self, blocks, heads: tuple[int, int] | None = None,
+                    out: np.ndarray | None = None) -> np.ndarray: ...
+
+    def write_blocks(self, blocks, data: np.ndarray) -> None: ...
+
+
+class StageInput(Protocol):
+    """A step's input to one pipeline stage of a rank (`RankRunner.stage_input`): ``x``, the (T, d) activations the
+    stage embeds into or receives, runs its layers over and sends on; ``logits_indices``, the rows whose logits are
+    wanted (the last stage sends those back)."""
+    x: np.ndarray
+    logits_indices: np.ndarray
+
+
+@runtime_checkable
+class RankRunner(Protocol):
+    """What an executor of several ranks (parallel/executor.py `MPIExecutor`, parallel/mpi.py `MPIGroup`) uses of
+    each rank's runner (engine/model_runner.py, built with a `RankShard`), and nothing else: check and plan a step,
+    run it whole (one stage) or a stage's parts (embed, layers, head), and whole KV blocks (S18). ``held``: the bytes
+    it holds (weights, KV cache) for the group's stats."""
+    held: dict
+    kv_cache: KVBlockStore
+
+    def check(self, batch: ForwardBatch) -> None: ...
+
+    def run_part(self, batch: ForwardBatch) -> np.ndarray: ...
+
+    def stage_input(self, batch: ForwardBatch) -> StageInput: ...
+
+    def embed(self, step: StageInput) -> None: ...
+
+    def run_layers(self, step: StageInput) -> None: ...
+
+    def head(self, hidden: np.ndarray, first: int = 0) -> np.ndarray: ...
+
+    def logits_rows(self, n: int) -> np.ndarray | None: ...
+
+
 @runtime_checkable
 class RankShard(Protocol):
     """What a `ModelRunner` of one rank's part is built with (``shard=``; parallel/mpi.py `MPIGroup`): it loads this

@@ -61,3 +61,29 @@ class ForwardBatch:
         li = np.asarray(self.logits_indices)
         if li.ndim != 1 or (li.size and (int(li.min()) < 0 or int(li.max()) >= T)):
             raise ValueError(f"logits_indices must be a 1-D array of rows in [0, {T})")
+
+
+def build_batch(sched, scores_only=lambda seq: False) -> tuple[ForwardBatch, list]:
+    """The ragged batch of a scheduler output (engine/scheduler.py `SchedulerOutput`) and the sequences it samples:
+    those whose known tokens (prompt, recompute) it completes, with k + 1 logits rows each for k drafts (S14),
+    unless ``scores_only(seq)`` (S19: a request that only scores its prompt, or pools it)."""
+    token_ids: list[int] = []
+    positions: list[int] = []
+    query_lens, context_lens, block_tables, logits_indices, sampled = [], [], [], [], []
+    for seq, n in sched.scheduled:
+        start = seq.num_computed_tokens
+        k = len(seq.spec_token_ids)          # S14: a decode's drafts ride behind its last token
+        token_ids.extend(seq.token_ids[start:start + n - k])
+        token_ids.extend(seq.spec_token_ids)
+        positions.extend(range(start, start + n))
+        query_lens.append(n)
+        context_lens.append(start + n)
+        block_tables.append(np.asarray(seq.block_table, dtype=np.int32))
+        if start + n - k == seq.num_tokens and not scores_only(seq):   # complete: sample the next token
+            logits_indices.extend(range(len(token_ids) - k - 1, len(token_ids)))   # k + 1 rows to verify
+            sampled.append(seq)
+    batch = ForwardBatch(token_ids=np.asarray(token_ids, dtype=np.int64),
+                         positions=np.asarray(positions, dtype=np.int64),
+                         query_lens=query_lens, context_lens=context_lens, block_tables=block_tables,
+                         logits_indices=np.asarray(logits_indices, dtype=np.int64))
+    return batch, sampled

@@ -111,12 +111,16 @@ class PagedKVCache:
         L, _, bs, h, row = self.k.shape
         return np.empty((2, n, L, bs, h if heads is None else heads, row), self.k.dtype)
 
-    def read_blocks(self, blocks) -> np.ndarray:
-        """K and V of cache blocks ``blocks``, as `block_data` holds them (the inverse of `write_blocks`)."""
+    def read_blocks(self, blocks, heads: tuple[int, int] | None = None, out: np.ndarray | None = None) -> np.ndarray:
+        """K and V of cache blocks ``blocks``, as `block_data` holds them (the inverse of `write_blocks`); ``heads``:
+        only this cache's KV heads h0..h1 (S17: a tensor rank's share); ``out``: written there (e.g. a slice of a
+        larger `block_data` array) and returned."""
         ids = np.asarray(blocks, np.int64)
-        out = self.block_data(len(ids))
+        h0, h1 = (0, self.k.shape[3]) if heads is None else heads
+        if out is None:
+            out = self.block_data(len(ids), h1 - h0)
         for j, cache in enumerate((self.k, self.v)):
-            out[j] = cache[:, ids].swapaxes(0, 1)
+            out[j] = cache[:, ids, :, h0:h1].swapaxes(0, 1)
         return out
 
     def write_blocks(self, blocks, data: np.ndarray) -> None:

@@ -18,6 +18,21 @@ from pyengine.engine.kv_cache import PagedKVCache, check_kv_dtype
 from pyengine.engine.step_plan import plan_step
 
 
+class StageInput:
+    """A step's input to this rank's stage: its plan and its buffers cut to its T rows (``x``: the activations)."""
+
+    def __init__(self, plan, buffers):
+        self.plan, self.buffers = plan, buffers
+
+    @property
+    def x(self) -> np.ndarray:
+        return self.buffers.x
+
+    @property
+    def logits_indices(self) -> np.ndarray:
+        return self.plan.logits_indices
+
+
 class ModelRunner:
     """``model``: path, bytes-like or GGUFFile, of any architecture in the registry (pyengine.models). Beyond the
     contract's limits:
@@ -174,6 +189,33 @@ class ModelRunner:
     def max_slots(self) -> int:
         """Padded context slots a batched query group may gather."""
         return min(tuning.DECODE_SLOTS, self.buffers.k_batch.shape[0])
+
+    # --- S17: a rank's part, as an executor of several ranks drives it (engine/executor.py `RankRunner`) --------
+    def run_part(self, batch: ForwardBatch) -> np.ndarray:
+        """This rank's part of a whole step on one stage: its layers (its heads and columns), then its head."""
+        plan = self.plan(batch)
+        return self.model.forward(plan, self.kv_cache, self.buffers.rows(plan.num_tokens))
+
+    def stage_input(self, batch: ForwardBatch) -> "StageInput":
+        """The plan of a stage's step and its activation rows (``x``: embedded here or received)."""
+        plan = self.plan(batch)
+        return StageInput(plan, self.buffers.rows(plan.num_tokens))
+
+    def embed(self, step: "StageInput") -> None:
+        self.model.embed(step.plan.token_ids, step.x)
+
+    def run_layers(self, step: "StageInput") -> None:
+        self.model.run_layers(step.plan, self.kv_cache, step.buffers)
+
+    def head(self, hidden: np.ndarray, first: int = 0) -> np.ndarray:
+        """Logits of ``hidden`` rows (the last stage's), in the arena's logits rows from ``first`` on (new ones if
+        more rows than planned); a tensor rank's columns gathered onto rank 0 by the parallel head."""
+        return self.model.logits(hidden, np.arange(len(hidden)), self.buffers, first)
+
+    def logits_rows(self, n: int) -> np.ndarray | None:
+        """The arena's first ``n`` logits rows (where `head` writes them), None when more than were planned."""
+        logits = self.buffers.logits
+        return logits[:n] if n <= logits.shape[0] else None
 
     # --- helpers for tests and benchmarks (the real generation loop is the engine's) -------------------
     def contiguous_batch(self, token_ids, start: int, logits_all: bool = False) -> ForwardBatch:

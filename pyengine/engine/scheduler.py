@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pyengine.engine.block_manager import BlockManager
-from pyengine.engine.chunk_budget import ChunkBudget, StepShape
+from pyengine.engine.chunk_budget import ChunkBudget, StepShape, check_target_itl_ms
 from pyengine.engine.sequence import Sequence, SequenceStatus
 
 
@@ -240,3 +240,14 @@ class Scheduler:
         seq.num_computed_tokens += num_accepted
         self.bm.trim(seq, seq.num_computed_tokens)
         self.bm.cache_computed_blocks(seq)
+
+
+def make_scheduler(config, block_manager: BlockManager) -> Scheduler:
+    """The scheduler of ``config``'s limits (a resolved `EngineArgs`); S11: a chunk budget unless chunking by a
+    target ITL is off."""
+    target = config.target_itl_ms
+    budget = ChunkBudget(target) if target is None or check_target_itl_ms(target) > 0 else None
+    return Scheduler(block_manager, max_num_seqs=config.max_num_seqs,
+                     max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
+                     enable_chunked_prefill=config.enable_chunked_prefill, watermark=config.watermark,
+                     aging_steps=config.aging_steps, chunk_budget=budget)

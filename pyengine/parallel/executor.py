@@ -3,7 +3,7 @@
 Rank 0 holds the engine and this executor; every rank (rank 0 too) holds a `ModelRunner` of its part of the model
 (its stage's layers, its heads and FFN columns, its KV heads), built with the rank's `MPIGroup` as its ``shard``.
 The executor drives the runners: a step's plan goes to every rank (``MPIGroup.send_step``), each runs its part
-(`MPIGroup.step`, which reads the runner's plan, buffers, model and KV cache), rank 0 gets the logits. The runners
+(`MPIGroup.step`, through the runner's `RankRunner` surface: engine/executor.py), rank 0 gets the logits. The runners
 never call back: they only plan, run layers and the head of their part. Calls run engine -> executor -> group ->
 runner -> model -> layers (the layers talk to the other ranks through the group, their communicator).
 """
@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from pyengine.engine.executor import RankRunner
 from pyengine.engine.forward_batch import ForwardBatch
 
 
 class MPIExecutor:
-    """Rank 0's driver of an MPI group's runners (``runner``: rank 0's own part; ``group``: the `MPIGroup`)."""
+    """Rank 0's driver of an MPI group's runners (``runner``: rank 0's own part, a `RankRunner`; ``group``: the
+    `MPIGroup`)."""
 
-    def __init__(self, runner, group):
+    def __init__(self, runner: RankRunner, group):
         self.runner, self.group = runner, group
         group.held = getattr(runner, "held", {})  # what rank 0 holds (weights, KV cache), in the group's stats
 

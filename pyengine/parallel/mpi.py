@@ -65,33 +65,23 @@ import time
 import numpy as np
 
 from pyengine.engine.forward_batch import ForwardBatch
+from pyengine.parallel.kv_shards import KVShards
 from pyengine.parallel.launcher_link import say_abort
 from pyengine.parallel.layout import plan_ranks
+from pyengine.parallel.rank_steps import RankSteps
+from pyengine.parallel.wire import (HEADER, OP_STATS, OP_STOP, TAG_PLAN, TAG_STOP, ParallelError, _PeerLost,
+                                    decode_batch, encode_batch)
 
-OP_STEP, OP_STOP, OP_STATS, OP_LAUNCH, OP_FINISH = 1, 2, 3, 4, 5
-OP_KV_GATHER, OP_KV_SCATTER = 6, 7     # S18: a TP instance's whole KV blocks (kv_gather / kv_scatter)
-HEADER = 8                     # int64 slots: op, T, sequences, logits rows, block-table entries, discard
 CROSS_STEP = True              # pp >= 2: M groups of sequences in flight across steps (PP 2 32-sequence decode
                                # 2.2-2.7x the within-step mode's in bench parallel: docs/performance.md)
-MICRO_BATCHES_PER_STAGE = 2    # within-step: 2M micro-batches per step, bubble (M-1)/(3M-1) (docs/performance.md)
 IDLE_SPIN_S = 0.005            # a worker waiting for the next step polls without sleeping this long, then sleeps
 IDLE_SLEEP_S = 0.0005
 DEFAULT_TIMEOUT_S = 60.0       # a step part that waits this long on another rank means that rank is stuck
-TAG_ACT, TAG_BACK, TAG_STOP, TAG_PLAN = 1000, 2000, 3000, 4000
-TAG_KV = 5000                  # S18: KV shards, follower -> rank 0 (gather) and rank 0 -> follower (+1, scatter)
 START_TIMEOUT_S = 600.0        # how long rank 0 waits for the slowest rank to load its part (large models)
 STOP_GRACE_S = 5.0             # after a failure: how long rank 0 waits for a live rank to take its STOP
 PEER_CHECK_S = 0.5             # a wait this long looks again for a lost peer (rank 0: a dead rank of this host; a
                                # worker: rank 0's STOP): ULFM's notice of a killed rank came after > 25 s once, loaded
 log = logging.getLogger("pyengine.parallel")
-
-
-class ParallelError(RuntimeError):
-    """A rank stopped answering: the group cannot run steps any more."""
-
-
-class _PeerLost(Exception):
-    """A worker's step met a failed or silent rank: it stops computing and waits for rank 0's STOP."""
 
 
 def ulfm_enabled() -> bool:
@@ -104,53 +94,11 @@ def launched_under_mpi() -> bool:
     return any(k in os.environ for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "PMI_RANK"))
 
 
-def encode_batch(batch: ForwardBatch, op: int = OP_STEP) -> tuple[np.ndarray, np.ndarray]:
-    """(header, payload) int64 arrays of a step plan."""
-    tables = [np.asarray(t, np.int64) for t in batch.block_tables]
-    lens = [len(t) for t in tables]
-    header = np.array([op, batch.num_tokens, batch.num_seqs, len(batch.logits_indices), sum(lens), 0, 0, 0],
-                      np.int64)
-    payload = np.concatenate([np.asarray(batch.token_ids, np.int64), np.asarray(batch.positions, np.int64),
-                              np.asarray(batch.query_lens, np.int64), np.asarray(batch.context_lens, np.int64),
-                              np.asarray(lens, np.int64)] + tables
-                             + [np.asarray(batch.logits_indices, np.int64)])
-    return header, payload
-
-
-def decode_batch(header: np.ndarray, payload: np.ndarray) -> ForwardBatch:
-    T, S, R, nt = (int(v) for v in header[1:5])
-    cut = np.cumsum([T, T, S, S, S, nt])
-    tok, pos, ql, cl, tl, flat, li = np.split(payload, cut)
-    tables = np.split(flat.astype(np.int32), np.cumsum(tl)[:-1]) if S else []
-    return ForwardBatch(tok, pos, ql.tolist(), cl.tolist(), tables, li)
-
-
-def split_batch(batch: ForwardBatch, n: int) -> list[tuple[ForwardBatch, np.ndarray]]:
-    """Cut a batch into ``n`` micro-batches of about T / n consecutive tokens; a sequence cut in two becomes a
-    first piece (its context ends where the piece does) and a second. Returns [(micro-batch, sel)]: sel = the
-    positions in batch.logits_indices of the micro-batch's logits rows, in its order."""
-    T = batch.num_tokens
-    n = max(1, min(n, T))
-    cuts = sorted({round(T * j / n) for j in range(n + 1)})
-    starts = np.concatenate([[0], np.cumsum(batch.query_lens)]).astype(np.int64)
-    li = np.asarray(batch.logits_indices, np.int64)
-    out = []
-    for a, b in zip(cuts, cuts[1:]):
-        ql, cl, tabs = [], [], []
-        for s, (q, c, t) in enumerate(zip(batch.query_lens, batch.context_lens, batch.block_tables)):
-            s0, s1 = int(starts[s]), int(starts[s] + q)
-            lo, hi = max(a, s0), min(b, s1)
-            if lo < hi:
-                ql.append(hi - lo)
-                cl.append(c - (s1 - hi))
-                tabs.append(t)
-        sel = np.nonzero((li >= a) & (li < b))[0]
-        out.append((ForwardBatch(batch.token_ids[a:b], batch.positions[a:b], ql, cl, tabs, li[sel] - a), sel))
-    return out
-
-
-class MPIGroup:
-    """This process's place in the MPI job and the messages of each step. ``tp`` x ``pp`` ranks; ``setup(config)``
+class MPIGroup(RankSteps, KVShards):
+    """This process's place in the MPI job: the communicator of the parallel layers (allreduce, gather_columns), the
+    orders of rank 0 with their deadlines and failures (here), this rank's part of each step (`RankSteps`,
+    parallel/rank_steps.py) and whole KV blocks of a tensor-parallel instance (`KVShards`, parallel/kv_shards.py);
+    the messages are parallel/wire.py's. ``tp`` x ``pp`` ranks; ``setup(config)``
     plans every rank's part (layout.plan_ranks) once the model's config is known. ``cross_step`` (rank 0's
     choice; the workers follow its orders): with pp >= 2, ``groups`` = pp steps in flight (see the module
     docstring), else one step at a time cut into micro-batches."""
@@ -458,203 +406,6 @@ class MPIGroup:
         self.busy_s = self.comm_s = 0.0
         self.steps = 0
         return self.world.gather(mine, 0)
-
-    # --- S18: whole KV blocks of a tensor-parallel instance ----------------------------------------------
-    # Each tensor rank's cache holds its KV heads (part.kv_heads, contiguous; with more ranks than KV heads a head
-    # is replicated). A disaggregated instance ships whole blocks (every KV head in order, the bytes as stored:
-    # a head's row is float32 / fp16 / q8_0 / q4_0 blocks of its own, so head slices of any format are exact):
-    # rank 0 gathers the others' heads of a block before packing it, and scatters a received block's heads to
-    # the ranks holding them. Orders ride on TAG_PLAN like a step's, so a follower writes a block before it
-    # runs any later step that reads it.
-    def _kv_heads(self, r: int) -> tuple[int, int]:
-        h = self.parts[r].kv_heads
-        return h[0], h[-1] + 1
-
-    def _kv_contrib(self, r: int) -> tuple[int, int]:
-        """The heads rank ``r`` sends in a gather: its own, less those an earlier rank holds (replicas)."""
-        h0, h1 = self._kv_heads(r)
-        before = max((self._kv_heads(q)[1] for q in range(r)), default=0)
-        return max(h0, before), h1
-
-    def _kv_shard(self, kv, blocks: np.ndarray, h0: int, h1: int) -> np.ndarray:
-        """(2, n, layers, block_size, h1 - h0, row) of this rank's cache: K and V of global heads h0..h1."""
-        l0 = h0 - self._kv_heads(self.rank)[0]
-        out = kv.block_data(len(blocks), h1 - h0)
-        for j, cache in enumerate((kv.k, kv.v)):
-            out[j] = np.take(cache[:, :, :, l0:l0 + h1 - h0], blocks, axis=1).swapaxes(0, 1)
-        return out
-
-    def kv_gather(self, kv, blocks) -> np.ndarray:
-        """Rank 0: (2, n, layers, block_size, all KV heads, row) — K and V of cache blocks ``blocks``, every
-        rank's heads put in place (one order and one message per contributing rank, however many blocks)."""
-        ids = np.asarray(blocks, np.int64)
-        out = kv.block_data(len(ids), self.n_kv_heads)
-        if self.tp > 1:
-            self._post(np.array([OP_KV_GATHER, len(ids), 0, 0, 0, 0, 0, 0], np.int64), ids, look=False)
-            # each follower's heads land in place: an MPI subarray type of ``out`` (no copy after the receive)
-            sizes = list(out.shape[:-1]) + [out.shape[-1] * out.itemsize]
-            types, reqs = [], []
-            for r in range(1, self.tp):
-                c0, c1 = self._kv_contrib(r)
-                if c1 > c0:
-                    t = self.MPI.BYTE.Create_subarray(sizes, sizes[:4] + [c1 - c0, sizes[5]], [0] * 4 + [c0, 0])
-                    types.append(t.Commit())
-                    reqs.append(self.world.Irecv([out.reshape(-1).view(np.uint8), 1, t], r, TAG_KV))
-        h0, h1 = self._kv_heads(0)            # meanwhile this rank's own heads, block by block
-        for j, b in enumerate(ids):
-            out[0, j, :, :, h0:h1] = kv.k[:, b]
-            out[1, j, :, :, h0:h1] = kv.v[:, b]
-        if self.tp > 1:
-            try:
-                self._wait(reqs, "KV gather")
-            finally:
-                for t in types:
-                    t.Free()
-        return out
-
-    def kv_scatter(self, kv, blocks, data: np.ndarray) -> None:
-        """Rank 0: write ``data`` (2, n, layers, block_size, all KV heads, row) into cache blocks ``blocks`` of
-        every rank, each its own heads; the others' shards are sent and not waited for."""
-        ids = np.asarray(blocks, np.int64)
-        h0, h1 = self._kv_heads(0)
-        kv.write_blocks(ids, data[:, :, :, :, h0:h1])
-        if self.tp == 1:
-            return
-        self._post(np.array([OP_KV_SCATTER, len(ids), 0, 0, 0, 0, 0, 0], np.int64), ids, look=False)
-        try:
-            for r in range(1, self.tp):
-                c0, c1 = self._kv_heads(r)
-                shard = np.ascontiguousarray(data[:, :, :, :, c0:c1])
-                self._sending.append((self.world.Isend([shard.reshape(-1).view(np.uint8), self.MPI.BYTE], r,
-                                                       TAG_KV + 1), shard))
-        except self.MPI.Exception as exc:
-            self._lost(f"failed (KV scatter: {exc.Get_error_string()})")
-
-    def _kv_follow(self, runner, op: int, n: int) -> None:
-        """A follower's part of a kv_gather / kv_scatter order."""
-        kv = runner.kv_cache
-        ids = self._recv(n, TAG_PLAN + 1)
-        if op == OP_KV_GATHER:
-            c0, c1 = self._kv_contrib(self.rank)
-            if c1 > c0:
-                shard = self._kv_shard(kv, ids, c0, c1)
-                self._wait(self.world.Isend([shard.reshape(-1).view(np.uint8), self.MPI.BYTE], 0, TAG_KV),
-                           "KV gather")
-            return
-        h0, h1 = self._kv_heads(self.rank)
-        shard = kv.block_data(n, h1 - h0)
-        self._wait(self.world.Irecv([shard.reshape(-1).view(np.uint8), self.MPI.BYTE], 0, TAG_KV + 1), "KV scatter")
-        kv.write_blocks(ids, shard)
-
-    # --- this rank's part of a step -------------------------------------------------------------------
-    def _timed(self, fn, *args, count: bool = True):
-        """Run a part of a step, counting it in ``steps`` and its time, less the waits, in ``busy_s``."""
-        t0, c0 = time.perf_counter(), self.comm_s
-        self._in_step = True
-        try:
-            return fn(*args)
-        finally:
-            self._in_step = False
-            self.steps += count
-            self.busy_s += time.perf_counter() - t0 - (self.comm_s - c0)
-
-    def step(self, runner, batch: ForwardBatch):
-        """One step at a time: this rank's part of it; rank 0 returns the logits (len(logits_indices), V)."""
-        return self._timed(self._step, runner, batch)
-
-    def launch(self, runner, batch: ForwardBatch) -> int:
-        """Rank 0, cross-step: start a step (its plan to every rank, stage 0's layers, activations sent on) and
-        return at once; ``finish`` it later, steps in launch order."""
-        self._post(*encode_batch(batch, OP_LAUNCH))
-        self._timed(self._stage_part, runner, batch)
-        rows = len(batch.logits_indices)
-        self._open.append(rows)
-        return rows
-
-    def finish(self, runner, discard: bool = False) -> np.ndarray | None:
-        """Rank 0, cross-step: the logits of the oldest launched step, once the last stage sends its rows
-        (``discard``: only take the rows back)."""
-        rows = self._open.pop(0)
-        if self.tp > 1:                   # the stage's other tensor ranks compute their columns of the head
-            self._post(self._order(OP_FINISH, rows, int(discard)), ranks=range(1, self.tp))
-        return self._timed(self._head_part, runner, rows, 0, 0, discard, count=False)
-
-    def _stage_part(self, runner, batch: ForwardBatch, j: int = 0) -> None:
-        """This stage's layers over ``batch`` (micro-batch ``j``): embed or receive, run, send on (not waited)."""
-        model, p = runner.model, self.part
-        plan = runner.plan(batch)
-        b = runner.buffers.rows(plan.num_tokens)
-        if p.stage == 0:
-            model.embed(plan.token_ids, b.x)
-        else:
-            self._wait(self.world.Irecv(b.x, self.prev, TAG_ACT + j), "activations")
-        model.run_layers(plan, runner.kv_cache, b)
-        if p.stage < self.pp - 1:
-            out, tag = b.x.copy(), TAG_ACT + j
-        else:                             # the last stage: the rows whose logits are wanted, back to stage 0
-            out, tag = np.take(b.x, plan.logits_indices, axis=0), TAG_BACK + j
-        self._sending.append((self.world.Isend(out, self.next, tag), out))
-        self._reap()
-
-    def _head_part(self, runner, rows: int, j: int = 0, first: int = 0, discard: bool = False):
-        """Stage 0: receive ``rows`` rows from the last stage, then the LM head over them (its tensor ranks'
-        columns gathered onto rank 0: rank 0's logits at buffers.logits[first:], or new ones if more rows);
-        ``discard``: only take the rows (a step still in flight at stop)."""
-        hx = np.empty((rows, self.d_model), np.float32)
-        self._wait(self.world.Irecv(hx, self.rank + (self.pp - 1) * self.tp, TAG_BACK + j), "last stage")
-        if discard:
-            return None
-        return runner.model.logits(hx, np.arange(rows), runner.buffers, first)
-
-    def _step(self, runner, batch):
-        model, kv, p = runner.model, runner.kv_cache, self.part
-        if self.pp == 1:
-            plan = runner.plan(batch)
-            return model.forward(plan, kv, runner.buffers.rows(plan.num_tokens))
-        mbs = split_batch(batch, MICRO_BATCHES_PER_STAGE * self.pp)
-        for j, (mb, _) in enumerate(mbs):
-            self._stage_part(runner, mb, j)
-        logits = None
-        if p.stage == 0:
-            b, R = runner.buffers, len(batch.logits_indices)
-            logits = b.logits[:R] if R <= b.logits.shape[0] else np.empty((R, runner.config.vocab_size), np.float32)
-            first = 0
-            for j, (mb, sel) in enumerate(mbs):
-                part = self._head_part(runner, len(sel), j, first)
-                if R > b.logits.shape[0]:                 # more rows than planned: not in b.logits
-                    logits[first:first + len(sel)] = part
-                first += len(sel)
-            order = np.concatenate([sel for _, sel in mbs])
-            if R and not np.array_equal(order, np.arange(R)):
-                out = np.empty_like(logits)
-                out[order] = logits
-                logits = out
-        self._reap(wait=True)
-        return logits
-
-    def worker_loop(self, runner) -> None:
-        """A worker rank: follow rank 0's orders until it says stop."""
-        self.held = runner.held                   # what this rank holds (weights, KV cache), in its stats
-        try:
-            while True:
-                header = self.recv_step()
-                if header is None:
-                    return
-                op = int(header[0])
-                if op == OP_STATS:
-                    self.stats()
-                elif op in (OP_KV_GATHER, OP_KV_SCATTER):     # S18: a disaggregated instance's KV blocks
-                    self._kv_follow(runner, op, int(header[1]))
-                elif op == OP_FINISH:     # stage 0's other tensor ranks: their columns of the LM head
-                    self._timed(self._head_part, runner, int(header[3]), 0, 0, bool(header[5]), count=False)
-                else:
-                    batch = self.recv_plan(header)
-                    self._timed(self._step if op == OP_STEP else self._stage_part, runner, batch)
-        except _PeerLost as exc:
-            self._failure = str(exc)
-            print(f"pyengine rank {self.rank}: {exc}; waiting for rank 0 to stop", file=sys.stderr, flush=True)
-            self.await_stop()
-
 
 def proc_state(pid: int) -> str:
     try:

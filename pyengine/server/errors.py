@@ -41,6 +41,21 @@ def bad_param(param: str, message: str) -> APIError:
     return APIError(400, message, param=param, code="invalid_value")
 
 
+def int_field(body: dict, name: str, lo: int, hi: int | None = None) -> int | None:
+    """A body's integer field (None when absent; 3.0 counts as 3), or a 400 naming it."""
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise bad_param(name, f"{name} must be an integer, got {v!r}")
+    if v < lo or (hi is not None and v > hi):
+        rng = f"at least {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise bad_param(name, f"{name} must be {rng}, got {v}")
+    return v
+
+
 def missing_param(param: str, message: str | None = None) -> APIError:
     return APIError(400, message or f"{param} is required", param=param, code="missing_required_parameter")
 

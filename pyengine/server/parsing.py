@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from pyengine.sampling_params import SamplingParams
 from pyengine.server.constraints import parse_structured, prepare_chat
 from pyengine.server.errors import APIError, bad_param, missing_param, param_named_in
+from pyengine.server.errors import int_field as _int
 from pyengine.server.reasoning import parser_for
-from pyengine.server.sampling_fields import FieldError, parse_priority, parse_sampling_fields
+from pyengine.server.sampling_fields import parse_priority, parse_sampling_fields
 from pyengine.tokenizer.length_bound import TooManyTokens
 
 MAX_N = 32                  # choices per request: each one is a sequence in the batch
@@ -86,20 +87,6 @@ def _float(body: dict, name: str, lo: float, hi: float, *, lo_open: bool = False
         lo_s = f"({lo}" if lo_open else f"[{lo}"
         raise bad_param(name, f"{name} must be in {lo_s}, {hi}], got {v}")
     return float(v)
-
-
-def _int(body: dict, name: str, lo: int, hi: int | None = None):
-    v = body.get(name)
-    if v is None:
-        return None
-    if isinstance(v, float) and v.is_integer():
-        v = int(v)
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise bad_param(name, f"{name} must be an integer, got {v!r}")
-    if v < lo or (hi is not None and v > hi):
-        rng = f"at least {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise bad_param(name, f"{name} must be {rng}, got {v}")
-    return v
 
 
 def _bool(body: dict, name: str, default: bool = False) -> bool:
@@ -203,11 +190,8 @@ def _common(body: dict, vocab_size: int, chat: bool = False) -> dict:
         speculative=_bool(body, "speculative", True),    # extension: false opts out of speculative decoding
         structured_outputs=structured,
     )
-    try:                            # issue 32: min_tokens, bad_words, allowed_token_ids, thinking_token_budget
-        kw.update(parse_sampling_fields(body, vocab_size))
-        priority = parse_priority(body)
-    except FieldError as exc:
-        raise bad_param(exc.param, str(exc)) from None
+    kw.update(parse_sampling_fields(body, vocab_size))   # issue 32: min_tokens, bad_words, allowed_token_ids, ...
+    priority = parse_priority(body)
     stream = _bool(body, "stream")
     so = body.get("stream_options")
     if so is not None:

@@ -8,18 +8,7 @@ Each bad value is a 400 naming its field. ``priority`` follows vLLM's sign: a lo
 """
 from __future__ import annotations
 
-
-
-class FieldError(ValueError):
-    """A bad value of one field (parsing.py turns it into OpenAI's 400 with ``param``)."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
-
-
-def bad_param(param: str, message: str) -> FieldError:
-    return FieldError(param, message)
+from pyengine.server.errors import bad_param, int_field
 
 MAX_PRIORITY = 1000                 # aging gains 1 per --aging-steps (64) steps: 64k steps at most behind one
 MAX_BAD_WORDS = 64
@@ -27,24 +16,10 @@ MAX_BAD_WORD_CHARS = 256
 FIELDS = ("min_tokens", "bad_words", "allowed_token_ids", "thinking_token_budget")
 
 
-def _int_field(body: dict, name: str, lo: int, hi: int | None = None) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if isinstance(v, float) and v.is_integer():
-        v = int(v)
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise bad_param(name, f"{name} must be an integer, got {v!r}")
-    if v < lo or (hi is not None and v > hi):
-        raise bad_param(name, f"{name} must be {'at least ' + str(lo) if hi is None else f'in [{lo}, {hi}]'}, "
-                              f"got {v}")
-    return v
-
-
 def parse_sampling_fields(body: dict, vocab_size: int) -> dict:
     """The SamplingParams keywords of the four fields (only those given)."""
     out = {}
-    min_tokens = _int_field(body, "min_tokens", 0)
+    min_tokens = int_field(body, "min_tokens", 0)
     if min_tokens is not None:
         cap = body.get("max_completion_tokens", body.get("max_tokens"))
         if isinstance(cap, int) and not isinstance(cap, bool) and cap >= 1 and min_tokens > cap:
@@ -74,7 +49,7 @@ def parse_sampling_fields(body: dict, vocab_size: int) -> dict:
                 raise bad_param("allowed_token_ids", f"allowed_token_ids holds {t!r}, not a token id in "
                                                      f"[0, {vocab_size})")
         out["allowed_token_ids"] = allowed
-    budget = _int_field(body, "thinking_token_budget", 0)
+    budget = int_field(body, "thinking_token_budget", 0)
     if budget is not None:
         out["thinking_token_budget"] = budget
     return out
@@ -82,5 +57,5 @@ def parse_sampling_fields(body: dict, vocab_size: int) -> dict:
 
 def parse_priority(body: dict) -> int:
     """The request's scheduling priority (0 when absent; lower is served earlier)."""
-    v = _int_field(body, "priority", -MAX_PRIORITY, MAX_PRIORITY)
+    v = int_field(body, "priority", -MAX_PRIORITY, MAX_PRIORITY)
     return 0 if v is None else v

@@ -323,14 +323,15 @@ def _rows_id(sig: np.ndarray) -> np.ndarray:
     return inv.reshape(-1)
 
 
-def _minimize(table: np.ndarray, accepting: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Moore's partition refinement over the (states, byte classes) table; the dead state stays 0 and
-    the start state becomes 1."""
+def minimize_by_labels(table: np.ndarray, labels) -> tuple[np.ndarray, np.ndarray]:
+    """Moore's partition refinement over the (states, byte classes) table, from the states' initial ``labels``
+    (the dead state 0 is a class of its own). Returns the minimal table (dead 0, start 1, the others in
+    first-seen order) and ``reps``: for each new state, an old state it stands for."""
     n = table.shape[0]
-    part = accepting.astype(np.int32)
+    part = np.asarray(labels).astype(np.int32).reshape(-1)
     part[0] = -1                                   # dead is its own class
     _, part = np.unique(part, return_inverse=True)
-    part = part.astype(np.int32)
+    part = part.reshape(-1).astype(np.int32)
     budget = _budget.current()
     while True:
         budget.check_time()
@@ -338,21 +339,22 @@ def _minimize(table: np.ndarray, accepting: np.ndarray) -> tuple[np.ndarray, np.
         if new.max() == part.max():
             break
         part = new
-    # renumber: dead -> 0, start -> 1, others in first-seen order
     order = {int(part[0]): 0}
     order.setdefault(int(part[1]), 1)
     for p in part.tolist():
-        if p not in order:
-            order[p] = len(order)
+        order.setdefault(p, len(order))
     remap = np.array([order[p] for p in range(int(part.max()) + 1)], dtype=np.int32)
-    m = len(order)
-    new_acc = np.zeros(m, dtype=bool)
-    reps = np.zeros(m, dtype=np.int64)
+    reps = np.zeros(len(order), dtype=np.int64)
     reps[remap[part]] = np.arange(n)
     new_table = remap[part[table[reps]]].astype(np.int32)
-    new_acc[:] = accepting[reps]
     new_table[0] = 0
-    return new_table, new_acc
+    return new_table, reps
+
+
+def _minimize(table: np.ndarray, accepting: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The minimal DFA of (table, accepting): the dead state stays 0 and the start state becomes 1."""
+    new_table, reps = minimize_by_labels(table, accepting)
+    return new_table, np.asarray(accepting, dtype=bool)[reps]
 
 
 class ByteDFA:

@@ -25,7 +25,7 @@ import numpy as np
 
 from . import budget as _budget
 from . import ir
-from .automaton import ByteDFA, MAX_DFA_STATES, _minimize, _rows_id, compile_rules
+from .automaton import ByteDFA, MAX_DFA_STATES, _minimize, _rows_id, compile_rules, minimize_by_labels
 from .ir import GrammarError
 
 MAX_STRING_STATES = 2048     # states of one string's automaton (it is embedded in the schema's DFA)
@@ -129,28 +129,8 @@ def _minimize_labelled(rows, acc, boundary):
     """Moore's refinement of the uncounted product with (accepting, at a character boundary) as the
     initial labels, so every counter value copies the fewest states (a wide class such as ``\\w`` spells
     many equivalent mid-character states). State 0 stays dead, 1 the start."""
-    table = np.array(rows, dtype=np.int32)
     label = np.array(acc, dtype=np.int32) * 2 + np.array(boundary, dtype=np.int32)
-    label[0] = -1
-    _, part = np.unique(label, return_inverse=True)
-    part = part.reshape(-1).astype(np.int32)
-    budget = _budget.current()
-    while True:
-        budget.check_time()
-        new = _rows_id(np.concatenate([part[:, None], part[table]], axis=1)).astype(np.int32)
-        if new.max() == part.max():
-            break
-        part = new
-    order = {int(part[0]): 0}
-    order.setdefault(int(part[1]), 1)
-    for q in part.tolist():
-        order.setdefault(q, len(order))
-    remap = np.array([order[q] for q in range(int(part.max()) + 1)], dtype=np.int32)
-    m = len(order)
-    reps = np.zeros(m, dtype=np.int64)
-    reps[remap[part]] = np.arange(len(rows))
-    new_table = remap[part[table[reps]]]
-    new_table[0] = 0
+    new_table, reps = minimize_by_labels(np.array(rows, dtype=np.int32), label)
     return new_table.tolist(), [bool(acc[r]) for r in reps.tolist()], [int(boundary[r]) for r in reps.tolist()]
 
 

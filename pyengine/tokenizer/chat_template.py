@@ -365,7 +365,9 @@ def recognize(template: str) -> tuple[str, dict] | None:
 
 
 # -- entry point ----------------------------------------------------------------------------------------------
-def _check_messages(messages, parts_ok: bool) -> list[dict]:
+def _check_messages(messages, parts_ok: bool, content: bool = True) -> list[dict]:
+    """The messages with their None values dropped (as HF does); ValueError naming the first bad one. With
+    ``content`` False a message's content may be missing or of any type (the template decides)."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
     out = []
@@ -375,9 +377,9 @@ def _check_messages(messages, parts_ok: bool) -> list[dict]:
         m = {k: v for k, v in m.items() if v is not None}   # HF drops None values first
         if not isinstance(m.get("role"), str):
             raise ValueError(f"messages[{i}] needs a string 'role'")
-        if "content" not in m:
+        if content and "content" not in m:
             raise ValueError(f"messages[{i}] needs a 'content'")
-        if not isinstance(m["content"], str) and not (parts_ok and isinstance(m["content"], list)):
+        if content and not isinstance(m["content"], str) and not (parts_ok and isinstance(m["content"], list)):
             raise ValueError(f"messages[{i}]['content'] must be a string"
                              + (" or a list of parts" if parts_ok else ""))
         out.append(m)
@@ -416,16 +418,7 @@ def _render_family(name, slots, messages, add_generation_prompt, variables) -> s
     """The S21 families' templates (chat_families.py): content may be missing or of any type there (the
     template decides, as jinja would: a tool-calling assistant turn has no text); roles must be strings."""
     _, renderer, _, options = FAMILY_TEMPLATES[name]
-    if not isinstance(messages, (list, tuple)) or not messages:
-        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
-    checked = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
-        m = {k: v for k, v in m.items() if v is not None}   # HF drops None values first
-        if not isinstance(m.get("role"), str):
-            raise ValueError(f"messages[{i}] needs a string 'role'")
-        checked.append(m)
+    checked = _check_messages(messages, parts_ok=True, content=False)
     if variables.get("tools") and "tools" not in options:
         raise ValueError(f"the {name} chat template does not take tools")
     if name == "phi3.5" and not isinstance(variables.get("eos_token"), str):

@@ -56,6 +56,21 @@ def int_field(body: dict, name: str, lo: int, hi: int | None = None) -> int | No
     return v
 
 
+def str_list(body: dict, name: str, most: int, noun: str = "strings") -> list[str] | None:
+    """A body's field that is a string or a list of strings (None when absent), at most ``most`` of them, or a
+    400 naming it."""
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise bad_param(name, f"{name} must be a string or a list of strings")
+    if len(v) > most:
+        raise bad_param(name, f"{name} may hold at most {most} {noun}, got {len(v)}")
+    return v
+
+
 def missing_param(param: str, message: str | None = None) -> APIError:
     return APIError(400, message or f"{param} is required", param=param, code="missing_required_parameter")
 

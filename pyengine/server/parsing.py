@@ -16,6 +16,7 @@ from pyengine.sampling_params import SamplingParams
 from pyengine.server.constraints import parse_structured, prepare_chat
 from pyengine.server.errors import APIError, bad_param, missing_param, param_named_in
 from pyengine.server.errors import int_field as _int
+from pyengine.server.errors import str_list
 from pyengine.server.reasoning import parser_for
 from pyengine.server.sampling_fields import parse_priority, parse_sampling_fields
 from pyengine.tokenizer.length_bound import TooManyTokens
@@ -99,15 +100,9 @@ def _bool(body: dict, name: str, default: bool = False) -> bool:
 
 
 def _stop(body: dict):
-    v = body.get("stop")
+    v = str_list(body, "stop", MAX_STOP)
     if v is None:
         return None
-    if isinstance(v, str):
-        v = [v]
-    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
-        raise bad_param("stop", "stop must be a string or a list of strings")
-    if len(v) > MAX_STOP:
-        raise bad_param("stop", f"stop may hold at most {MAX_STOP} strings, got {len(v)}")
     if any(s == "" for s in v):
         raise bad_param("stop", "stop strings must not be empty")
     return v

@@ -8,7 +8,7 @@ Each bad value is a 400 naming its field. ``priority`` follows vLLM's sign: a lo
 """
 from __future__ import annotations
 
-from pyengine.server.errors import bad_param, int_field
+from pyengine.server.errors import bad_param, int_field, str_list
 
 MAX_PRIORITY = 1000                 # aging gains 1 per --aging-steps (64) steps: 64k steps at most behind one
 MAX_BAD_WORDS = 64
@@ -26,14 +26,8 @@ def parse_sampling_fields(body: dict, vocab_size: int) -> dict:
             raise bad_param("min_tokens", f"min_tokens ({min_tokens}) must be less than or equal to "
                                           f"max_tokens ({cap})")
         out["min_tokens"] = min_tokens
-    words = body.get("bad_words")
+    words = str_list(body, "bad_words", MAX_BAD_WORDS, "words")
     if words is not None:
-        if isinstance(words, str):
-            words = [words]
-        if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
-            raise bad_param("bad_words", "bad_words must be a string or a list of strings")
-        if len(words) > MAX_BAD_WORDS:
-            raise bad_param("bad_words", f"bad_words may hold at most {MAX_BAD_WORDS} words, got {len(words)}")
         for w in words:
             if not w.strip() or len(w) > MAX_BAD_WORD_CHARS:
                 raise bad_param("bad_words", f"bad_words entries must be non-blank strings of at most "

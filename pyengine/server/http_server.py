@@ -3,6 +3,9 @@
 `ServerThread` (a background thread, for tests and `pyengine bench serve`).
 
 The server binds before `ServerThread.start()` returns, on a free port when port=0; `url` is then ready.
+What uvicorn lacks is added by plain classes: `ConnectionGuard` (one per server: header and first-byte deadlines,
+per-client upload accounting in `Uploads`; uvicorn's protocol factory) builds a `GuardedH11Protocol` per
+connection, and `GracefulServer` drains on SIGTERM / SIGINT.
 
 HTTP layer of the server (errors -> request parsing -> response shaping -> serving -> app): it imports errors
 and limits; the app it runs is any ASGI app (`Drain` is what it asks of create_app's state).
@@ -19,6 +22,10 @@ import socket
 import threading
 import time
 from typing import Protocol
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from pyengine.server.errors import error_body
 from pyengine.server.limits import ServerLimits
@@ -95,137 +102,151 @@ class Uploads:
         return len(self.by_client.get(key, ()))
 
 
-def _guarded_protocol(limits):
-    """uvicorn's h11 protocol, plus deadlines uvicorn lacks and a per-client bound on uploads:
-    - each request's headers must arrive within `header_timeout` (uvicorn closes idle keep-alive connections
+class ConnectionGuard:
+    """The deadlines and upload accounting one server's connections share (from its `ServerLimits`), and the
+    protocol factory uvicorn is given (``Config(http=guard)``: it calls it once per connection).
+
+    uvicorn's h11 protocol lacks:
+    - a deadline for each request's headers, `header_timeout` (uvicorn closes idle keep-alive connections
       but waits forever for a connection that sends nothing, or a header a byte a minute);
-    - a request body's first byte must arrive within `body_first_byte_timeout` (408), apart from the app's
+    - a deadline for a request body's first byte, `body_first_byte_timeout` (408), apart from the app's
       whole-body timeout, so a stalled upload does not hold its connection for the whole body timeout;
-    - one client address (an IPv6 /64) may have at most `max_uploads_per_client` connections whose body is
-      still arriving `upload_grace` s after its headers (at once when half the connection cap is taken); one more
-      is answered 429 and closed. Stalled uploads from one address then cannot fill the server's connection cap
-      and starve /health and every other client, while a burst of ordinary requests (whose bodies follow their
-      headers within milliseconds) is not counted at all on a server that is not crowded."""
-    import h11
-    from uvicorn.protocols.http.h11_impl import H11Protocol
+    - a per-client bound on uploads: one client address (an IPv6 /64) may have at most
+      `max_uploads_per_client` connections whose body is still arriving `upload_grace` s after its headers (at
+      once when half the connection cap is taken); one more is answered 429 and closed. Stalled uploads from one
+      address then cannot fill the server's connection cap and starve /health and every other client, while a
+      burst of ordinary requests (whose bodies follow their headers within milliseconds) is not counted at all
+      on a server that is not crowded."""
 
-    header_timeout, first_byte, grace = limits.header_timeout, limits.body_first_byte_timeout, limits.upload_grace
-    uploads = Uploads(max(1, limits.max_uploads_per_client))
-    pressure = max(1, limits.max_connections // 2)
+    def __init__(self, limits: ServerLimits):
+        self.header_timeout = limits.header_timeout
+        self.first_byte_timeout = limits.body_first_byte_timeout
+        self.upload_grace = limits.upload_grace
+        self.uploads = Uploads(max(1, limits.max_uploads_per_client))
+        self.pressure = max(1, limits.max_connections // 2)    # open connections from which uploads get no grace
 
-    class GuardedH11Protocol(H11Protocol):
-        _header_timer = None
-        _body_timer = None
-        _grace_timer = None
-        _uploading = None          # the cycle whose body is arriving (counted in `uploads` after the grace)
+    def __call__(self, **kw) -> "GuardedH11Protocol":
+        return GuardedH11Protocol(self, **kw)
 
-        def _arm(self) -> None:
-            self._disarm()
-            self._header_timer = self.loop.call_later(header_timeout, self._header_deadline)
 
-        def _disarm(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
+class GuardedH11Protocol(H11Protocol):
+    """One connection under a `ConnectionGuard`: uvicorn's h11 protocol plus the guard's deadlines and upload
+    accounting (the guard's docstring says which and why)."""
 
-        def _header_deadline(self) -> None:
-            if (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing():
-                self.transport.close()
+    def __init__(self, guard: ConnectionGuard, **kw):
+        super().__init__(**kw)
+        self.guard = guard
+        self._header_timer = None
+        self._body_timer = None
+        self._grace_timer = None
+        self._uploading = None          # the cycle whose body is arriving (counted in `uploads` after the grace)
 
-        @property
-        def _key(self) -> str:
-            return client_key(self.client[0] if self.client else None)
+    def _arm(self) -> None:
+        self._disarm()
+        self._header_timer = self.loop.call_later(self.guard.header_timeout, self._header_deadline)
 
-        def _refuse(self, payload: bytes) -> None:
-            """Answer (unless the app already started to) and close; the app's body read then sees a disconnect."""
-            self._end_upload()
-            if self.transport.is_closing():
-                return
-            cycle = self.cycle
-            if cycle is not None and not cycle.response_started:
-                self.transport.write(payload)
-            if cycle is not None:             # the app's reads see a disconnect, its writes are dropped
-                cycle.disconnected = True
-                cycle.message_event.set()
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _header_deadline(self) -> None:
+        if (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing():
             self.transport.close()
 
-        def _first_byte_deadline(self) -> None:
-            self._body_timer = None
-            if self._uploading is not None and self._uploading is self.cycle:
-                self._refuse(raw_error(408, "Request Timeout", f"The request body did not start within "
-                                       f"{first_byte:g} s.", "request_timeout"))
+    @property
+    def _key(self) -> str:
+        return client_key(self.client[0] if self.client else None)
 
-        def _end_upload(self) -> None:
+    def _refuse(self, payload: bytes) -> None:
+        """Answer (unless the app already started to) and close; the app's body read then sees a disconnect."""
+        self._end_upload()
+        if self.transport.is_closing():
+            return
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_started:
+            self.transport.write(payload)
+        if cycle is not None:             # the app's reads see a disconnect, its writes are dropped
+            cycle.disconnected = True
+            cycle.message_event.set()
+        self.transport.close()
+
+    def _first_byte_deadline(self) -> None:
+        self._body_timer = None
+        if self._uploading is not None and self._uploading is self.cycle:
+            self._refuse(raw_error(408, "Request Timeout", f"The request body did not start within "
+                                   f"{self.guard.first_byte_timeout:g} s.", "request_timeout"))
+
+    def _end_upload(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+        if self._grace_timer is not None:
+            self._grace_timer.cancel()
+            self._grace_timer = None
+        if self._uploading is not None:
+            self._uploading = None
+            self.guard.uploads.discard(self._key, self)
+
+    def _track_upload(self) -> None:
+        receiving = (self.cycle is not None and not self.cycle.response_complete
+                     and self.conn.their_state is h11.SEND_BODY)
+        if not receiving:
+            self._end_upload()
+            return
+        if self._uploading is self.cycle:             # more of a body already counted
             if self._body_timer is not None:
                 self._body_timer.cancel()
                 self._body_timer = None
-            if self._grace_timer is not None:
-                self._grace_timer.cancel()
-                self._grace_timer = None
-            if self._uploading is not None:
-                self._uploading = None
-                uploads.discard(self._key, self)
+            return
+        self._end_upload()                            # a new request's body begins
+        self._uploading = self.cycle
+        guard = self.guard
+        if not self.cycle.body:                       # headers only so far: the body's first byte is due
+            self._body_timer = self.loop.call_later(guard.first_byte_timeout, self._first_byte_deadline)
+        if guard.uploads.count(self._key) >= guard.uploads.per_client or len(self.connections) >= guard.pressure:
+            self._count_upload()     # its stalled ones fill its share, or the server is half full: no grace
+        else:
+            self._grace_timer = self.loop.call_later(guard.upload_grace, self._count_upload)
 
-        def _track_upload(self) -> None:
-            receiving = (self.cycle is not None and not self.cycle.response_complete
-                         and self.conn.their_state is h11.SEND_BODY)
-            if not receiving:
-                self._end_upload()
-                return
-            if self._uploading is self.cycle:             # more of a body already counted
-                if self._body_timer is not None:
-                    self._body_timer.cancel()
-                    self._body_timer = None
-                return
-            self._end_upload()                            # a new request's body begins
-            self._uploading = self.cycle
-            if not self.cycle.body:                       # headers only so far: the body's first byte is due
-                self._body_timer = self.loop.call_later(first_byte, self._first_byte_deadline)
-            if uploads.count(self._key) >= uploads.per_client or len(self.connections) >= pressure:
-                self._count_upload()     # its stalled ones fill its share, or the server is half full: no grace
-            else:
-                self._grace_timer = self.loop.call_later(grace, self._count_upload)
+    def _count_upload(self) -> None:
+        """The body is still arriving after the grace: it counts against its client's cap."""
+        self._grace_timer = None
+        if self._uploading is None or self._uploading is not self.cycle or self.transport.is_closing():
+            return
+        uploads = self.guard.uploads
+        if not uploads.add(self._key, self):
+            self._refuse(raw_error(429, "Too Many Requests", f"This client already has "
+                                   f"{uploads.per_client} requests whose body is still arriving "
+                                   f"(--max-uploads-per-client); finish one first.", "too_many_uploads",
+                                   retry_after=1))
 
-        def _count_upload(self) -> None:
-            """The body is still arriving after the grace: it counts against its client's cap."""
-            self._grace_timer = None
-            if self._uploading is None or self._uploading is not self.cycle or self.transport.is_closing():
-                return
-            if not uploads.add(self._key, self):
-                self._refuse(raw_error(429, "Too Many Requests", f"This client already has "
-                                       f"{uploads.per_client} requests whose body is still arriving "
-                                       f"(--max-uploads-per-client); finish one first.", "too_many_uploads",
-                                       retry_after=1))
+    def refuse_upload(self) -> None:
+        """A graceful stop: a body still arriving will not be served."""
+        if self._uploading is not None and self._uploading is self.cycle:
+            self._refuse(raw_error(503, "Service Unavailable", "The server is shutting down.", "shutting_down"))
 
-        def refuse_upload(self) -> None:
-            """A graceful stop: a body still arriving will not be served."""
-            if self._uploading is not None and self._uploading is self.cycle:
-                self._refuse(raw_error(503, "Service Unavailable", "The server is shutting down.", "shutting_down"))
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm()
 
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.cycle is not None and not self.cycle.response_complete:
+            self._disarm()            # a request is under way: its body has its own deadlines
+        if not self.transport.is_closing():
+            self._track_upload()
+
+    def on_response_complete(self) -> None:
+        self._end_upload()
+        super().on_response_complete()
+        if not self.transport.is_closing():
             self._arm()
 
-        def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            if self.cycle is not None and not self.cycle.response_complete:
-                self._disarm()            # a request is under way: its body has its own deadlines
-            if not self.transport.is_closing():
-                self._track_upload()
-
-        def on_response_complete(self) -> None:
-            self._end_upload()
-            super().on_response_complete()
-            if not self.transport.is_closing():
-                self._arm()
-
-        def connection_lost(self, exc) -> None:
-            self._disarm()
-            self._end_upload()
-            super().connection_lost(exc)
-
-    GuardedH11Protocol.uploads = uploads
-    return GuardedH11Protocol
+    def connection_lost(self, exc) -> None:
+        self._disarm()
+        self._end_upload()
+        super().connection_lost(exc)
 
 
 SHUTDOWN_MARGIN_S = 5.0    # after the shutdown timeout: time for the ended streams' last events to be sent
@@ -240,54 +261,57 @@ class Drain(Protocol):
     def end_streams(self, reason: str) -> int: ...
 
 
+class GracefulServer(uvicorn.Server):
+    """A `uvicorn.Server` that stops gracefully: admissions stopped, uploads still arriving refused with 503,
+    running requests given `grace` s, then `drain.end_streams` ends the rest."""
+
+    def __init__(self, config, drain: Drain | None, grace: float):
+        super().__init__(config)
+        self.drain, self.grace = drain, grace
+
+    async def shutdown(self, sockets=None) -> None:
+        busy = sum(1 for c in self.server_state.connections if c.cycle is not None
+                   and not c.cycle.response_complete)
+        log.info("shutting down: new requests are refused; %d running may take %g s to finish "
+                 "(--shutdown-timeout)", busy, self.grace)
+        if self.drain is not None:
+            self.drain.stop_admissions()
+        for conn in list(self.server_state.connections):
+            if isinstance(conn, GuardedH11Protocol):
+                conn.refuse_upload()
+        timer = asyncio.get_running_loop().call_later(self.grace, self._end_streams)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+    def _end_streams(self) -> None:
+        if self.drain is not None:
+            n = self.drain.end_streams(f"server shutting down (--shutdown-timeout {self.grace:g} s passed)")
+            if n:
+                log.warning("shutdown timeout: ended %d running request(s) with an error", n)
+
+
 def uvicorn_server(app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", limits=None,
-                   drain: Drain | None = None):
+                   drain: Drain | None = None) -> GracefulServer:
     """A `uvicorn.Server` for `app` with the connection limits of `limits` (a ServerLimits; default: the
     app's own, `app.state.limits`, else the defaults), stopping gracefully on SIGTERM / SIGINT (or
     `should_exit`): no new connections or requests, uploads still arriving refused with 503, running
     requests given `limits.shutdown_timeout` s to finish, then `drain.end_streams` (default: the app's own,
     `app.state.drain`) ends the rest, so every open stream ends with an error event and [DONE] instead of
     being cut."""
-    import uvicorn  # lazy: only servers pay for it
-
     app_state = getattr(app, "state", None)
     limits = limits or getattr(app_state, "limits", None) or ServerLimits()
-    drain = drain or getattr(app_state, "drain", None)
-    protocol = _guarded_protocol(limits)
     grace = limits.shutdown_timeout
     # a rank of an MPI job writes to a pty Open MPI gives it, even when the job's log is a file (launch.relaunch)
     colors = False if os.environ.get("PYENGINE_LOG_COLOR") == "0" else None
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", http=protocol,
-                            use_colors=colors,
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                            http=ConnectionGuard(limits), use_colors=colors,
                             ws="none", timeout_graceful_shutdown=grace + SHUTDOWN_MARGIN_S,
                             timeout_keep_alive=limits.keep_alive_timeout,
                             # uvicorn answers 503 once connections >= the limit, the asking one included
                             limit_concurrency=limits.max_connections + 1)
-
-    class GracefulServer(uvicorn.Server):
-        async def shutdown(self, sockets=None) -> None:
-            busy = sum(1 for c in self.server_state.connections if c.cycle is not None
-                       and not c.cycle.response_complete)
-            log.info("shutting down: new requests are refused; %d running may take %g s to finish "
-                     "(--shutdown-timeout)", busy, grace)
-            if drain is not None:
-                drain.stop_admissions()
-            for conn in list(self.server_state.connections):
-                if isinstance(conn, protocol):
-                    conn.refuse_upload()
-
-            def end() -> None:
-                if drain is not None:
-                    n = drain.end_streams(f"server shutting down (--shutdown-timeout {grace:g} s passed)")
-                    if n:
-                        log.warning("shutdown timeout: ended %d running request(s) with an error", n)
-            timer = asyncio.get_running_loop().call_later(grace, end)
-            try:
-                await super().shutdown(sockets)
-            finally:
-                timer.cancel()
-
-    return GracefulServer(config)
+    return GracefulServer(config, drain or getattr(app_state, "drain", None), grace)
 
 
 class ServerThread:

@@ -42,6 +42,29 @@ class ReasoningParser:
             lo, hi = (lo, mid) if self.end in decode(ids[:mid]) else (mid + 1, hi)
         return lo
 
+    def count_reasoning_tokens(self, decode, ids: list[int], in_reasoning: bool) -> int:
+        """Chat usage's ``completion_tokens_details.reasoning_tokens``, counted as vLLM's
+        `BaseThinkingReasoningParser.count_reasoning_tokens` does: the output tokens between the start and the
+        end tag, the tags' own tokens not counted (to the output's end when the thinking never closed; from its
+        start when the prompt opened it; 0 when the output does not think). The tags are text here (several
+        tokens each with a vocabulary that lacks them, or sharing a token with the text beside them): a token
+        counts when its text lies wholly between them. `count_tokens` (the Responses API's count) includes them."""
+        if not ids:
+            return 0
+        text = decode(ids)
+        lo = 0
+        if not in_reasoning:
+            stripped = text.lstrip()
+            if not stripped.startswith(self.start):
+                return 0
+            lo = len(text) - len(stripped) + len(self.start)
+        hi = text.find(self.end, lo)
+        hi = len(text) if hi < 0 else hi
+        # token i spans [L(i), L(i+1)) with L(k) = len(decode(ids[:k])): count the i with L(i) >= lo, L(i+1) <= hi
+        first = _first_prefix(decode, ids, lambda n: n >= lo)
+        last = _first_prefix(decode, ids, lambda n: n > hi) - 1
+        return max(0, last - first)
+
     def split(self, text: str, in_reasoning: bool) -> tuple[str | None, str]:
         """A whole output -> (reasoning or None, answer)."""
         s = ThinkSplitter(self, in_reasoning)
@@ -103,6 +126,15 @@ class ThinkSplitter:
         if self.mode == "reasoning":
             return held, ""
         return "", held if self.mode != "after" else ""
+
+
+def _first_prefix(decode, ids: list[int], pred) -> int:
+    """The least k in 0..len(ids) whose prefix text's length satisfies `pred` (monotone), len(ids) + 1 if none."""
+    lo, hi = 0, len(ids) + 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if pred(len(decode(ids[:mid]))) else (mid + 1, hi)
+    return lo
 
 
 def _partial_suffix(text: str, tag: str) -> int:

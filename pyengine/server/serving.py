@@ -104,6 +104,7 @@ class Generation:
         n_choices = len(parsed.prompts) * parsed.n
         self.tokens = [0] * n_choices          # tokens seen per choice
         self.texts = [""] * n_choices          # cumulative text per choice
+        self.token_ids: list[list[int]] = [[] for _ in range(n_choices)]   # cumulative token ids per choice
         self.finish: list[str | None] = [None] * n_choices
         self.last_token_at = [0.0] * n_choices
         self.first_token_at: float | None = None
@@ -123,6 +124,20 @@ class Generation:
     @property
     def completion_tokens(self) -> int:
         return sum(self.tokens)
+
+    def reasoning_tokens(self, tokenizer) -> int:
+        """Output tokens spent thinking, summed over the choices (vLLM's count: the tags not included)."""
+        p = self.parsed
+        if p.reasoning is None:
+            return 0
+        return sum(p.reasoning.count_reasoning_tokens(tokenizer.decode, ids, p.reasoning_open)
+                   for ids in self.token_ids)
+
+    def usage(self, tokenizer) -> dict:
+        """The body's ``usage``; chat's carries ``completion_tokens_details.reasoning_tokens`` as OpenAI's does."""
+        if self.parsed.kind != "chat":
+            return fmt.usage(self.prompt_tokens, self.completion_tokens)
+        return fmt.usage(self.prompt_tokens, self.completion_tokens, self.reasoning_tokens(tokenizer))
 
     async def start(self) -> None:
         """Add every prompt to the engine; on any refusal, withdraw the ones already added."""
@@ -181,6 +196,7 @@ class Generation:
                 if new_ids:
                     self._time_tokens(c, len(new_ids))
                 self.tokens[c] += len(new_ids)
+                self.token_ids[c] += new_ids
                 reason = comp.finish_reason or ("stop" if item.finished else None)
                 self.finish[c] = reason
                 yield Update(c, delta, new_ids, lps, reason)
@@ -238,7 +254,7 @@ async def collect(gen: Generation, tokenizer, model_id: str, created: int) -> di
     err = failure_error(gen)
     if err is not None:
         raise err
-    use = fmt.usage(gen.prompt_tokens, gen.completion_tokens)
+    use = gen.usage(tokenizer)
     choices = []
     for c in range(gen.n_choices):
         reason = fmt.openai_finish_reason(gen.finish[c])
@@ -271,16 +287,15 @@ async def stream(gen: Generation, tokenizer, model_id: str, created: int) -> Asy
     p = gen.parsed
     chat = p.kind == "chat"
     if chat and p.tool_plan is not None:     # S15: tool calls stream as delta.tool_calls
-        async for event in stream_tool_calls(gen, model_id, created):
+        async for event in stream_tool_calls(gen, tokenizer, model_id, created):
             yield event
         return
     chunk = fmt.chat_chunk if chat else fmt.completion_chunk
-    offsets = [0] * gen.n_choices
 
     def event(choices: list[dict]) -> bytes:
         return sse(chunk(gen.api_id, created, model_id, choices, p.include_usage))
 
-    splitters = None
+    splitters, offsets = None, [0] * gen.n_choices
     if chat:
         for c in range(gen.n_choices):
             yield event([fmt.chat_delta(c, {"role": "assistant", "content": ""})])
@@ -302,35 +317,47 @@ async def stream(gen: Generation, tokenizer, model_id: str, created: int) -> Asy
         if not (u.delta or u.logprobs or reason):
             continue
         if chat:
-            lp = fmt.chat_logprobs(tokenizer, u.token_ids, u.logprobs or [], p.logprobs) if u.logprobs else None
-            if splitters is not None:       # reasoning and answer as separate delta fields
-                r, a = splitters[u.choice].push(u.delta)
-                if reason:
-                    r2, a2 = splitters[u.choice].flush()
-                    r, a = r + r2, a + a2
-                delta = {**({"reasoning_content": r} if r and p.include_reasoning else {}),
-                         **({"content": a} if a else {})}
-                if not (delta or lp or reason):
-                    continue
-            else:
-                delta = {"content": u.delta} if u.delta or not reason else {}
-            yield event([fmt.chat_delta(u.choice, delta, reason, lp)])
+            choice = chat_stream_choice(p, tokenizer, u, reason, splitters and splitters[u.choice])
         else:
             lp = (fmt.completion_logprobs(tokenizer, u.token_ids, u.logprobs, p.logprobs, offsets[u.choice])
                   if u.logprobs else None)
             offsets[u.choice] += len(u.delta)
-            yield event([fmt.completion_choice(u.choice, u.delta, reason, lp)])
+            choice = fmt.completion_choice(u.choice, u.delta, reason, lp)
+        if choice is not None:
+            yield event([choice])
+    for end in stream_end(gen, tokenizer, chunk, model_id, created):
+        yield end
+
+
+def chat_stream_choice(p: ParsedRequest, tokenizer, u: Update, reason: str | None,
+                       splitter: ThinkSplitter | None) -> dict | None:
+    """One update of a chat stream as its choice delta (None: nothing to send); with a thinking model's
+    `splitter`, reasoning and answer as separate delta fields."""
+    lp = fmt.chat_logprobs(tokenizer, u.token_ids, u.logprobs or [], p.logprobs) if u.logprobs else None
+    if splitter is None:
+        return fmt.chat_delta(u.choice, {"content": u.delta} if u.delta or not reason else {}, reason, lp)
+    r, a = splitter.push(u.delta)
+    if reason:
+        r2, a2 = splitter.flush()
+        r, a = r + r2, a + a2
+    delta = {**({"reasoning_content": r} if r and p.include_reasoning else {}), **({"content": a} if a else {})}
+    return fmt.chat_delta(u.choice, delta, reason, lp) if delta or lp or reason else None
+
+
+def stream_end(gen: Generation, tokenizer, chunk, model_id: str, created: int):
+    """A stream's last events: why it failed (the client is gone if it disconnected; otherwise it learns why it
+    ended), else the usage chunk when ``stream_options.include_usage`` asked for it; then [DONE]."""
     err = failure_error(gen)
-    if err is not None:   # the client is gone if it disconnected; otherwise it learns why it ended
+    if err is not None:
         yield sse(err.body())
-    elif p.include_usage:
+    elif gen.parsed.include_usage:
         final = chunk(gen.api_id, created, model_id, [], False)
-        final["usage"] = fmt.usage(gen.prompt_tokens, gen.completion_tokens)
+        final["usage"] = gen.usage(tokenizer)
         yield sse(final)
     yield DONE
 
 
-async def stream_tool_calls(gen, model_id: str, created: int):
+async def stream_tool_calls(gen, tokenizer, model_id: str, created: int):
     """SSE events of a chat request with a tool plan: with a named function the arguments stream as they are
     generated; with required / auto the calls are sent once the reply is complete (only then is it known to be a
     call), as ``delta.tool_calls`` chunks the official client assembles."""
@@ -372,11 +399,5 @@ async def stream_tool_calls(gen, model_id: str, created: int):
         for k, call in enumerate(calls):
             yield event([fmt.chat_delta(u.choice, {"tool_calls": [{"index": k, **call}]})])
         yield event([fmt.chat_delta(u.choice, {}, "tool_calls")])
-    err = failure_error(gen)
-    if err is not None:
-        yield sse(err.body())
-    elif p.include_usage:
-        final = fmt.chat_chunk(gen.api_id, created, model_id, [], False)
-        final["usage"] = fmt.usage(gen.prompt_tokens, gen.completion_tokens)
-        yield sse(final)
-    yield DONE
+    for end in stream_end(gen, tokenizer, fmt.chat_chunk, model_id, created):
+        yield end

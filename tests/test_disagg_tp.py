@@ -201,14 +201,13 @@ def test_tp_kv_blocks_gather_and_scatter_whole_blocks(tmp_path, model, dtype):
 
 
 def test_rank_layout_router_then_each_instances_ranks_together():
-    from types import SimpleNamespace
-
-    from pyengine.disagg.launch import layout, role_tp, roles
+    from pyengine.disagg.launch import layout, roles
+    from pyengine.server.args import ServerArgs
     insts = layout(2, 1, 2, 3)
     assert [(i.role, i.ranks) for i in insts] == [("prefill", (1, 2)), ("prefill", (3, 4)), ("decode", (5, 6, 7))]
     assert roles(2, 1, 2, 3) == ([1, 3], [5])
     assert roles(1, 2) == ([1], [2, 3])                                   # without TP: 1 + P + D as before
-    args = SimpleNamespace(tensor_parallel_size=2, prefill_tensor_parallel_size=None, decode_tensor_parallel_size=1)
-    assert role_tp(args) == (2, 1)
+    args = ServerArgs(prefill_tensor_parallel_size=None, decode_tensor_parallel_size=1)   # --tensor-parallel-size 2
+    assert args.role_tp(2) == (2, 1)
     with pytest.raises(ValueError, match="tensor-parallel size must be >= 1"):
         layout(1, 1, 0, 1)

@@ -91,7 +91,7 @@ def test_every_ruled_package_exists(package):
 # A module imports only modules of lower layers, or of its own layer listed before it: calls run down,
 # app -> serving -> shaping -> parsing -> errors, and never back.
 SERVER_LAYERS = (
-    ("errors", "limits", "engine_client", "reasoning", "sampling_fields"),   # errors; plain data beside them
+    ("errors", "limits", "args", "engine_client", "reasoning", "sampling_fields"),   # errors; plain data beside
     ("constraints", "parsing"),                                           # request parsing
     ("shaping", "prompt_logprobs", "streaming"),                          # response and chunk shaping, SSE
     ("metrics", "engine_loop", "tokenizer_process", "grammar_worker", "serving", "responses",   # serving

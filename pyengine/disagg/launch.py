@@ -25,6 +25,7 @@ and KV format agree.
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from pyengine import tuning
 from pyengine.engine.args import EngineArgs, default_max_model_len
 from pyengine.llm import build_engine
+from pyengine.server.args import ServerArgs
 
 
 def prefill_nice() -> int:
@@ -74,67 +76,57 @@ def roles(prefill: int, decode: int, prefill_tp: int = 1, decode_tp: int = 1) ->
     return ([i.leader for i in insts if i.role == "prefill"], [i.leader for i in insts if i.role == "decode"])
 
 
-def role_tp(args) -> tuple[int, int]:
-    """(prefill, decode) tensor-parallel sizes: the role's own flag, else --tensor-parallel-size."""
-    tp = getattr(args, "tensor_parallel_size", 1)
-    pre, dec = getattr(args, "prefill_tensor_parallel_size", None), getattr(args, "decode_tensor_parallel_size", None)
-    return (tp if pre is None else pre), (tp if dec is None else dec)
-
-
-def uses_disagg(args) -> bool:
-    return bool(getattr(args, "prefill_instances", 0) or getattr(args, "decode_instances", 0))
-
-
-def run(args) -> int:
+def run(eargs: EngineArgs, sargs: ServerArgs) -> int:
+    """The job of a disaggregated ``pyengine serve`` (``sargs.disaggregated``): every instance is built from
+    `eargs` (with its own tensor-parallel size), the router serves the API with `sargs`."""
     from pyengine.parallel.mpi import launched_under_mpi
     try:
-        if getattr(args, "pipeline_parallel_size", 1) != 1:
+        if eargs.pipeline_parallel_size != 1:
             raise ValueError("--prefill-instances / --decode-instances split an instance by tensor parallelism only: "
                              "drop --pipeline-parallel-size")
-        tp = role_tp(args)
-        insts = layout(args.prefill_instances, args.decode_instances, *tp)
+        tp = sargs.role_tp(eargs.tensor_parallel_size)
+        insts = layout(sargs.prefill_instances, sargs.decode_instances, *tp)
         n = 1 + sum(len(i.ranks) for i in insts)
         if not launched_under_mpi():                  # one host: this command line as n ranks
             from pyengine.parallel.launch import check_split, relaunch
             from pyengine.server.http_server import bind_socket
             for t_ in sorted(set(tp)):
-                check_split(args.model, t_, 1)
-            bind_socket(args.host, args.port).close()     # a taken port fails before any rank starts
-            return relaunch(n, ["-m", "pyengine"] + sys.argv[1:],
-                            grace=getattr(args, "shutdown_timeout", 30.0) + 30)
+                check_split(eargs.model, t_, 1)
+            bind_socket(sargs.host, sargs.port).close()   # a taken port fails before any rank starts
+            return relaunch(n, ["-m", "pyengine"] + sys.argv[1:], grace=sargs.limits.shutdown_timeout + 30)
         from pyengine.parallel.launch import join_launcher
         join_launcher()                               # report to the launcher; leave at once if it dies
         from pyengine.disagg.kv_transfer import MPITransport
         t = MPITransport()
         if t.size != n:
-            raise ValueError(f"the MPI job has {t.size} ranks, --prefill-instances {args.prefill_instances} x "
-                             f"{tp[0]} + --decode-instances {args.decode_instances} x {tp[1]} need 1 + "
-                             f"{args.prefill_instances * tp[0]} + {args.decode_instances * tp[1]} = {n}")
+            raise ValueError(f"the MPI job has {t.size} ranks, --prefill-instances {sargs.prefill_instances} x "
+                             f"{tp[0]} + --decode-instances {sargs.decode_instances} x {tp[1]} need 1 + "
+                             f"{sargs.prefill_instances * tp[0]} + {sargs.decode_instances * tp[1]} = {n}")
     except (ValueError, OSError) as exc:
         print(f"pyengine serve: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=sargs.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     mine = next((i for i in insts if t.rank in i.ranks), None)
     # every rank takes part in the split (collective): the router alone, each instance's ranks together
     comm = t.comm.Split(t.MPI.UNDEFINED if mine is None else 1 + insts.index(mine), t.rank)
     if mine is None:
-        return serve_router(args, t, *roles(args.prefill_instances, args.decode_instances, *tp))
-    run_instance(args, t, mine, comm)
+        return serve_router(eargs, sargs, t, *roles(sargs.prefill_instances, sargs.decode_instances, *tp))
+    run_instance(eargs, t, mine, comm)
     return 0
 
 
-def run_instance(args, t, inst: InstanceRanks, comm) -> None:
+def run_instance(eargs: EngineArgs, t, inst: InstanceRanks, comm) -> None:
     """An instance's rank: its leader runs the instance loop, a follower its part of every step (in build_engine,
     until the leader stops it)."""
     from pyengine.disagg.decode_worker import DecodeWorker
     from pyengine.disagg.prefill_worker import PrefillWorker
-    args.max_waiting = None                           # the router bounds what waits
-    args.tensor_parallel_size, args.mpi_comm = len(inst.ranks), comm
+    # the router bounds what waits; the instance's own ranks split it
+    eargs = dataclasses.replace(eargs, max_waiting=None, tensor_parallel_size=len(inst.ranks))
     nice = prefill_nice() if inst.role == "prefill" else 0
     if nice and hasattr(os, "nice"):
         os.nice(nice)
-    engine = build_engine(EngineArgs.from_cli_args(args), comm=comm)   # a follower's worker loop runs in here
-    timeout = args.parallel_timeout or 60.0
+    engine = build_engine(eargs, comm=comm)           # a follower's worker loop runs in here
+    timeout = eargs.parallel_timeout or 60.0
     worker = PrefillWorker(engine, t, timeout) if inst.role == "prefill" else DecodeWorker(engine, t)
     freeze_heap()
     try:
@@ -151,43 +143,38 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
-def serve_router(args, t, pre: list[int], dec: list[int]) -> int:
+def serve_router(eargs: EngineArgs, sargs: ServerArgs, t, pre: list[int], dec: list[int]) -> int:
     from pyengine.disagg.metrics import DisaggMetrics
     from pyengine.disagg.router import Router
     from pyengine.gguf.reader import GGUFFile
     from pyengine.model_files import resolve_model
     from pyengine.parallel.launch import exit_normally_on_signals
-    from pyengine.server.app import create_app, served_names
-    from pyengine.server.guard import limits_from_args
+    from pyengine.server.app import create_app_from_args, served_names
     from pyengine.server.metrics import kv_capacity
     from pyengine.server.http_server import bind_socket, uvicorn_server
     from pyengine.tokenizer import Tokenizer
 
-    sock = bind_socket(args.host, args.port)
-    path = resolve_model(args.model)
+    sock = bind_socket(sargs.host, sargs.port)
+    path = resolve_model(eargs.model)
     print(f"pyengine serve: loading {os.path.basename(path)} (router on rank 0; prefill ranks {pre}, "
           f"decode ranks {dec}) ...", file=sys.stderr, flush=True)
     gguf = GGUFFile(path)
-    if getattr(args, "max_model_len", None) is None:
-        args.max_model_len = default_max_model_len(gguf)
-    router = Router(t, Tokenizer.from_gguf(gguf), gguf, pre, dec, args.max_model_len, max_waiting=args.max_waiting,
-                    timeout=args.parallel_timeout or 60.0)
+    max_model_len = eargs.max_model_len or default_max_model_len(gguf)
+    router = Router(t, Tokenizer.from_gguf(gguf), gguf, pre, dec, max_model_len, max_waiting=sargs.limits.max_waiting,
+                    timeout=eargs.parallel_timeout or 60.0)
     try:
         router.wait_ready()
         freeze_heap()
-        model_id, aliases = served_names(path)
-        if getattr(args, "served_model_name", None):
-            aliases, model_id = aliases + [model_id], args.served_model_name
-        app = create_app(router, model_id=model_id, aliases=aliases, api_key=args.api_key,
-                         max_model_len=args.max_model_len, max_body_bytes=args.max_body_bytes,
-                         metrics=DisaggMetrics(model_name=model_id), limits=limits_from_args(args))
+        model_id, aliases = served_names(path, sargs.served_model_name)
+        app = create_app_from_args(router, sargs, model_id=model_id, aliases=aliases, max_model_len=max_model_len,
+                                   metrics=DisaggMetrics(model_name=model_id))
         kv = "; ".join(f"{i.role} rank {r}: "
-                       + kv_capacity(i.info["num_blocks"], i.info["block_size"], args.max_model_len)
+                       + kv_capacity(i.info["num_blocks"], i.info["block_size"], max_model_len)
                        for r, i in router.instances.items())
-        print(f"pyengine serve: model {model_id} on http://{args.host}:{args.port} (disaggregated: prefill ranks "
-              f"{pre}, decode ranks {dec}; context {args.max_model_len}; {kv})", file=sys.stderr, flush=True)
+        print(f"pyengine serve: model {model_id} on http://{sargs.host}:{sargs.port} (disaggregated: prefill ranks "
+              f"{pre}, decode ranks {dec}; context {max_model_len}; {kv})", file=sys.stderr, flush=True)
         exit_normally_on_signals()
-        uvicorn_server(app, args.host, args.port, args.log_level).run(sockets=[sock])
+        uvicorn_server(app, sargs.host, sargs.port, sargs.log_level).run(sockets=[sock])
     finally:
         router.close()
     return 0

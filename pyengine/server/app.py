@@ -46,6 +46,7 @@ from pyengine.server import guard
 from pyengine.server import parsing as P
 from pyengine.server import responses as R
 from pyengine.server import serving as S
+from pyengine.server.args import MAX_BODY_BYTES, ServerArgs
 from pyengine.server.engine_client import EngineClient, check_engine_client
 from pyengine.server.engine_loop import EngineLoop
 from pyengine.server.grammar_worker import GrammarCompiler
@@ -57,18 +58,22 @@ from pyengine.server.tokenizer_process import TokenizerProcess
 
 log = logging.getLogger("pyengine.server")
 
-MAX_BODY_BYTES = 1 << 20          # 1 MiB: larger bodies get 413
 DRAIN_LIMIT = 64 << 20            # read (and drop) at most this much of an oversized body before answering
 
 
-def served_names(model_path: str | None) -> tuple[str, list[str]]:
-    """Model id clients must send, and accepted aliases: 'X.Q4_1.gguf' -> 'X.Q4_1', alias 'X'."""
+def served_names(model_path: str | None, served_model_name: str | None = None) -> tuple[str, list[str]]:
+    """Model id clients must send, and accepted aliases: 'X.Q4_1.gguf' -> 'X.Q4_1', alias 'X'; with
+    `served_model_name` (--served-model-name) that is the id and the file's names are aliases."""
     if not model_path:
-        return "pyengine", []
-    stem = os.path.basename(str(model_path))
-    if stem.lower().endswith(".gguf"):
-        stem = stem[:-5]
-    return stem, sorted({stem.split(".")[0]} - {stem})
+        stem, aliases = "pyengine", []
+    else:
+        stem = os.path.basename(str(model_path))
+        if stem.lower().endswith(".gguf"):
+            stem = stem[:-5]
+        aliases = sorted({stem.split(".")[0]} - {stem})
+    if served_model_name:
+        return served_model_name, aliases + [stem]
+    return stem, aliases
 
 
 def error_response(err: E.APIError) -> JSONResponse:
@@ -374,3 +379,13 @@ def create_app(engine: EngineClient, *, model_id: str | None = None, aliases=(),
     app.state.limits = limits
     app.state.drain = state
     return app
+
+
+def create_app_from_args(engine: EngineClient, args: ServerArgs, *, model_id: str, aliases=(),
+                         max_model_len: int | None = None, demo_app=None,
+                         metrics: ServerMetrics | None = None) -> Starlette:
+    """`create_app` with the options of a `ServerArgs` (what `pyengine serve` and the S18 router build)."""
+    grammars = GrammarCompiler(max_compile_s=args.max_grammar_compile_s, max_states=args.max_grammar_states)
+    return create_app(engine, model_id=model_id, aliases=aliases, api_key=args.api_key, max_model_len=max_model_len,
+                      max_body_bytes=args.max_body_bytes, demo_app=demo_app, metrics=metrics, limits=args.limits,
+                      prompt_cache_dir=args.prompt_cache_dir, grammars=grammars)

@@ -169,18 +169,3 @@ def middleware(limits: ServerLimits, api_key: str | None) -> list:
     stack.append(Middleware(AuthGuard, api_key=api_key))
     return stack
 
-
-def limits_from_args(args) -> ServerLimits:
-    """The `ServerLimits` of a parsed ``pyengine serve`` command line (the CLI and disagg's router share it)."""
-    d = ServerLimits()
-    return ServerLimits(body_timeout=args.body_timeout, header_timeout=args.header_timeout,
-                        keep_alive_timeout=args.keep_alive_timeout, max_connections=args.max_connections,
-                        max_waiting=args.max_waiting, max_waiting_tokens=args.max_waiting_tokens,
-                        max_tokens_per_request=args.max_tokens_per_request or None,
-                        special_tokens_in_content=args.special_tokens_in_content,
-                        tokenizer_process=not args.no_tokenizer_process,
-                        allowed_hosts=list(args.allowed_hosts), allowed_origins=list(args.allowed_origins),
-                        bind_host=args.host, stats_interval=args.stats_interval,
-                        body_first_byte_timeout=getattr(args, "body_first_byte_timeout", d.body_first_byte_timeout),
-                        max_uploads_per_client=getattr(args, "max_uploads_per_client", d.max_uploads_per_client),
-                        shutdown_timeout=getattr(args, "shutdown_timeout", d.shutdown_timeout))

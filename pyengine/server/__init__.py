@@ -3,7 +3,8 @@ each module imports only those listed below it (tests/test_import_direction.py c
 
 app.py           create_app(engine, ...): plain handlers (request, state), ROUTE_TABLE, body limits, lifespan
 guard.py         ServerLimits applied to every route: Host check, CORS, auth, 500s that close the connection
-http_server.py   uvicorn with the limits applied (header deadline, connection cap), a port bound early,
+http_server.py   uvicorn with the limits applied (ConnectionGuard: header and first-byte deadlines, uploads per
+                 client; connection cap), a port bound early,
                  a background-thread server (tests, benchmarks);  web.py: the S22 demo's dev server
 serving.py       one API request as engine requests: updates, streaming events, final bodies
 responses.py     /v1/responses on the chat pipeline
@@ -15,6 +16,6 @@ streaming.py     SSE framing over raw ASGI and client-disconnect detection (canc
 shaping.py       engine outputs -> OpenAI JSON: bodies, choices, chunks, logprobs, tool-call messages
 parsing.py       request bodies -> ParsedRequest (token ids, SamplingParams); /tokenize, /detokenize
 constraints.py   response_format / structured_outputs / tools -> a grammar spec and a ToolPlan
-errors.py        APIError (OpenAI's error shape) and its helpers;  limits.py, engine_client.py, reasoning.py:
-                 plain data and contracts beside it
+errors.py        APIError (OpenAI's error shape) and its helpers;  limits.py, args.py (ServerArgs: the server's
+                 options beside EngineArgs), engine_client.py, reasoning.py: plain data and contracts beside it
 """

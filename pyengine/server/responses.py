@@ -249,36 +249,81 @@ async def collect(gen, model_id: str, created: int, body: dict) -> dict:
     return shape.response("incomplete" if incomplete else "completed", items, _usage(gen, ids), incomplete)
 
 
-def _event(seq: list[int], kind: str, **fields) -> bytes:
-    seq[0] += 1
-    data = json.dumps({"type": kind, "sequence_number": seq[0], **fields}, separators=(",", ":"),
-                      ensure_ascii=False)
-    return f"event: {kind}\ndata: {data}\n\n".encode()
+class _Events:
+    """One streamed response's SSE events, numbered, and its output items in the order (= output_index) the
+    client was told of them."""
+
+    def __init__(self, shape: "_Shape"):
+        self.shape, self.seq = shape, -1
+        self.placed: list[dict] = []
+        self.message: dict | None = None           # the streamed message item
+        self.reasoning_id = "rs_" + uuid.uuid4().hex
+
+    def event(self, kind: str, **fields) -> bytes:
+        self.seq += 1
+        data = json.dumps({"type": kind, "sequence_number": self.seq, **fields}, separators=(",", ":"),
+                          ensure_ascii=False)
+        return f"event: {kind}\ndata: {data}\n\n".encode()
+
+    def whole(self, item: dict) -> list[bytes]:
+        """An item sent whole (a reasoning item, a tool call)."""
+        self.placed.append(item)
+        i = len(self.placed) - 1
+        return [self.event("response.output_item.added", output_index=i, item=item),
+                self.event("response.output_item.done", output_index=i, item=item)]
+
+    def reasoning(self, text: str) -> list[bytes]:
+        return self.whole({"type": "reasoning", "id": self.reasoning_id, "summary": [],
+                           "content": [{"type": "reasoning_text", "text": text}], "status": "completed"})
+
+    def text(self, delta: str) -> list[bytes]:
+        """Answer text; the message item opens with its first visible text."""
+        out = []
+        if self.message is None:
+            self.message = _message("", "in_progress")
+            self.message["content"] = []
+            self.placed.append(self.message)
+            out += [self.event("response.output_item.added", output_index=len(self.placed) - 1, item=self.message),
+                    self.event("response.content_part.added", item_id=self.message["id"],
+                               output_index=len(self.placed) - 1, content_index=0,
+                               part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})]
+        out.append(self.event("response.output_text.delta", item_id=self.message["id"],
+                              output_index=self.placed.index(self.message), content_index=0, delta=delta, logprobs=[]))
+        return out
+
+    def finish(self, items: list[dict]) -> list[bytes]:
+        """The final items: the streamed message closed with its whole text, the others sent whole."""
+        out = []
+        for item in items:
+            if item["type"] == "reasoning" and self.placed and self.placed[0]["id"] == self.reasoning_id:
+                continue                      # sent already, whole
+            if item["type"] == "message" and self.message is not None:
+                index = self.placed.index(self.message)
+                item["id"] = self.message["id"]
+                self.placed[index] = item
+                out += [self.event("response.output_text.done", item_id=item["id"], output_index=index,
+                                   content_index=0, text=item["content"][0]["text"], logprobs=[]),
+                        self.event("response.content_part.done", item_id=item["id"], output_index=index,
+                                   content_index=0, part=item["content"][0]),
+                        self.event("response.output_item.done", output_index=index, item=item)]
+                continue
+            if item["type"] == "reasoning":
+                item["id"] = self.reasoning_id
+            out += self.whole(item)
+        return out
 
 
 async def stream(gen, model_id: str, created: int, body: dict) -> AsyncIterator[bytes]:
     """Responses SSE events. Text streams as it is decided; a thinking model's reasoning item is sent whole when
     its answer starts; with tools the items are sent when the choice finishes (a reply is a call only once whole)."""
     p = gen.parsed
-    seq = [-1]
-    shape = _Shape("resp_" + gen.api_id.split("-", 1)[-1], created, model_id, body)
-    yield _event(seq, "response.created", response=shape.response("in_progress", [], None))
-    yield _event(seq, "response.in_progress", response=shape.response("in_progress", [], None))
-    buffered = p.tool_plan is not None
+    ev = _Events(_Shape("resp_" + gen.api_id.split("-", 1)[-1], created, model_id, body))
+    yield ev.event("response.created", response=ev.shape.response("in_progress", [], None))
+    yield ev.event("response.in_progress", response=ev.shape.response("in_progress", [], None))
     splitter = ThinkSplitter(p.reasoning, p.reasoning_open) if p.reasoning is not None else None
-    placed: list[dict] = []          # output items in the order (= output_index) the client was told
-    message: dict | None = None      # the streamed message item
     thought = ""
-    reasoning_id = "rs_" + uuid.uuid4().hex
-
-    def reasoning_item(text: str) -> dict:
-        return {"type": "reasoning", "id": reasoning_id, "summary": [],
-                "content": [{"type": "reasoning_text", "text": text}], "status": "completed"}
-
-    ids: list[int] = []
     async for u in gen.updates():
-        ids += u.token_ids
-        if buffered or not u.delta:
+        if p.tool_plan is not None or not u.delta:
             continue
         delta = u.delta
         if splitter is not None:
@@ -286,41 +331,18 @@ async def stream(gen, model_id: str, created: int, body: dict) -> AsyncIterator[
             thought += r
             if not delta:
                 continue
-            if thought and p.include_reasoning and not placed:      # the reasoning ended: send it whole
-                placed.append(reasoning_item(thought))
-                yield _event(seq, "response.output_item.added", output_index=0, item=placed[0])
-                yield _event(seq, "response.output_item.done", output_index=0, item=placed[0])
-        if message is None:              # the message item opens with its first visible text
-            message = _message("", "in_progress")
-            message["content"] = []
-            placed.append(message)
-            yield _event(seq, "response.output_item.added", output_index=len(placed) - 1, item=message)
-            yield _event(seq, "response.content_part.added", item_id=message["id"], output_index=len(placed) - 1,
-                         content_index=0, part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
-        yield _event(seq, "response.output_text.delta", item_id=message["id"], output_index=len(placed) - 1,
-                     content_index=0, delta=delta, logprobs=[])
+            if thought and p.include_reasoning and not ev.placed:      # the reasoning ended: send it whole
+                for e in ev.reasoning(thought):
+                    yield e
+        for e in ev.text(delta):
+            yield e
     err = failure_error(gen)
     if err is not None:
-        yield _event(seq, "error", code=err.code or "server_error", message=err.message, param=None)
+        yield ev.event("error", code=err.code or "server_error", message=err.message, param=None)
         return
     items, incomplete = _items(p, gen.texts[0], gen.finish[0])
-    for item in items:
-        if item["type"] == "reasoning" and placed and placed[0]["id"] == reasoning_id:
-            continue                      # sent already, whole
-        if item["type"] == "message" and message is not None:
-            index = placed.index(message)
-            item["id"] = message["id"]
-            placed[index] = item
-            yield _event(seq, "response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                         text=item["content"][0]["text"], logprobs=[])
-            yield _event(seq, "response.content_part.done", item_id=item["id"], output_index=index,
-                         content_index=0, part=item["content"][0])
-            yield _event(seq, "response.output_item.done", output_index=index, item=item)
-            continue
-        if item["type"] == "reasoning":
-            item["id"] = reasoning_id
-        placed.append(item)
-        yield _event(seq, "response.output_item.added", output_index=len(placed) - 1, item=item)
-        yield _event(seq, "response.output_item.done", output_index=len(placed) - 1, item=item)
-    final = shape.response("incomplete" if incomplete else "completed", placed, _usage(gen, ids), incomplete)
-    yield _event(seq, "response.incomplete" if incomplete else "response.completed", response=final)
+    for e in ev.finish(items):
+        yield e
+    final = ev.shape.response("incomplete" if incomplete else "completed", ev.placed, _usage(gen, gen.token_ids[0]),
+                              incomplete)
+    yield ev.event("response.incomplete" if incomplete else "response.completed", response=final)

@@ -122,64 +122,82 @@ def _tools(body: dict) -> tuple[list[dict], dict]:
 def parse_structured(body: dict, chat: bool) -> tuple[StructuredOutputsParams | None, ToolPlan | None]:
     """The constraint (and, for chat with tools, the tool plan) a request body asks for."""
     found = []
-    rf = body.get("response_format")
-    if rf is not None:
-        if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
-            raise bad_param("response_format", "response_format.type must be text, json_object or json_schema")
-        if rf["type"] == "json_object":
-            found.append(("response_format", StructuredOutputsParams(json_object=True)))
-        elif rf["type"] == "json_schema":
-            js = rf.get("json_schema")
-            if not isinstance(js, dict) or not isinstance(js.get("schema", {}), (dict, bool)):
-                raise bad_param("response_format", "response_format.json_schema must be {name, schema, strict}")
-            if "name" in js and not isinstance(js["name"], str):
-                raise bad_param("response_format", "response_format.json_schema.name must be a string")
-            found.append(("response_format", StructuredOutputsParams(json=js.get("schema", {}))))
-    so = body.get("structured_outputs")
-    if so is not None:
-        if not isinstance(so, dict):
-            raise bad_param("structured_outputs", "structured_outputs must be an object")
-        known = {"json", "regex", "choice", "grammar", "json_object"}
-        extra = set(so) - known - {"whitespace_pattern", "disable_fallback", "disable_any_whitespace",
-                                   "disable_additional_properties", "backend"}
-        if extra:
-            raise bad_param("structured_outputs", f"structured_outputs: unknown field {sorted(extra)[0]!r}")
-        found.append(("structured_outputs", _so(so, "structured_outputs", {k: so[k] for k in known if k in so})))
+    if body.get("response_format") is not None:
+        constraint = _response_format(body["response_format"])
+        if constraint is not None:
+            found.append(("response_format", constraint))
+    if body.get("structured_outputs") is not None:
+        found.append(("structured_outputs", _structured_outputs(body["structured_outputs"])))
     for alias, kind in _VLLM_ALIASES.items():
         if body.get(alias) is not None:
             found.append((alias, _so(body, alias, {kind: body[alias]})))
     plan = None
     if body.get("tools") and chat:
-        tools, params = _tools(body)
-        names = [t["name"] for t in tools]
-        tc = body.get("tool_choice", "auto")
-        parallel = body.get("parallel_tool_calls", True)
-        if not isinstance(parallel, bool):
-            raise bad_param("parallel_tool_calls", "parallel_tool_calls must be a boolean")
-        if isinstance(tc, dict):
-            fn = tc.get("function") if tc.get("type") == "function" else None
-            name = fn.get("name") if isinstance(fn, dict) else None
-            if not isinstance(name, str) or name not in params:
-                raise bad_param("tool_choice", f"tool_choice names no function of tools: {tc!r}")
-            plan = ToolPlan("named", names, name, parallel, params)
-            found.append(("tool_choice", StructuredOutputsParams(json=params[name])))
-        elif tc == "required":
-            call = [{"type": "object", "properties": {"name": {"const": n}, "arguments": params[n]},
-                     "required": ["name", "arguments"], "additionalProperties": False} for n in names]
-            schema = {"type": "array", "items": call[0] if len(call) == 1 else {"anyOf": call}, "minItems": 1}
-            if not parallel:
-                schema["maxItems"] = 1
-            plan = ToolPlan("required", names, None, parallel, params)
-            found.append(("tool_choice", StructuredOutputsParams(json=schema)))
-        elif tc == "auto":
-            plan = ToolPlan("auto", names, None, parallel, params)
-        elif tc != "none":
-            raise bad_param("tool_choice", "tool_choice must be none, auto, required or {\"type\": \"function\", ...}")
+        plan, constraint = _tool_plan(body)
+        if constraint is not None:
+            found.append(("tool_choice", constraint))
     elif body.get("tool_choice") not in (None, "none", "auto") and not body.get("tools"):
         raise bad_param("tool_choice", "tool_choice needs tools")
     if len(found) > 1:
         raise bad_param(found[1][0], f"{found[0][0]} and {found[1][0]} both constrain the output: send one")
     return (found[0][1] if found else None), plan
+
+
+def _response_format(rf) -> StructuredOutputsParams | None:
+    """OpenAI's response_format (None for "text")."""
+    if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+        raise bad_param("response_format", "response_format.type must be text, json_object or json_schema")
+    if rf["type"] == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if rf["type"] == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("schema", {}), (dict, bool)):
+            raise bad_param("response_format", "response_format.json_schema must be {name, schema, strict}")
+        if "name" in js and not isinstance(js["name"], str):
+            raise bad_param("response_format", "response_format.json_schema.name must be a string")
+        return StructuredOutputsParams(json=js.get("schema", {}))
+    return None
+
+
+def _structured_outputs(so) -> StructuredOutputsParams:
+    """vLLM's structured_outputs object."""
+    if not isinstance(so, dict):
+        raise bad_param("structured_outputs", "structured_outputs must be an object")
+    known = {"json", "regex", "choice", "grammar", "json_object"}
+    extra = set(so) - known - {"whitespace_pattern", "disable_fallback", "disable_any_whitespace",
+                               "disable_additional_properties", "backend"}
+    if extra:
+        raise bad_param("structured_outputs", f"structured_outputs: unknown field {sorted(extra)[0]!r}")
+    return _so(so, "structured_outputs", {k: so[k] for k in known if k in so})
+
+
+def _tool_plan(body: dict) -> tuple[ToolPlan | None, StructuredOutputsParams | None]:
+    """A chat body's tools and tool_choice: the plan, and the constraint a named or required choice puts on the
+    output (None for auto; (None, None) for "none")."""
+    tools, params = _tools(body)
+    names = [t["name"] for t in tools]
+    tc = body.get("tool_choice", "auto")
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise bad_param("parallel_tool_calls", "parallel_tool_calls must be a boolean")
+    if isinstance(tc, dict):
+        fn = tc.get("function") if tc.get("type") == "function" else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str) or name not in params:
+            raise bad_param("tool_choice", f"tool_choice names no function of tools: {tc!r}")
+        return ToolPlan("named", names, name, parallel, params), StructuredOutputsParams(json=params[name])
+    if tc == "required":
+        call = [{"type": "object", "properties": {"name": {"const": n}, "arguments": params[n]},
+                 "required": ["name", "arguments"], "additionalProperties": False} for n in names]
+        schema = {"type": "array", "items": call[0] if len(call) == 1 else {"anyOf": call}, "minItems": 1}
+        if not parallel:
+            schema["maxItems"] = 1
+        return ToolPlan("required", names, None, parallel, params), StructuredOutputsParams(json=schema)
+    if tc == "auto":
+        return ToolPlan("auto", names, None, parallel, params), None
+    if tc != "none":
+        raise bad_param("tool_choice", "tool_choice must be none, auto, required or {\"type\": \"function\", ...}")
+    return None, None
 
 
 def _so(holder: dict, param: str, fields: dict) -> StructuredOutputsParams:

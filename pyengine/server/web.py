@@ -80,7 +80,6 @@ def create_app(model: str | os.PathLike | None = None, web_root: str | os.PathLi
     """The demo as an ASGI app. `model`: GGUF served at /model/default.gguf (None: the page asks the user
     for a file). `pyodide`: base URL of another Pyodide build (e.g. the CDN) instead of /vendor/pyodide/."""
     from starlette.applications import Starlette
-    from starlette.responses import FileResponse, PlainTextResponse, Response
     from starlette.routing import Mount, Route
     from starlette.staticfiles import StaticFiles
 
@@ -103,26 +102,10 @@ def create_app(model: str | os.PathLike | None = None, web_root: str | os.PathLi
             resp.headers["cache-control"] = "no-cache"
             return resp
 
-    async def config_js(request):
-        cfg = page_config("./model/default.gguf" if model_path else None, pyodide)
-        return Response(f"window.PYENGINE_CONFIG = {json.dumps(cfg)};\n", media_type=MIME_TYPES[".js"],
-                        headers={"cache-control": "no-cache"})
-
-    async def default_model(request):
-        if model_path is None:
-            return PlainTextResponse("this server has no default model (start it with --model PATH)", 404)
-        # FileResponse answers Range requests itself (206 + Content-Range, 416 when unsatisfiable) and sets an
-        # ETag from size + mtime; a matching If-None-Match gets 304 without a body.
-        st = os.stat(model_path)
-        etag = '"' + hashlib.sha256(f"{st.st_size}-{st.st_mtime_ns}".encode()).hexdigest()[:32] + '"'
-        headers = {"cache-control": "no-cache", "etag": etag}
-        if _etag_matches(request.headers.get("if-none-match"), etag):
-            return Response(status_code=304, headers=headers)
-        return FileResponse(model_path, media_type=MIME_TYPES[".gguf"], headers=headers, stat_result=st)
-
+    pages = _DemoPages(model_path, pyodide)
     routes = [
-        Route("/config.js", config_js),
-        Route("/model/default.gguf", default_model, methods=["GET", "HEAD"]),
+        Route("/config.js", pages.config_js),
+        Route("/model/default.gguf", pages.default_model, methods=["GET", "HEAD"]),
     ]
     vendor = web / "vendor"
     if vendor.is_dir():
@@ -134,6 +117,32 @@ def create_app(model: str | os.PathLike | None = None, web_root: str | os.PathLi
     app.state.model_path = model_path
     app.add_middleware(_Isolation)
     return app
+
+
+class _DemoPages:
+    """The demo's two generated routes: /config.js and the default model file."""
+
+    def __init__(self, model_path: Path | None, pyodide: str | None):
+        self.model_path, self.pyodide = model_path, pyodide
+
+    async def config_js(self, request):
+        from starlette.responses import Response
+        cfg = page_config("./model/default.gguf" if self.model_path else None, self.pyodide)
+        return Response(f"window.PYENGINE_CONFIG = {json.dumps(cfg)};\n", media_type=MIME_TYPES[".js"],
+                        headers={"cache-control": "no-cache"})
+
+    async def default_model(self, request):
+        from starlette.responses import FileResponse, PlainTextResponse, Response
+        if self.model_path is None:
+            return PlainTextResponse("this server has no default model (start it with --model PATH)", 404)
+        # FileResponse answers Range requests itself (206 + Content-Range, 416 when unsatisfiable) and sets an
+        # ETag from size + mtime; a matching If-None-Match gets 304 without a body.
+        st = os.stat(self.model_path)
+        etag = '"' + hashlib.sha256(f"{st.st_size}-{st.st_mtime_ns}".encode()).hexdigest()[:32] + '"'
+        headers = {"cache-control": "no-cache", "etag": etag}
+        if _etag_matches(request.headers.get("if-none-match"), etag):
+            return Response(status_code=304, headers=headers)
+        return FileResponse(self.model_path, media_type=MIME_TYPES[".gguf"], headers=headers, stat_result=st)
 
 
 class _Isolation:

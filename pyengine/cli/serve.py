@@ -73,12 +73,12 @@ def engine_args(args) -> EngineArgs:
     return EngineArgs.from_cli_args(args).validate()
 
 
-def start_engine(eargs: EngineArgs, comm=None):
-    """(engine, model path) of checked engine options (a disaggregated instance's ranks: `comm`); ``eargs`` is
-    resolved in place (its max_model_len is the context the engine got)."""
+def start_engine(eargs: EngineArgs):
+    """(engine, model path) of checked engine options; ``eargs`` is resolved in place (its max_model_len is the
+    context the engine got)."""
     from pyengine.llm import build_engine as build
     path = eargs.model = eargs.model_path()
-    return build(eargs, comm=comm), path
+    return build(eargs), path
 
 
 def build_engine(args):

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from pyengine.engine.prompt_logprobs import init_request
+from pyengine.engine.request import EngineRequest
 from pyengine.layers.token_masks import build_token_masks
 
 
@@ -59,6 +61,23 @@ class InputProcessor:
             return None, [int(t) for t in prompt]
         raise ValueError("prompt must be a str, a list of token ids or {'prompt_token_ids': [...]}, "
                          f"got {type(prompt).__name__}")
+
+    def make_request(self, request_id: str, prompt, params, priority: int, arrival_time: float, pooling,
+                     fits) -> tuple[EngineRequest, int]:
+        """A new `EngineRequest` (no sequences yet) and its max_tokens, or ValueError: the prompt's form and ids,
+        the params, ``fits(num_prompt_tokens, max_tokens)`` (the scheduler's room), the grammar and token masks.
+        ``pooling``: S19's PoolingParams (the request then samples no token), else None."""
+        if not isinstance(priority, int):
+            raise ValueError(f"priority must be an int, got {priority!r}")
+        text, ids = self.encode(prompt)
+        max_tokens = self.check(ids, params)
+        max_tokens = 0 if pooling is not None else max_tokens
+        fits(len(ids), max_tokens)
+        req = EngineRequest(request_id, text, ids, params, priority, arrival_time)
+        req.matchers = self.matchers(params, params.n)
+        req.token_masks = self.token_masks(params, params.n, ids)
+        init_request(req, params, pooling, max_tokens)
+        return req, max_tokens
 
     def check(self, ids: list[int], params) -> int:
         return check_prompt(ids, params, self.vocab_size, self.max_model_len)

@@ -33,3 +33,20 @@ class EngineRequest:
     @property
     def finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
+
+
+def note_scheduled(sched, owner: dict, counters: dict, now: float) -> None:
+    """A step was scheduled: its requests are admitted, their first-scheduled time and cached tokens, the
+    preemptions, and the engine's step and prompt-token ``counters`` (``owner``: seq_id -> its request)."""
+    counters["steps"] += 1
+    for seq, n in sched.scheduled:
+        req = owner[seq.seq_id]
+        if req.metrics.first_scheduled_time is None:
+            req.metrics.first_scheduled_time = now
+            req.metrics.num_cached_tokens = seq.num_cached_tokens
+            counters["prompt_tokens"] += seq.num_prompt_tokens
+        req.admitted = True
+        # prompt tokens actually run through the model (cache hits excluded, recomputes included)
+        counters["computed_prompt_tokens"] += max(0, min(n, seq.num_prompt_tokens - seq.num_computed_tokens))
+    for seq in sched.preempted:
+        owner[seq.seq_id].metrics.num_preemptions += 1

@@ -120,15 +120,10 @@ class LLMEngine(PrefillHandoff):
             request_id, prompt, params, priority, time.monotonic() if arrival_time is None else arrival_time,
             pooling, self.scheduler.check_fits)
         for i in range(params.n):
-            seq = Sequence(self._next_seq_id, request_id, i, req.prompt_token_ids, params, priority,
-                           max_tokens=max_tokens)
+            seq = req.add_sequence(self._next_seq_id, max_tokens, self.block_manager.enable_prefix_caching,
+                                   None if params.greedy else make_rng(params, self.rng, i))
             self._next_seq_id += 1
-            if i > 0 and self.block_manager.enable_prefix_caching:
-                seq.wait_for = req.seqs[0]
-            req.seqs.append(seq)
             self.output_processor.add_sequence(req, params, max_tokens)
-            seq.skip_prefix_cache = i == 0 and (req.prompt_state is not None or req.pool is not None)
-            req.rngs.append(None if params.greedy else make_rng(params, self.rng, i))
             self._seq_owner[seq.seq_id] = req
         self.requests[request_id] = req
         for seq in req.seqs:

@@ -64,7 +64,7 @@ class LLMEngine(PrefillHandoff):
         self.clock = time.perf_counter          # S11: step durations for the chunk budget (tests inject one)
         self.sampler, self.rng = Sampler(), np.random.default_rng(config.seed)
         self.eos_token_ids = stop_token_ids(self.tokenizer)
-        self.vocab_size = int(getattr(self.tokenizer, "vocab_size", 0) or self.runner.config.vocab_size)
+        self.vocab_size = int(self.tokenizer.vocab_size or self.runner.config.vocab_size)
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, config.max_model_len, self.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, config.max_model_len)
         self.spec = None if config.speculative_config is None else make_speculative_decoder(
@@ -271,7 +271,7 @@ class LLMEngine(PrefillHandoff):
 
     def _captures(self) -> int:
         """S13: steps the runner has captured so far (0 without captured steps)."""
-        graphs = getattr(self.runner, "graphs", None)
+        graphs = self.runner.graphs
         return graphs.captures if graphs is not None else 0
 
     def _sample(self, sampled: list[Sequence], logits, deltas: dict) -> None:

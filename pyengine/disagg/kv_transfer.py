@@ -60,9 +60,8 @@ class KVBlocks:
 
     def views(self, blocks) -> list[tuple[np.ndarray, np.ndarray]]:
         """(K, V) of each of cache blocks ``blocks``, each (layers, block_size, KV heads, row), to be packed at
-        once: views of one read."""
-        data = self.read(blocks)
-        return [(data[0, j], data[1, j]) for j in range(len(blocks))]
+        once: alone, views of the cache itself (no copy); in a TP instance, of one gather."""
+        return self.executor.block_views(blocks)
 
     def write(self, blocks, data: np.ndarray) -> None:
         """Write ``data`` (as ``read`` returns it) into cache blocks ``blocks``."""

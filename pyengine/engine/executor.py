@@ -47,6 +47,8 @@ class KVBlockStore(Protocol):
 
     def write_blocks(self, blocks, data: np.ndarray) -> None: ...
 
+    def block_views(self, blocks) -> list[tuple[np.ndarray, np.ndarray]]: ...
+
 
 @runtime_checkable
 class KVRunner(Runner, Protocol):
@@ -100,7 +102,8 @@ class Executor(Protocol):
     """What `LLMEngine` drives. ``runner``: the runner of this process (its config, tokenizer, KV cache, gguf).
     ``pipeline_groups`` > 1: steps of different sequences may be in flight at once (``launch`` .. ``finish``, in
     launch order). ``failure``: why no more steps can run (a rank was lost), or None. KV blocks (S18 disagg):
-    ``read_blocks`` / ``write_blocks`` move whole blocks' K and V of every layer (all ranks' heads), ``block_layout``
+    ``read_blocks`` / ``write_blocks`` move whole blocks' K and V of every layer (all ranks' heads), ``block_views``
+    gives them per block (views of the cache when it is all here, no copy), ``block_layout``
     gives one such block's K shape (layers, block_size, KV heads, row) and dtype. ``group``: the
     communicator of this executor's ranks (None: one process)."""
     runner: Runner
@@ -121,6 +124,8 @@ class Executor(Protocol):
     def read_blocks(self, blocks) -> np.ndarray: ...
 
     def write_blocks(self, blocks, data: np.ndarray) -> None: ...
+
+    def block_views(self, blocks) -> list[tuple[np.ndarray, np.ndarray]]: ...
 
     def block_layout(self) -> tuple[tuple[int, int, int, int], np.dtype]: ...
 
@@ -151,6 +156,9 @@ class LocalExecutor:
 
     def write_blocks(self, blocks, data: np.ndarray) -> None:
         self.runner.kv_cache.write_blocks(np.asarray(blocks), data)
+
+    def block_views(self, blocks) -> list[tuple[np.ndarray, np.ndarray]]:
+        return self.runner.kv_cache.block_views(blocks)
 
     def block_layout(self) -> tuple[tuple[int, int, int, int], np.dtype]:
         k = self.runner.kv_cache.k

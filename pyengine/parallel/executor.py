@@ -60,6 +60,13 @@ class MPIExecutor:
         else:
             self.runner.kv_cache.write_blocks(np.asarray(blocks), data)
 
+    def block_views(self, blocks) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(K, V) of each whole block: views of one gather over the tensor ranks (of rank 0's cache with one)."""
+        if self.group.tp > 1:
+            data = self.read_blocks(blocks)
+            return [(data[0, j], data[1, j]) for j in range(len(blocks))]
+        return self.runner.kv_cache.block_views(blocks)
+
     def block_layout(self) -> tuple[tuple[int, int, int, int], np.dtype]:
         """One whole block's K: (layers, block_size, KV heads of every tensor rank, row), and its dtype."""
         k = self.runner.kv_cache.k

@@ -78,8 +78,8 @@ class LLM:
         from pyengine.sampling_params import model_sampling_defaults
         if self.engine_args.sampling_defaults:
             return SamplingParams(**self.engine_args.sampling_defaults)
-        gguf = getattr(self.llm_engine.runner, "gguf", None)       # an injected runner: ask its file
-        return SamplingParams(**model_sampling_defaults(getattr(gguf, "metadata", None)))
+        gguf = self.llm_engine.runner.gguf       # an injected runner: ask its file (None: it has none)
+        return SamplingParams(**model_sampling_defaults(gguf.metadata if gguf is not None else None))
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = False, priority=None) -> list:
         """Complete each prompt; returns the final `RequestOutput`s in input order.
@@ -102,8 +102,9 @@ class LLM:
         templates that take them (Qwen2.5, Qwen3), as in vLLM's LLM.chat; a template without tools refuses them."""
         convs = self._conversations(messages)
         extra = self._template_kwargs(tools, chat_template_kwargs)
+        from pyengine.engine.input_processor import ChatEncoder    # lazy: `import pyengine` stays light
         tok = self.get_tokenizer()
-        if hasattr(tok, "encode_chat"):      # message text stays plain text: control-token strings in it are
+        if isinstance(tok, ChatEncoder):     # message text stays plain text: control-token strings in it are
             prompts = []                     # characters, so no message can open a forged turn
             for c in convs:
                 text, ids = tok.encode_chat(c, add_generation_prompt=add_generation_prompt, **extra)

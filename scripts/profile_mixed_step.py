@@ -19,10 +19,9 @@ import time
 
 import numpy as np
 
+from pyengine.engine.args import EngineArgs
 from pyengine.engine.forward_batch import ForwardBatch
-from pyengine.engine.model_runner import ModelRunner
 from pyengine.layers import paged_attention as pa
-from pyengine.model_files import resolve_model
 from pyengine.models import base as mbase
 
 acc: dict = collections.defaultdict(float)
@@ -69,8 +68,8 @@ def main() -> None:
     a = ap.parse_args()
     N, C, D = a.prompt, a.chunk, a.decodes
     S = 3 * N // 4 if a.start is None else a.start
-    runner = ModelRunner(resolve_model(a.model), max_model_len=N + 64, max_num_batched_tokens=N + D + 16,
-                         max_num_seqs=D + 1, enforce_eager=True)
+    runner = EngineArgs(model=a.model, max_model_len=N + 64, max_num_batched_tokens=N + D + 16, max_num_seqs=D + 1,
+                        enforce_eager=True).create_runner()
     bs, nb = runner.block_size, runner.num_blocks
     rng = np.random.default_rng(2)
     long_ids = rng.integers(1000, 30000, size=N)

@@ -40,23 +40,30 @@ def main() -> None:
         from pyengine.parallel.launch import mpiexec_command, rank_env
         sys.exit(subprocess.run(mpiexec_command(a.tp, [os.path.abspath(__file__)] + sys.argv[1:]),
                                 env=rank_env()).returncode)
+    from pyengine.arena import Arena
     from pyengine.disagg.kv_transfer import KVBlocks, check_block, pack_data
+    from pyengine.engine.args import EngineArgs
+    from pyengine.engine.executor import LocalExecutor
+    from pyengine.engine.kv_cache import PagedKVCache
     from pyengine.engine.model_runner import ModelRunner
-    from pyengine.model_files import default_model_path
+    from pyengine.parallel.executor import MPIExecutor
     from pyengine.parallel.mpi import MPIGroup
+    eargs = EngineArgs(model=a.model, kv_cache_dtype=a.kv_dtype, max_model_len=1024, num_blocks=80, max_num_seqs=2,
+                       max_num_batched_tokens=64)
+    gguf = eargs.load_model()
     group = MPIGroup(a.tp, 1)
-    runner = ModelRunner(a.model or default_model_path(), parallel=group, kv_cache_dtype=a.kv_dtype,
-                         max_model_len=1024, num_blocks=80, max_num_seqs=2, max_num_batched_tokens=64)
+    runner = ModelRunner(gguf, shard=group, **eargs.runner_kwargs())
     if group.rank != 0:
         group.worker_loop(runner)
         return
+    executor = MPIExecutor(runner, group)
     try:
         kv = runner.kv_cache
-        tp_blocks = KVBlocks(kv, group)
+        tp_blocks = KVBlocks(executor)
         L, nb, bs, _, row = kv.k.shape
-        full = SimpleNamespace(k=np.zeros((L, nb, bs, group.n_kv_heads, row), kv.k.dtype))
-        full.v = np.zeros_like(full.k)
-        one = KVBlocks(full)                      # one process holding every head: the same bytes
+        specs = PagedKVCache.arena_specs(L, nb, bs, group.n_kv_heads, kv.head_dim, kv.dtype)
+        full = PagedKVCache(Arena.from_specs(specs), L, nb, bs, group.n_kv_heads, kv.head_dim, kv.dtype)
+        one = KVBlocks(LocalExecutor(SimpleNamespace(kv_cache=full)))   # one process, every head: the same bytes
         ids32, data1 = list(range(32)), tp_blocks.read([40])
         follower = 2 * sum(int(np.prod(one.shape[:2])) * (group._kv_contrib(r)[1] - group._kv_contrib(r)[0])
                            * row * kv.k.dtype.itemsize for r in range(1, a.tp))
@@ -86,7 +93,7 @@ def main() -> None:
             print(f"  {name:34s} {t_tp * 1e3:7.3f} ms/block  one process {t_one * 1e3:7.3f} ms/block  "
                   f"ratio {t_tp / t_one:5.2f}x  followers' bytes {moved / 1e6:.3f} MB/block")
     finally:
-        runner.close()
+        executor.close()
 
 
 if __name__ == "__main__":

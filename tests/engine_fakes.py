@@ -63,6 +63,7 @@ class FakeTokenizer:
 
 class FakeConfig:
     vocab_size = VOCAB
+    n_params = 0                # unknown (a draft model's cost then defaults)
 
 
 _MULT = np.uint64(0x9E3779B97F4A7C15)
@@ -103,6 +104,9 @@ class FakeRunner:
         self.config.vocab_size = self.tokenizer.vocab_size
         self.logits_fn = logits_fn or context_logits
         self.gguf = None                   # no model file (the engine's model_metadata() is then None)
+        self.graphs = self.expert_load = None   # no captured steps, no experts
+        self.max_model_len = self.max_num_seqs = None   # the engine's limits are its own
+        self.enforce_eager = False
         self.max_num_batched_tokens = max_num_batched_tokens
         n = num_blocks * block_size
         self.kv_tok = np.full(n, -1, dtype=np.int64)

@@ -50,7 +50,7 @@ def main() -> None:
         return
     ex = MPIExecutor(runner, group)           # rank 0 drives every rank's runner
     try:
-        blocks = KVBlocks(runner.kv_cache, group)
+        blocks = KVBlocks(ex)
         ids = prompt(runner.config.vocab_size)
         logits_a = prefill_and_decode(ex, TABLE, ids)
         gathered = blocks.read(TABLE)

@@ -169,6 +169,7 @@ def test_tp_kv_blocks_gather_and_scatter_whole_blocks(tmp_path, model, dtype):
     import numpy as np
 
     from pyengine.disagg.kv_transfer import KVBlocks
+    from pyengine.engine.executor import LocalExecutor
     from pyengine.engine.model_runner import ModelRunner
     from pyengine.gguf import quants
     from pyengine.parallel.launch import mpiexec_command, rank_env
@@ -183,7 +184,7 @@ def test_tp_kv_blocks_gather_and_scatter_whole_blocks(tmp_path, model, dtype):
     got = np.load(tmp_path / "kv.npz")
     r = ModelRunner(path, kv_cache_dtype=dtype, **RUNNER_KW)
     ref_logits = prefill_and_decode(r, TABLE, prompt(r.config.vocab_size))
-    ref = KVBlocks(r.kv_cache).read(TABLE)
+    ref = KVBlocks(LocalExecutor(r)).read(TABLE)
     assert got["gathered"].shape == ref.shape and got["gathered"].dtype == ref.dtype
     assert list(got["heads"]) == ([0, 2] if model == "smollm2" else [0, 0])
     np.testing.assert_array_equal(got["logits_b"], got["logits_a"])

@@ -110,10 +110,10 @@ def test_engine_over_a_runner_takes_its_limits_and_refuses_larger_ones(tiny):
     args = EngineArgs(model=tiny, max_model_len=128, max_num_seqs=3, max_num_batched_tokens=40, threads=1)
     runner = args.create_runner()
     from pyengine.engine.llm_engine import LLMEngine
-    eng = LLMEngine(runner=runner, tokenizer=object())
+    eng = LLMEngine(runner=runner, tokenizer=FakeTokenizer())
     assert (eng.max_model_len, eng.scheduler.max_num_seqs, eng.config.max_num_batched_tokens) == (128, 3, 40)
     with pytest.raises(ValueError, match="max_num_seqs=4 exceeds the model runner's max_num_seqs=3"):
-        LLMEngine(runner=runner, tokenizer=object(), max_num_seqs=4)
+        LLMEngine(runner=runner, tokenizer=FakeTokenizer(), max_num_seqs=4)
     with pytest.raises(ValueError, match="takes no other options"):
         LLMEngine(args, LocalExecutor(runner), max_num_seqs=2)
 
@@ -176,7 +176,7 @@ def test_named_contracts():
         mod = importlib.import_module(name)
         assert isinstance(mod, ArchitectureModule) and mod.ARCH == arch, name
     group = type("Group", (), {"groups": 2, "failure": None})()
-    assert isinstance(MPIExecutor(object(), group), Executor)
+    assert isinstance(MPIExecutor(type("R", (), {"held": {}})(), group), Executor)
     assert isinstance(LocalExecutor(object()), Executor)
     assert set(PROPOSERS) == set(spec_decode.METHODS)
     cfg = spec_decode.SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3})

@@ -137,8 +137,9 @@ def test_enforce_eager_reaches_the_runner_from_the_engine_and_the_cli(tmp_path):
     from pyengine.engine.llm_engine import LLMEngine
     import argparse
     path = str(write_tiny(tmp_path / "llama.gguf", "llama"))
+    from engine_fakes import FakeTokenizer
     runner = ModelRunner(path, **KW)
-    LLMEngine(runner=runner, tokenizer=object(), max_model_len=256, max_num_seqs=8, max_num_batched_tokens=160,
+    LLMEngine(runner=runner, tokenizer=FakeTokenizer(), max_model_len=256, max_num_seqs=8, max_num_batched_tokens=160,
               enforce_eager=True)
     assert runner.enforce_eager and runner.graphs is None
     runner.enforce_eager = False

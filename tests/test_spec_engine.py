@@ -21,6 +21,7 @@ from test_engine_fake_runner import check_against_reference
 class OracleProposer:
     """Greedy continuation of the fake model, with guess j of a round wrong when a hash says so."""
     free = True
+    relative_cost = 0.0
 
     def __init__(self, wrong_rate=0.3, seed=0, sampled_q=False):
         self.wrong_rate, self.seed, self.sampled_q = wrong_rate, seed, sampled_q

@@ -203,6 +203,7 @@ class LetterProposer:
     """Guesses letters that ignore the grammar, each position independently from a fixed q over a few
     letters ("U" is never allowed), and reports q (``report_q``) or only the guesses (one-hot)."""
     free = True
+    relative_cost = 0.0
 
     def __init__(self, weights: dict, report_q: bool = True):
         tok = FakeTokenizer()

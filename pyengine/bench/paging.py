@@ -78,13 +78,16 @@ def kv_waste(num_requests: int, max_model_len: int = 2048, block_size: int = 16,
              max_num_seqs: int = 64, seed: int = 0) -> dict:
     """Replay a mixed workload through Scheduler + BlockManager (each step: every scheduled sequence that
     reached its end gains a token) and integrate, over steps, the tokens held vs the memory reserved."""
+    from pyengine.engine.args import EngineArgs
     from pyengine.engine.block_manager import BlockManager
-    from pyengine.engine.scheduler import Scheduler
+    from pyengine.engine.scheduler import make_scheduler
     from pyengine.engine.sequence import Sequence
 
     rng = np.random.default_rng(seed)
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
-    sch = Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048, max_model_len=max_model_len)
+    # the engine's scheduler of these limits, no chunk budget (no step times in this replay)
+    sch = make_scheduler(EngineArgs(max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048,
+                                    target_itl_ms=0), bm)
     seqs = []
     for i in range(num_requests):
         plen = int(np.clip(rng.lognormal(np.log(200), 0.9), 8, 1024))
@@ -147,11 +150,11 @@ def _runner(args):
 
 
 def _engine(args, runner=None, **kw):
-    """An engine on ``runner`` (default: the run's shared one)."""
-    from pyengine.engine.llm_engine import LLMEngine
-    runner = runner or _runner(args)
+    """An engine of `EngineArgs(**kw)` (max_model_len 2048 unless given, the run's seed) on ``runner`` (default: the
+    run's shared one)."""
+    from pyengine.engine.args import EngineArgs
     kw.setdefault("max_model_len", 2048)
-    return LLMEngine(runner=runner, seed=args.seed, **kw)
+    return EngineArgs(seed=args.seed, **kw).create_engine(runner=runner or _runner(args))
 
 
 def _token_prompt(rng, n: int, lo: int = 1000, hi: int = 30000) -> list[int]:

@@ -43,32 +43,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 # --- inside one setup's job ----------------------------------------------------------------------------
 def _job(spec: dict) -> None:
+    from pyengine.engine.args import EngineArgs
     from pyengine.engine.executor import LocalExecutor
-    from pyengine.engine.llm_engine import LLMEngine
     from pyengine.engine.model_runner import ModelRunner
     from pyengine.sampling_params import SamplingParams
     tp, pp, backend = spec["tp"], spec["pp"], spec["backend"]
     n, steps = spec["sequences"], spec["steps"]
-    kw = dict(max_model_len=1024, max_num_batched_tokens=max(spec["prefill"], n), max_num_seqs=n, num_blocks=640)
+    eargs = EngineArgs(model=spec["model"], max_model_len=1024, max_num_batched_tokens=max(spec["prefill"], n),
+                       max_num_seqs=n, num_blocks=640)
+    gguf = eargs.load_model()
     group = None
     if backend == "mpi":
         from pyengine.parallel.executor import MPIExecutor
         from pyengine.parallel.mpi import MPIGroup
         group = MPIGroup(tp, pp, cross_step=spec.get("cross_step", True))
-        runner = ModelRunner(spec["model"], shard=group, **kw)
+        runner = ModelRunner(gguf, shard=group, **eargs.runner_kwargs())
         if group.rank != 0:
             group.worker_loop(runner)
             return
         executor = MPIExecutor(runner, group)
     else:
-        runner = ModelRunner(spec["model"], **kw)
+        runner = eargs.create_runner(gguf)
         executor = LocalExecutor(runner)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1000, 30000, size=int(rng.integers(8, 48))).tolist() for _ in range(n)]
     out = {}
 
     def decode(count: int) -> float:
-        eng = LLMEngine(executor=executor)       # the runner's own limits
+        eng = eargs.create_engine(executor)
         params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
         for i in range(count):
             eng.add_request(f"r{i}", {"prompt_token_ids": prompts[i]}, params)

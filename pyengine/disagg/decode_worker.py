@@ -65,7 +65,7 @@ class DecodeWorker(Instance):
         self.arrived: dict[int, tuple[int, set[int]]] = {}   # xid -> (n, indices of its sequences committed)
         self.counters.update(cached_blocks_hit=0)
         self.step_started = self.last_step_s = 0.0
-        self.blocks = KVBlocks(engine.runner.kv_cache, engine.executor.group)
+        self.blocks = KVBlocks(engine.executor)
 
     def handle(self, src: int, msg: dict) -> None:
         op, xid = msg["op"], msg.get("xid")

@@ -40,41 +40,32 @@ class TransferError(RuntimeError):
 
 
 class KVBlocks:
-    """An instance's KV blocks whole — every layer's K and V with all KV heads in order — whoever holds them.
+    """An instance's KV blocks whole — every layer's K and V with all KV heads in order — whoever holds them,
+    read and written through the engine's executor (engine/executor.py ``read_blocks`` / ``write_blocks``).
 
-    Alone (``group`` None) they are this process's `PagedKVCache` blocks. In a tensor-parallel instance each rank
-    holds its KV heads (parallel/layout.py); ``group`` is the instance's `MPIGroup` (this process its rank 0): a
-    read gathers the other ranks' heads of the blocks (one order and one message per rank, however many blocks),
-    a write keeps this rank's heads and sends the others theirs (not waited for). So a block message is the same
-    bytes whatever the tensor-parallel sizes of the two sides."""
+    Alone (`LocalExecutor`) they are this process's `PagedKVCache` blocks. In a tensor-parallel instance each rank
+    holds its KV heads (parallel/layout.py); its `MPIExecutor` (this process its rank 0) gathers the other ranks'
+    heads of the blocks on a read (one order and one message per rank, however many blocks) and on a write keeps
+    this rank's heads and sends the others theirs (not waited for). So a block message is the same bytes whatever
+    the tensor-parallel sizes of the two sides."""
 
-    def __init__(self, kv, group=None):
-        self.kv, self.group = kv, group if group is not None and group.tp > 1 else None
-        heads = kv.k.shape[3] if self.group is None else self.group.n_kv_heads
-        self.shape = (kv.k.shape[0], kv.k.shape[2], heads, kv.k.shape[4])   # one block's K: (L, bs, Hkv, row)
-        self.dtype = kv.k.dtype
+    def __init__(self, executor):
+        self.executor = executor
+        self.shape, self.dtype = executor.block_layout()    # one block's K: (L, bs, Hkv, row)
         self.nbytes = 2 * int(np.prod(self.shape)) * self.dtype.itemsize    # data bytes of a block message
 
     def read(self, blocks) -> np.ndarray:
         """(2, n, layers, block_size, KV heads, row): K and V of cache blocks ``blocks``."""
-        if self.group is not None:
-            return self.group.kv_gather(self.kv, blocks)
-        return self.kv.read_blocks(blocks)
+        return self.executor.read_blocks(blocks)
 
     def views(self, blocks) -> list[tuple[np.ndarray, np.ndarray]]:
         """(K, V) of each of cache blocks ``blocks``, each (layers, block_size, KV heads, row), to be packed at
         once: alone, views of the cache itself (no copy); in a TP instance, of one gather."""
-        if self.group is None:
-            return [(self.kv.k[:, b], self.kv.v[:, b]) for b in blocks]
-        data = self.read(blocks)
-        return [(data[0, j], data[1, j]) for j in range(len(blocks))]
+        return self.executor.block_views(blocks)
 
     def write(self, blocks, data: np.ndarray) -> None:
         """Write ``data`` (as ``read`` returns it) into cache blocks ``blocks``."""
-        if self.group is not None:
-            self.group.kv_scatter(self.kv, blocks, data)
-            return
-        self.kv.write_blocks(blocks, data)
+        self.executor.write_blocks(blocks, data)
 
 
 def pack_data(k: np.ndarray, v: np.ndarray, xid: int, index: int, chain_hash: bytes | None) -> np.ndarray:
@@ -97,7 +88,8 @@ def block_header(buf: np.ndarray) -> tuple[int, int, bytes]:
 
 def block_nbytes(kv) -> int:
     """Data bytes of one block message of this process's `PagedKVCache` ``kv`` (K and V of every layer)."""
-    return KVBlocks(kv).nbytes
+    L, _, bs, heads, row = kv.k.shape
+    return 2 * L * bs * heads * row * kv.k.dtype.itemsize
 
 
 def check_block(blocks: KVBlocks, buf: np.ndarray, expect_hash: bytes | None) -> np.ndarray:
@@ -199,6 +191,8 @@ class LoopbackNet:
 
 
 class LoopbackTransport:
+    comm = None                  # no MPI communicator (`MPITransport.comm`): nothing to abort
+
     def __init__(self, net: LoopbackNet, rank: int):
         self.net, self.rank, self.size = net, rank, len(net.inbox)
 

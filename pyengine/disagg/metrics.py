@@ -42,7 +42,7 @@ class DisaggMetrics(ServerMetrics):
             for key, gauge in self.inst.items():
                 if key in inst:
                     gauge.labels(*labels).set(float(inst[key]))
-        while getattr(engine, "transfers", None):
+        while engine.transfers:
             t = engine.transfers.pop(0)
             self.xfer_blocks.inc(t["blocks"])
             self.xfer_bytes.inc(t["bytes"])

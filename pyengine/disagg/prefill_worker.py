@@ -77,7 +77,7 @@ class PrefillWorker(Instance):
     def __init__(self, engine, transport, timeout: float = 60.0):
         super().__init__(engine, transport)
         engine.prefill_only = True
-        self.blocks = KVBlocks(engine.runner.kv_cache, engine.executor.group)
+        self.blocks = KVBlocks(engine.executor)
         self.timeout = timeout
         self.decode_of: dict[int, int] = {}      # xid -> the decode rank the router chose
         self.transfers: dict[int, Transfer] = {}  # xid -> the transfer under way (one sequence of it at a time)

@@ -86,12 +86,13 @@ class Router:
         self.instances = {r: InstanceState(r, "prefill") for r in prefill_ranks}
         self.instances.update({r: InstanceState(r, "decode") for r in decode_ranks})
         self.gguf = gguf
-        self.vocab_size = int(getattr(tokenizer, "vocab_size", 0) or 0)
+        self.vocab_size = int(tokenizer.vocab_size or 0)
         self.requests: dict[str, Routed] = {}
         self.by_xid: dict[int, Routed] = {}
         self._next_xid = 1
         self.inputs = InputProcessor(tokenizer, self.vocab_size, max_model_len)   # the engines' prompt forms
         self._checked = 0.0
+        self._closed = False
         self._drain_until = 0.0
         self._failed: list = []                      # failures found outside a step, returned by the next one
         self.transfers: list[dict] = []              # adopted transfers not yet seen by the metrics
@@ -258,14 +259,14 @@ class Router:
     def close(self) -> None:
         """Send every instance home (idempotent). With a dead or stopped rank the job is aborted instead
         (MPI cannot finish with a rank that does not take part)."""
-        if getattr(self, "_closed", False):
+        if self._closed:
             return
         self._closed = True
         if self.trace is not None:
             self.trace.close()
         for r in self.instances:
             self.t.send(r, {"op": "stop"})
-        comm = getattr(self.t, "comm", None)
+        comm = self.t.comm
         if comm is not None and any(i.dead for i in self.instances.values()):
             say_abort()                              # the launcher: the ranks this ends did not fail by themselves
             comm.Abort(0)

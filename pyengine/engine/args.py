@@ -26,6 +26,12 @@ WEIGHTS_MODES = ("resident", "lean")
 DEFAULT_LIMITS = {"max_model_len": 2048, "max_num_seqs": 64, "max_num_batched_tokens": 2048}
 
 
+def runner_limits(runner) -> dict:
+    """The limits a `Runner` (engine/executor.py) was built for, by `DEFAULT_LIMITS`' names (None: it has none)."""
+    return {"max_model_len": runner.max_model_len, "max_num_seqs": runner.max_num_seqs,
+            "max_num_batched_tokens": runner.max_num_batched_tokens}
+
+
 def _positive_int(name: str, value, none_ok: bool = False) -> None:
     if value is None and none_ok:
         return
@@ -151,10 +157,10 @@ class EngineArgs:
             config = load_config(gguf)
             self.kv_cache_dtype, self.max_num_batched_tokens = mode_defaults(
                 self.weights_mode, self.kv_cache_dtype, self.max_num_batched_tokens, config.head_dim)
+        have = {} if runner is None else runner_limits(runner)
         for name, default in DEFAULT_LIMITS.items():
             if getattr(self, name) is None and (name != "max_model_len" or gguf is None):
-                have = getattr(runner, name, None)
-                setattr(self, name, have if isinstance(have, int) else default)
+                setattr(self, name, have[name] if isinstance(have.get(name), int) else default)
         if gguf is None:
             return self
         self.model_context = int(config.context_length or 0) or None
@@ -163,7 +169,7 @@ class EngineArgs:
         elif self.model_context and self.max_model_len > self.model_context:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's context length "
                              f"{self.model_context}")
-        self.sampling_defaults = model_sampling_defaults(getattr(gguf, "metadata", None))
+        self.sampling_defaults = model_sampling_defaults(gguf.metadata)
         return self
 
     def runner_kwargs(self) -> dict:
@@ -204,7 +210,7 @@ class EngineArgs:
                 raise ValueError("tensor_parallel_size, pipeline_parallel_size and kv_cache_dtype build the runner: "
                                  "pass them to the runner you inject")
             self.resolve(None, runner)
-            if self.enforce_eager and hasattr(runner, "enforce_eager"):
+            if self.enforce_eager:
                 runner.enforce_eager = True
             return LocalExecutor(runner)
         if self.num_ranks > 1:
@@ -223,8 +229,8 @@ class EngineArgs:
 
     def check_runner(self, runner) -> None:
         """ValueError if the engine's limits exceed those ``runner`` was built for."""
-        for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
-            want, have = getattr(self, name), getattr(runner, name, None)
+        for name, have in runner_limits(runner).items():
+            want = getattr(self, name)
             if isinstance(have, int) and want > have:
                 raise ValueError(f"{name}={want} exceeds the model runner's {name}={have}")
 

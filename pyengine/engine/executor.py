@@ -17,9 +17,21 @@ from pyengine.engine.forward_batch import ForwardBatch
 @runtime_checkable
 class Runner(Protocol):
     """One rank's model runner as the engine and the executors see it (engine/model_runner.py; tests inject fakes).
-    ``run`` returns (len(logits_indices), V) float32 logits."""
+    ``run`` returns (len(logits_indices), V) float32 logits. ``config``: the model's (its ``vocab_size``,
+    ``d_model``, ``n_params``); ``gguf``: its model file (None without one); ``graphs``: S13's captured steps (None:
+    every step runs plain); ``expert_load``: S16's routed-token counts (None unless MoE); the limits it was built for
+    (None: it has none), which the engine's may not exceed; ``enforce_eager``: S13's off switch. Its ``tokenizer`` (a
+    property that may load or refuse) is read only by an engine given none."""
     num_blocks: int
     block_size: int
+    config: object
+    gguf: object
+    graphs: object
+    expert_load: object
+    max_model_len: int | None
+    max_num_seqs: int | None
+    max_num_batched_tokens: int | None
+    enforce_eager: bool
 
     def run(self, batch: ForwardBatch) -> np.ndarray: ...
 
@@ -34,6 +46,15 @@ class KVBlockStore(Protocol):
                     out: np.ndarray | None = None) -> np.ndarray: ...
 
     def write_blocks(self, blocks, data: np.ndarray) -> None: ...
+
+    def block_views(self, blocks) -> list[tuple[np.ndarray, np.ndarray]]: ...
+
+
+@runtime_checkable
+class KVRunner(Runner, Protocol):
+    """A `Runner` whose paged KV cache is in this process (engine/model_runner.py; S20's prompt cache reads and
+    writes its blocks)."""
+    kv_cache: KVBlockStore
 
 
 class StageInput(Protocol):
@@ -81,7 +102,9 @@ class Executor(Protocol):
     """What `LLMEngine` drives. ``runner``: the runner of this process (its config, tokenizer, KV cache, gguf).
     ``pipeline_groups`` > 1: steps of different sequences may be in flight at once (``launch`` .. ``finish``, in
     launch order). ``failure``: why no more steps can run (a rank was lost), or None. KV blocks (S18 disagg):
-    ``read_blocks`` / ``write_blocks`` move whole blocks' K and V of every layer (all ranks' heads). ``group``: the
+    ``read_blocks`` / ``write_blocks`` move whole blocks' K and V of every layer (all ranks' heads), ``block_views``
+    gives them per block (views of the cache when it is all here, no copy), ``block_layout``
+    gives one such block's K shape (layers, block_size, KV heads, row) and dtype. ``group``: the
     communicator of this executor's ranks (None: one process)."""
     runner: Runner
     group: object
@@ -101,6 +124,10 @@ class Executor(Protocol):
     def read_blocks(self, blocks) -> np.ndarray: ...
 
     def write_blocks(self, blocks, data: np.ndarray) -> None: ...
+
+    def block_views(self, blocks) -> list[tuple[np.ndarray, np.ndarray]]: ...
+
+    def block_layout(self) -> tuple[tuple[int, int, int, int], np.dtype]: ...
 
     def close(self) -> None: ...
 
@@ -129,6 +156,13 @@ class LocalExecutor:
 
     def write_blocks(self, blocks, data: np.ndarray) -> None:
         self.runner.kv_cache.write_blocks(np.asarray(blocks), data)
+
+    def block_views(self, blocks) -> list[tuple[np.ndarray, np.ndarray]]:
+        return self.runner.kv_cache.block_views(blocks)
+
+    def block_layout(self) -> tuple[tuple[int, int, int, int], np.dtype]:
+        k = self.runner.kv_cache.k
+        return (k.shape[0], k.shape[2], k.shape[3], k.shape[4]), k.dtype
 
     def close(self) -> None:
         """Nothing to stop: the runner lives in this process."""

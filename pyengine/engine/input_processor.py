@@ -5,9 +5,35 @@ One object decides what a request becomes before any scheduling: `LLMEngine.add_
 """
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import numpy as np
 
+from pyengine.engine.prompt_logprobs import init_request
+from pyengine.engine.request import EngineRequest
 from pyengine.layers.token_masks import build_token_masks
+
+
+class EngineTokenizer(Protocol):
+    """What the engine asks of a tokenizer (pyengine/tokenizer/tokenizer.py `Tokenizer`; tests' fakes) beyond what
+    detokenizing and stop checking use: ``vocab_size`` (None: the model's), the ids that end a sequence
+    (``stop_token_ids``, None: ``eos_token_id`` alone), and the BOS a text prompt starts with when ``add_bos_token``
+    (the GGUF's tokenizer.ggml.add_bos_token)."""
+    vocab_size: int | None
+    eos_token_id: int | None
+    bos_token_id: int | None
+    stop_token_ids: list[int] | None
+    add_bos_token: bool
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
+
+
+@runtime_checkable
+class ChatEncoder(Protocol):
+    """A tokenizer that renders and encodes a conversation itself, message text kept plain (`Tokenizer.encode_chat`):
+    `pyengine.llm.LLM.chat` prefers it to rendering the template then encoding the text."""
+
+    def encode_chat(self, messages, add_generation_prompt: bool = True, **kwargs) -> tuple[str, list[int]]: ...
 
 
 def check_prompt(ids: list[int], params, vocab_size: int, max_model_len: int) -> int:
@@ -27,11 +53,11 @@ def check_prompt(ids: list[int], params, vocab_size: int, max_model_len: int) ->
     return max_tokens
 
 
-def stop_token_ids(tok) -> set[int]:
+def stop_token_ids(tok: EngineTokenizer) -> set[int]:
     """The ids that end a sequence: the tokenizer's stop tokens, else its EOS."""
-    ids = getattr(tok, "stop_token_ids", None)
+    ids = tok.stop_token_ids
     if ids is None:
-        ids = [tok.eos_token_id] if getattr(tok, "eos_token_id", None) is not None else []
+        ids = [tok.eos_token_id] if tok.eos_token_id is not None else []
     return {int(t) for t in ids}
 
 
@@ -40,7 +66,8 @@ class InputProcessor:
     params against the vocabulary and the context: the request's max_tokens), ``matchers`` (S15: one grammar
     matcher per sequence; a schema the compiler refuses raises ValueError here)."""
 
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: set[int] | None = None):
+    def __init__(self, tokenizer: EngineTokenizer, vocab_size: int, max_model_len: int,
+                 eos_token_ids: set[int] | None = None):
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, int(vocab_size), int(max_model_len)
         self.eos_token_ids = stop_token_ids(tokenizer) if eos_token_ids is None else eos_token_ids
         self._structured = None                 # S15: built on the first constrained request
@@ -48,9 +75,9 @@ class InputProcessor:
     def encode(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-            bos = getattr(self.tokenizer, "bos_token_id", None)
+            bos = self.tokenizer.bos_token_id
             # SmolLM2/HF adds no BOS; Gemma does: follow the GGUF's tokenizer.ggml.add_bos_token flag.
-            if getattr(self.tokenizer, "add_bos_token", False) and bos is not None and ids[:1] != [bos]:
+            if self.tokenizer.add_bos_token and bos is not None and ids[:1] != [bos]:
                 ids = [bos] + ids
             return prompt, list(ids)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -59,6 +86,23 @@ class InputProcessor:
             return None, [int(t) for t in prompt]
         raise ValueError("prompt must be a str, a list of token ids or {'prompt_token_ids': [...]}, "
                          f"got {type(prompt).__name__}")
+
+    def make_request(self, request_id: str, prompt, params, priority: int, arrival_time: float, pooling,
+                     fits) -> tuple[EngineRequest, int]:
+        """A new `EngineRequest` (no sequences yet) and its max_tokens, or ValueError: the prompt's form and ids,
+        the params, ``fits(num_prompt_tokens, max_tokens)`` (the scheduler's room), the grammar and token masks.
+        ``pooling``: S19's PoolingParams (the request then samples no token), else None."""
+        if not isinstance(priority, int):
+            raise ValueError(f"priority must be an int, got {priority!r}")
+        text, ids = self.encode(prompt)
+        max_tokens = self.check(ids, params)
+        max_tokens = 0 if pooling is not None else max_tokens
+        fits(len(ids), max_tokens)
+        req = EngineRequest(request_id, text, ids, params, priority, arrival_time)
+        req.matchers = self.matchers(params, params.n)
+        req.token_masks = self.token_masks(params, params.n, ids)
+        init_request(req, params, pooling, max_tokens)
+        return req, max_tokens
 
     def check(self, ids: list[int], params) -> int:
         return check_prompt(ids, params, self.vocab_size, self.max_model_len)

@@ -8,7 +8,7 @@ from pyengine.engine.spec_decode import spec_stats
 def engine_stats(engine) -> dict:
     """The counters of ``engine`` (`LLMEngine.stats`): queues, KV blocks, prefix cache, steps, drafts, chunk budget."""
     bm, sch = engine.block_manager, engine.scheduler
-    load = getattr(getattr(engine.runner, "model", None), "expert_load", None)     # MoE models (S16)
+    load = engine.runner.expert_load        # MoE models (S16)
     return {
         **({"expert_load": load.snapshot()} if load is not None else {}),
         "running": len(sch.running), "waiting": len(sch.waiting), "preempted": len(sch.preempted),

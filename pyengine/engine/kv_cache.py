@@ -123,6 +123,11 @@ class PagedKVCache:
             out[j] = cache[:, ids, :, h0:h1].swapaxes(0, 1)
         return out
 
+    def block_views(self, blocks) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(K, V) of each of cache blocks ``blocks``, each (layers, block_size, KV heads, row): views of the cache
+        (no copy; S18 packs them into its block messages)."""
+        return [(self.k[:, b], self.v[:, b]) for b in blocks]
+
     def write_blocks(self, blocks, data: np.ndarray) -> None:
         """Cache blocks ``blocks`` <- ``data`` (as `block_data` holds it, with this cache's KV heads)."""
         ids = np.asarray(blocks, np.int64)

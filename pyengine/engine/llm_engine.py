@@ -32,8 +32,9 @@ from pyengine.engine.input_processor import InputProcessor, stop_token_ids
 from pyengine.engine.introspect import engine_snapshot, engine_stats
 from pyengine.engine.output_processor import OutputProcessor
 from pyengine.engine.outputs import RequestOutput
-from pyengine.engine.prompt_logprobs import PromptPass, finish_scoring, init_request, pooling_of
-from pyengine.engine.request import EngineOverloaded, EngineRequest
+from pyengine.engine.prompt_logprobs import PromptPass, finish_scoring, pooling_of
+from pyengine.engine.request import EngineOverloaded, EngineRequest, note_scheduled
+from pyengine.engine.sampler_step import sample_step
 from pyengine.engine.scheduler import SchedulerOutput, make_scheduler
 from pyengine.engine.sequence import Sequence
 from pyengine.engine.spec_decode import make_speculative_decoder
@@ -63,7 +64,7 @@ class LLMEngine(PrefillHandoff):
         self.clock = time.perf_counter          # S11: step durations for the chunk budget (tests inject one)
         self.sampler, self.rng = Sampler(), np.random.default_rng(config.seed)
         self.eos_token_ids = stop_token_ids(self.tokenizer)
-        self.vocab_size = int(getattr(self.tokenizer, "vocab_size", 0) or self.runner.config.vocab_size)
+        self.vocab_size = int(self.tokenizer.vocab_size or self.runner.config.vocab_size)
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, config.max_model_len, self.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, config.max_model_len)
         self.spec = None if config.speculative_config is None else make_speculative_decoder(
@@ -115,27 +116,14 @@ class LLMEngine(PrefillHandoff):
         if params is None:
             params = SamplingParams()
         pooling, params = pooling_of(self, params)     # S19: an embedding request
-        if not isinstance(priority, int):
-            raise ValueError(f"priority must be an int, got {priority!r}")
-        text, ids = self.input_processor.encode(prompt)
-        max_tokens = self.input_processor.check(ids, params)
-        max_tokens = 0 if pooling is not None else max_tokens
-        self.scheduler.check_fits(len(ids), max_tokens)
-
-        req = EngineRequest(request_id, text, ids, params, priority,
-                            time.monotonic() if arrival_time is None else arrival_time)
-        req.matchers = self.input_processor.matchers(params, params.n)
-        req.token_masks = self.input_processor.token_masks(params, params.n, ids)
-        init_request(req, params, pooling, max_tokens)
+        req, max_tokens = self.input_processor.make_request(
+            request_id, prompt, params, priority, time.monotonic() if arrival_time is None else arrival_time,
+            pooling, self.scheduler.check_fits)
         for i in range(params.n):
-            seq = Sequence(self._next_seq_id, request_id, i, ids, params, priority, max_tokens=max_tokens)
+            seq = req.add_sequence(self._next_seq_id, max_tokens, self.block_manager.enable_prefix_caching,
+                                   None if params.greedy else make_rng(params, self.rng, i))
             self._next_seq_id += 1
-            if i > 0 and self.block_manager.enable_prefix_caching:
-                seq.wait_for = req.seqs[0]
-            req.seqs.append(seq)
             self.output_processor.add_sequence(req, params, max_tokens)
-            seq.skip_prefix_cache = i == 0 and (req.prompt_state is not None or req.pool is not None)
-            req.rngs.append(None if params.greedy else make_rng(params, self.rng, i))
             self._seq_owner[seq.seq_id] = req
         self.requests[request_id] = req
         for seq in req.seqs:
@@ -233,20 +221,7 @@ class LLMEngine(PrefillHandoff):
                 # add_request's checks make this unreachable; fail loudly rather than spin forever
                 raise RuntimeError("scheduler could not schedule any of the unfinished requests")
             return None
-        now = time.monotonic()
-        self.counters["steps"] += 1
-        for seq, n in sched.scheduled:
-            req = self._seq_owner[seq.seq_id]
-            if req.metrics.first_scheduled_time is None:
-                req.metrics.first_scheduled_time = now
-                req.metrics.num_cached_tokens = seq.num_cached_tokens
-                self.counters["prompt_tokens"] += seq.num_prompt_tokens
-            req.admitted = True
-            # prompt tokens actually run through the model (cache hits excluded, recomputes included)
-            self.counters["computed_prompt_tokens"] += max(0, min(n, seq.num_prompt_tokens - seq.num_computed_tokens))
-        for seq in sched.preempted:
-            self._seq_owner[seq.seq_id].metrics.num_preemptions += 1
-
+        note_scheduled(sched, self._seq_owner, self.counters, time.monotonic())
         # S14's back-off prices draft lengths by the times of steps that only decode (no prompt chunks)
         decode_only = all(n == 1 + len(s.spec_token_ids) for s, n in sched.scheduled) and not sched.preempted
         batch, sampled = build_batch(sched, lambda s: self._seq_owner[s.seq_id].score_only)
@@ -296,37 +271,13 @@ class LLMEngine(PrefillHandoff):
 
     def _captures(self) -> int:
         """S13: steps the runner has captured so far (0 without captured steps)."""
-        graphs = getattr(self.runner, "graphs", None)
+        graphs = self.runner.graphs
         return graphs.captures if graphs is not None else 0
 
     def _sample(self, sampled: list[Sequence], logits, deltas: dict) -> None:
-        """Plain rows through the batch sampler; sequences with drafts through the rejection sampler."""
+        """Sample (engine/sampler_step.py), append each sequence's tokens, count its drafts' fate."""
         reqs = [self._seq_owner[s.seq_id] for s in sampled]
-        rows, row = [], 0
-        for s in sampled:
-            rows.append(row)
-            row += 1 + len(s.spec_token_ids)
-        plain = [i for i, s in enumerate(sampled) if not s.spec_token_ids]
-        results: list = [None] * len(sampled)
-        if plain:
-            sel = logits if len(plain) == len(logits) else logits[[rows[i] for i in plain]]
-            allowed = None                      # S15: the grammar's token mask of each constrained row
-            if any(reqs[i].matchers is not None for i in plain):
-                allowed = [reqs[i].matchers[sampled[i].index].allowed_mask() if reqs[i].matchers is not None
-                           else None for i in plain]
-            token_masks = None                  # issue 32: allowed_token_ids, bad_words, min_tokens, thinking
-            if any(reqs[i].token_masks is not None for i in plain):
-                token_masks = [reqs[i].token_masks[sampled[i].index] if reqs[i].token_masks is not None
-                               else None for i in plain]
-            tokens, infos = self.sampler.sample(
-                sel, [reqs[i].params for i in plain], [sampled[i].prompt_token_ids for i in plain],
-                [sampled[i].output_token_ids for i in plain], [reqs[i].rngs[sampled[i].index] for i in plain],
-                allowed=allowed, token_masks=token_masks)
-            for i, tok, info in zip(plain, tokens.tolist(), infos):
-                results[i] = ([int(tok)], [info])
-        for i, seq in enumerate(sampled):
-            if results[i] is None:
-                results[i] = self.drafts.verify(seq, reqs[i], logits[rows[i]:rows[i] + 1 + len(seq.spec_token_ids)])
+        results = sample_step(self.sampler, self.drafts, sampled, reqs, logits)
         now = time.monotonic()
         for seq, req, (toks, infos) in zip(sampled, reqs, results):
             for tok, info in zip(toks, infos):
@@ -334,13 +285,7 @@ class LLMEngine(PrefillHandoff):
                 if seq.is_finished:
                     break
             if seq.spec_token_ids:
-                k, accepted = len(seq.spec_token_ids), len(toks) - 1
-                self.spec.record(seq, k, accepted)
-                m = req.metrics
-                m.num_drafts += 1
-                m.num_draft_tokens += k
-                m.num_accepted_tokens += accepted
-                self.scheduler.accept_drafts(seq, accepted)
+                self.scheduler.accept_drafts(seq, self.drafts.accepted(seq, req, len(toks) - 1))
 
     def _append_token(self, seq: Sequence, req: EngineRequest, tok: int, info, now: float, deltas: dict) -> None:
         if req.matchers is not None and not req.matchers[seq.index].advance(tok):

@@ -135,6 +135,11 @@ class ModelRunner:
             self._tokenizer = Tokenizer.from_gguf(self.gguf)
         return self._tokenizer
 
+    @property
+    def expert_load(self):
+        """S16: the MoE model's routed-token counts (models/base.py `ExpertLoad`), None for a dense model."""
+        return self.model.expert_load
+
     def check(self, batch: ForwardBatch) -> None:
         """ValueError if ``batch`` does not fit this runner's limits (its blocks, vocab, tokens, context)."""
         batch.validate(self.block_size, self.num_blocks, self.config.vocab_size)

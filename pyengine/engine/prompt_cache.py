@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import struct
+import weakref
 
 import numpy as np
 
@@ -52,12 +53,11 @@ def model_fingerprint(gguf) -> str:
 
 def _target(engine):
     """(runner, kv cache, block manager) of an engine with a local KV cache."""
-    from pyengine.engine.executor import LocalExecutor
+    from pyengine.engine.executor import KVRunner, LocalExecutor
     runner = engine.runner
-    kv = getattr(runner, "kv_cache", None)
-    if not isinstance(engine.executor, LocalExecutor) or kv is None or getattr(runner, "gguf", None) is None:
+    if not isinstance(engine.executor, LocalExecutor) or runner.gguf is None or not isinstance(runner, KVRunner):
         raise PromptCacheError("the prompt cache needs an engine with a local model runner (not a parallel one)")
-    return runner, kv, engine.block_manager
+    return runner, runner.kv_cache, engine.block_manager
 
 
 def _geometry(runner, kv) -> dict:
@@ -73,10 +73,13 @@ def _chain(token_ids, bs: int, n: int) -> list[bytes]:
     return hashes
 
 
+_FINGERPRINTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()    # GGUFFile -> model_fingerprint
+
+
 def _fingerprint(runner) -> str:
-    fp = getattr(runner, "_prompt_cache_fingerprint", None)
+    fp = _FINGERPRINTS.get(runner.gguf)
     if fp is None:
-        fp = runner._prompt_cache_fingerprint = model_fingerprint(runner.gguf)
+        fp = _FINGERPRINTS[runner.gguf] = model_fingerprint(runner.gguf)
     return fp
 
 

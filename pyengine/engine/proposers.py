@@ -68,6 +68,7 @@ class NgramIndex:
 
 class NgramProposer:
     free = True
+    relative_cost = 0.0         # lookups cost nothing next to a target step
 
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int):
         self.n_min, self.n_max = prompt_lookup_min, prompt_lookup_max
@@ -103,7 +104,7 @@ def check_same_vocabulary(draft_runner, target_runner) -> None:
     if dv != tv:
         raise ValueError(f"draft model vocabulary has {dv} tokens, the target's has {tv}: speculative decoding "
                          "needs the same tokenizer")
-    dg, tg = getattr(draft_runner, "gguf", None), getattr(target_runner, "gguf", None)
+    dg, tg = draft_runner.gguf, target_runner.gguf
     if dg is not None and tg is not None:
         dt, tt = dg.get("tokenizer.ggml.tokens"), tg.get("tokenizer.ggml.tokens")
         if dt is not None and tt is not None and list(dt) != list(tt):
@@ -140,10 +141,10 @@ class DraftModelProposer:
             check_same_vocabulary(draft_runner, target_runner)
         self.runner = draft_runner
         # cost of one draft token in target decode steps, until measured: the ratio of the weights read
-        d, t = (getattr(getattr(r, "config", None), "n_params", 0) or 0 for r in (draft_runner, target_runner))
+        d, t = (r.config.n_params if r is not None else 0 for r in (draft_runner, target_runner))
         self.relative_cost = d / t if d and t else 0.5
         self.bm = BlockManager(draft_runner.num_blocks, draft_runner.block_size, enable_prefix_caching=False)
-        self.budget = getattr(draft_runner, "max_num_batched_tokens", None) or 2048
+        self.budget = draft_runner.max_num_batched_tokens or 2048
         self.states: dict[int, _DraftState] = {}
 
     def release(self, seq) -> None:
@@ -216,7 +217,7 @@ class DraftModelProposer:
             seq, rng = seqs[i], rngs[i]
             p = seq.params
             output = list(seq.output_token_ids) + drafts[i]
-            grammar = getattr(seq, "spec_grammar", None)
+            grammar = seq.spec_grammar
             if grammar is not None:            # S15: guess only what the grammar allows (q is the masked draft)
                 row = apply_allowed_mask(row, grammar.mask_after(drafts[i]))
             if p.greedy:
@@ -268,8 +269,10 @@ class DraftModelProposer:
 
 @runtime_checkable
 class Proposer(Protocol):
-    """What the speculative decoder asks of a drafter (see the module docstring)."""
+    """What the speculative decoder asks of a drafter (see the module docstring). ``relative_cost``: one draft
+    token's cost in target decode steps, until measured (0: free)."""
     free: bool
+    relative_cost: float
 
     def propose(self, seqs, ks, rngs=None) -> list[tuple[list[int], np.ndarray | None]]: ...
 

@@ -129,7 +129,7 @@ class SpeculativeDecoder:
         self.accepted_per_position = [0] * config.num_speculative_tokens
         self._time: dict[tuple[int, int], float] = {}   # (batch-size bucket, drafts per sequence) -> seconds
         self._measured: dict[tuple[int, int], int] = {}  # ... -> step of its last sample
-        self.relative_cost = float(getattr(proposer, "relative_cost", 0.0))
+        self.relative_cost = float(proposer.relative_cost)
         self._steps = 0
 
     # choosing k ---------------------------------------------------------------------------------

@@ -70,6 +70,16 @@ class DraftStep:
                  for j, t in enumerate(toks)]
         return toks, infos
 
+    def accepted(self, seq, req, accepted: int) -> int:
+        """S14: ``accepted`` of ``seq``'s drafts were kept: the back-off's record and the request's metrics."""
+        k = len(seq.spec_token_ids)
+        self.spec.record(seq, k, accepted)
+        m = req.metrics
+        m.num_drafts += 1
+        m.num_draft_tokens += k
+        m.num_accepted_tokens += accepted
+        return accepted
+
     def done(self, scheduled) -> None:
         """A step is back: its sequences' drafts and masks are spent."""
         for seq, _ in scheduled:

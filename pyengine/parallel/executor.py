@@ -21,7 +21,7 @@ class MPIExecutor:
 
     def __init__(self, runner: RankRunner, group):
         self.runner, self.group = runner, group
-        group.held = getattr(runner, "held", {})  # what rank 0 holds (weights, KV cache), in the group's stats
+        group.held = runner.held      # what rank 0 holds (weights, KV cache), in the group's stats
 
     @property
     def pipeline_groups(self) -> int:
@@ -59,6 +59,19 @@ class MPIExecutor:
             self.group.kv_scatter(self.runner.kv_cache, blocks, data)
         else:
             self.runner.kv_cache.write_blocks(np.asarray(blocks), data)
+
+    def block_views(self, blocks) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(K, V) of each whole block: views of one gather over the tensor ranks (of rank 0's cache with one)."""
+        if self.group.tp > 1:
+            data = self.read_blocks(blocks)
+            return [(data[0, j], data[1, j]) for j in range(len(blocks))]
+        return self.runner.kv_cache.block_views(blocks)
+
+    def block_layout(self) -> tuple[tuple[int, int, int, int], np.dtype]:
+        """One whole block's K: (layers, block_size, KV heads of every tensor rank, row), and its dtype."""
+        k = self.runner.kv_cache.k
+        heads = self.group.n_kv_heads if self.group.tp > 1 else k.shape[3]
+        return (k.shape[0], k.shape[2], heads, k.shape[4]), k.dtype
 
     def close(self) -> None:
         """Rank 0 stops every rank of its group (also done at exit)."""

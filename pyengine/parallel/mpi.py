@@ -121,6 +121,8 @@ class MPIGroup(RankSteps, KVShards):
         self.comm_s = 0.0                 # time spent waiting for messages (all kinds), since the last reset
         self.busy_s = 0.0                 # time computing this rank's part of steps
         self.steps = 0
+        self.held: dict = {}              # rank 0: what its runner holds (weights, KV cache bytes), in stats()
+        self._stopped = False
         self.cross_step = CROSS_STEP if cross_step is None else bool(cross_step)
         self._sending: list = []          # (request, buffer) of sends not known to be complete yet
         self._open: list[int] = []        # rank 0, cross-step: logits rows of the steps launched, not finished
@@ -332,7 +334,7 @@ class MPIGroup(RankSteps, KVShards):
 
     def stop(self) -> None:
         """Rank 0: send the workers home (every rank then leaves its loop and exits). Idempotent; never raises."""
-        if getattr(self, "_stopped", False):
+        if self._stopped:
             return
         self._stopped = True
         if not self.failure and not self.starting and not self._failed_ranks():
@@ -402,7 +404,7 @@ class MPIGroup(RankSteps, KVShards):
         if self.is_driver:
             self._post(self._order(OP_STATS))
         mine = {"rank": self.rank, "stage": self.part.stage, "tp_rank": self.part.tp_rank, "steps": self.steps,
-                "busy_s": self.busy_s, "comm_s": self.comm_s, **getattr(self, "held", {})}
+                "busy_s": self.busy_s, "comm_s": self.comm_s, **self.held}
         self.busy_s = self.comm_s = 0.0
         self.steps = 0
         return self.world.gather(mine, 0)

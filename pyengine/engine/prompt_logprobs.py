@@ -8,7 +8,8 @@ to the final hidden states of that chunk's positions (`HiddenStateRunner.prompt_
 before its next run), so chunked prefill gives each chunk's positions in its own step and no layer runs twice. The
 head rows go through in slices of at most PROMPT_LOGITS_BYTES of logits (V floats a row: Gemma 3's 262k vocabulary
 would need 2 GiB for a 2048-token chunk at once), each reduced to its logprobs before the next. They need one local
-model runner (not a parallel group, not S18's disaggregated instances).
+model runner or an executor that brings them back (parallel/executor.py); under S18 the prefill instance
+computes them (`routed_params`).
 
 Prefix caching: a cached block holds K/V, not logits, so such a request (its first sequence) bypasses the prefix
 cache lookup and computes its whole prompt; its blocks are still cached for later requests. A preempted sequence
@@ -182,13 +183,22 @@ def finish_scoring(engine, scoring, deltas: dict) -> None:
             req.metrics.finished_time = now
 
 
-def refuse_disaggregated(params) -> None:
-    """S18's router: ValueError for what a disaggregated deployment does not carry from its prefill instances
-    (prompt logprobs, pooled states)."""
+def routed_params(params, hidden_size: int):
+    """S18's router: (the SamplingParams its checks see, the request's sequences) of what a client sent. An
+    embedding request (`PoolingParams`) is checked as an engine would (``dimensions`` against the model's
+    ``hidden_size``) and routed as a one-sequence prefill-only request: a prefill instance pools it and its
+    output ends the request. Prompt logprobs are computed by the prefill instance in the prompt's own forward
+    and come with its first output (`decode_params` leaves them out on the decode side)."""
     from pyengine.engine.pooling import PoolingParams
+    from pyengine.sampling_params import SamplingParams
     if isinstance(params, PoolingParams):
-        raise ValueError("embeddings are not served by a disaggregated deployment (its prefill instances do not "
-                         "return hidden states)")
-    if params.prompt_logprobs is not None:
-        raise ValueError("prompt_logprobs (and echo with logprobs) are not served by a disaggregated deployment "
-                         "(its prefill instances do not return them)")
+        params.check(int(hidden_size))
+        return SamplingParams(max_tokens=1, temperature=0.0), 1
+    return params, params.n
+
+
+def decode_params(params):
+    """S18's decode instance: the params it adopts a prefilled request with. The prefill instance reported the
+    prompt logprobs with its first output; here they are not asked again (an empty list would replace them)."""
+    from dataclasses import replace
+    return params if params.prompt_logprobs is None else replace(params, prompt_logprobs=None)

@@ -8,6 +8,7 @@ logprobs, from the gathered logits, by 1.1e-5; the prompt logprobs by 1.5e-5 to 
 5e-5, as for the sampled tokens' logprobs in every configuration (decode batches differ with pipelining:
 1.2e-5). The reduction itself (each rank's column statistics merged on rank 0) is checked within 1e-6 (float32
 exponentials) of the whole rows' log-softmax here, without MPI. Each configuration is one short MPI job."""
+import functools
 import json
 import os
 import subprocess
@@ -118,3 +119,34 @@ def test_column_statistics_merge_to_the_whole_rows_entries(k, splits):
     for g, w in zip(got, want):
         assert list(g) == list(w) and [e.rank for e in g.values()] == [e.rank for e in w.values()]
         assert np.allclose([e.logprob for e in g.values()], [e.logprob for e in w.values()], atol=1e-6, rtol=0)
+
+
+# --- through the OpenAI server (one request each, in tests/test_mpi_serve.py and tests/test_disagg_serve.py) --------
+SERVED_PROMPT = "The capital of France is Paris"
+
+
+@functools.lru_cache(maxsize=1)
+def served_reference() -> dict:
+    """The one-process engine's prompt logprobs (top 2) and last-token embedding of SERVED_PROMPT (SmolLM2)."""
+    from model_paths import model_path
+    from pyengine import LLM, SamplingParams
+    llm = LLM(model_path("smollm2"), max_model_len=256, max_num_seqs=4)
+    out = llm.generate([SERVED_PROMPT], SamplingParams(max_tokens=0, prompt_logprobs=2))[0]
+    ids = out.prompt_token_ids
+    return {"ids": ids, "token_logprobs": [out.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))],
+            "embedding": llm.embed([SERVED_PROMPT])[0].outputs.embedding}
+
+
+def check_served_prompt_values(client, url: str) -> None:
+    """echo + logprobs (scoring only) and /v1/embeddings from a server whose model is split over ranks or whose
+    prompts are prefilled by a prefill instance: the one-process engine's values (SmolLM2's logits under tensor
+    parallelism differ by about 1e-5 of their scale; 1e-3 as against HF)."""
+    import httpx
+    want = served_reference()
+    got = client.completions.create(model="SmolLM2-135M-Instruct", prompt=SERVED_PROMPT, echo=True, logprobs=2,
+                                    max_tokens=0).choices[0].logprobs
+    assert got.token_logprobs[0] is None and len(got.token_logprobs) == len(want["ids"])
+    assert np.max(np.abs(np.asarray(got.token_logprobs[1:]) - want["token_logprobs"])) < 1e-3
+    r = httpx.post(url + "/v1/embeddings", json={"input": SERVED_PROMPT}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert np.max(np.abs(np.asarray(r.json()["data"][0]["embedding"]) - want["embedding"])) < 1e-4

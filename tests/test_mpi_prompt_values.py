@@ -56,7 +56,8 @@ def run(llm, prompts):
 
 
 if __name__ == "__main__":
-    path, tp, pp, cross, kw = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1", json.loads(sys.argv[5])
+    path, tp, pp, cross = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+    kw = json.loads(sys.argv[5])
     mpi.CROSS_STEP = cross
     llm = LLM(path, tokenizer=WideTokenizer(), tensor_parallel_size=tp, pipeline_parallel_size=pp, **kw)
     print("OUT " + json.dumps(run(llm, json.loads(sys.argv[6]))), flush=True)

@@ -7,10 +7,11 @@ the SAME forward as the prefill: after every step that runs a chunk of such a pr
 to the final hidden states of that chunk's positions (`HiddenStateRunner.prompt_logits`, read from the runner
 before its next run), so chunked prefill gives each chunk's positions in its own step and no layer runs twice. The
 head rows go through in slices of at most PROMPT_LOGITS_BYTES of logits (V floats a row: Gemma 3's 262k vocabulary
-would need 2 GiB for a 2048-token chunk at once), each reduced to its logprobs before the next. Under S17 (an executor of several ranks,
-engine/executor.py `PromptRowsExecutor`) the step's rows go with its plan (`PromptRows`, ``PromptPass.ask``) and
-their values come back reduced (`PromptValues`: each rank's vocabulary columns cut to `column_stats`, merged by
-`merge_stats`; parallel/prompt_rows.py); under S18 the prefill instance computes them (`routed_params`).
+would need 2 GiB for a 2048-token chunk at once), each reduced to its logprobs before the next. Under S17 (an
+executor of several ranks, engine/executor.py `PromptRowsExecutor`) the step's rows go with its plan
+(`PromptRows`, ``PromptPass.ask``) and their values come back reduced (`PromptValues`: each rank's vocabulary
+columns cut to `column_stats`, merged by `merge_stats`; parallel/prompt_rows.py); under S18 the prefill instance
+computes them (`routed_params`).
 
 Prefix caching: a cached block holds K/V, not logits, so such a request (its first sequence) bypasses the prefix
 cache lookup and computes its whole prompt; its blocks are still cached for later requests. A preempted sequence

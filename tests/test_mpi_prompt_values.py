@@ -1,13 +1,14 @@
 """S19 under S17 over real MPI: prompt logprobs and embeddings of an engine whose model is split over ranks
 (tensor parallelism: the LM head split by vocabulary, each rank reducing its columns; pipeline stages: the last
-stage's residual rows sent back to stage 0, cross-step and within-step). Reference: the same engine in one
-process on the tiny seeded model (tests/tiny_models.py): the same ids and ranks, pooled vectors within 1e-5,
-logprobs within 1e-5 with pipeline stages alone. With tensor parallelism the ranks' partial sums are added in
-another order, so the logits themselves differ from one process's by about 1e-5 (measured: the sampled tokens'
-logprobs, from the gathered logits, by 1.1e-5; the prompt logprobs by 1.5e-5 to 1.8e-5): there the bound is
-5e-5, as for the sampled tokens' logprobs in every configuration (decode batches differ with pipelining:
-1.2e-5). The reduction itself (each rank's column statistics merged on rank 0) is checked within 1e-6 (float32
-exponentials) of the whole rows' log-softmax here, without MPI. Each configuration is one short MPI job."""
+stage's residual rows sent back to stage 0, cross-step and within-step; both at once). Reference: the same
+engine in one process on the tiny seeded model (tests/tiny_models.py): the same ids and ranks, pooled vectors
+within 1e-5, logprobs within 1e-5 with pipeline stages alone. With tensor parallelism the ranks' partial sums
+are added in another order, so the logits themselves differ from one process's by about 1e-5 (measured: the
+sampled tokens' logprobs, from the gathered logits, by 1.1e-5; the prompt logprobs by 1.5e-5 to 1.8e-5): there
+the bound is 5e-5, as for the sampled tokens' logprobs in every configuration (decode batches differ with
+pipelining: 1.2e-5). The reduction itself (each rank's column statistics merged on rank 0) is checked within
+1e-6 (float32 exponentials) of the whole rows' log-softmax here, without MPI. Each configuration is one short
+MPI job."""
 import functools
 import json
 import os
@@ -91,7 +92,7 @@ def same(got, want, tol):
         assert np.max(np.abs(np.asarray(got[pooling]) - np.asarray(want[pooling]))) <= 1e-5
 
 
-@pytest.mark.parametrize("tp,pp,cross", [(2, 1, True), (1, 2, True), (2, 2, False)])
+@pytest.mark.parametrize("tp,pp,cross", [(2, 1, True), (1, 2, True), (2, 2, True), (2, 2, False)])
 def test_prompt_values_over_mpi_equal_one_process(setup, tp, pp, cross):
     from pyengine.parallel.launch import mpiexec_command, rank_env
     d, model, want = setup

@@ -17,6 +17,7 @@ import pytest
 
 from model_paths import model_path
 from pyengine.disagg.launch import prefill_nice
+from test_mpi_prompt_values import check_served_prompt_values
 from test_mpi_serve import Server, all_gone, eventually, ranks_of
 
 pytestmark = pytest.mark.slow
@@ -93,6 +94,7 @@ def test_openai_client_streams_from_prefill_and_decode_instances(reference):
         text = c.completions.create(model="SmolLM2-135M-Instruct", prompt="A phone number: ", max_tokens=12,
                                     temperature=0, extra_body={"structured_outputs": {"regex": rx}}).choices[0].text
         assert re.fullmatch(rx, text), text
+        check_served_prompt_values(c, s.url)           # S19: prompt logprobs from the prefill instance, embeddings
     finally:
         s.stop()
     eventually(lambda: all_gone(ranks))

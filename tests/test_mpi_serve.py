@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from model_paths import model_path
+from test_mpi_prompt_values import check_served_prompt_values
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["The capital of France is", "def fib(n):", "Once upon a time"]
@@ -156,6 +157,7 @@ def test_openai_client_over_mpi_ranks(reference, flags):
         chat = c.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=4, stream=True,
                                          messages=[{"role": "user", "content": "Hi!"}])
         assert "".join(ch.choices[0].delta.content or "" for ch in chat if ch.choices)
+        check_served_prompt_values(c, s.url)           # S19: echo + logprobs and embeddings over the ranks
     finally:
         code = s.stop()
     assert code == 0                                       # SIGTERM: rank 0 shut down and sent every rank STOP

@@ -192,11 +192,9 @@ def test_bad_values_are_refused(tiny):
     with pytest.raises(ValueError, match="n=1"):
         eng.add_request("b", [1, 2], SamplingParams(n=2, max_tokens=0, prompt_logprobs=1))
     assert not eng.has_unfinished_requests()
-    from pyengine.engine.prompt_logprobs import refuse_disaggregated    # the S18 router's check
-    refuse_disaggregated(SamplingParams(logprobs=2))
-    for params in (PoolingParams(), SamplingParams(prompt_logprobs=0)):
-        with pytest.raises(ValueError, match="disaggregated"):
-            refuse_disaggregated(params)
+    from pyengine.engine.prompt_logprobs import routed_params    # the S18 router's check (tests/test_disagg_s19.py)
+    with pytest.raises(ValueError, match="dimensions=8"):
+        routed_params(PoolingParams(dimensions=8), 64)
 
 
 def test_dimensions_other_than_the_models_are_refused(tiny):

@@ -78,7 +78,7 @@ class DecodeWorker(Instance):
             pass                                  # aborted meanwhile
         elif op == "run":                         # a whole request here (no prefill instance alive)
             try:
-                self.engine.add_request(msg["rid"], {"prompt_token_ids": msg["ids"]}, msg["params"])
+                self.engine.add_request(msg["rid"], {"prompt_token_ids": msg["ids"]}, msg["params"], msg["priority"])
             except Exception as exc:
                 self.fail(xid, exc)
                 return
@@ -112,7 +112,8 @@ class DecodeWorker(Instance):
             if len(sch.running) + len(self.adopting) >= sch.max_num_seqs:
                 break
             try:
-                seq = self.engine.add_prefilled(msg["rid"], msg["ids"], msg["params"], index=msg["index"])
+                seq = self.engine.add_prefilled(msg["rid"], msg["ids"], msg["params"], index=msg["index"],
+                                                priority=msg["priority"])
             except EngineOverloaded:
                 break                            # no room yet: the oldest offer waits, and so do the others
             except Exception as exc:

@@ -45,7 +45,7 @@ class Instance:
         return {"op": "hello", "role": self.role, "pid": os.getpid(), "host": socket.gethostname(),
                 "followers": [] if group is None else [list(w) for w in group.where[1:]],
                 "num_blocks": r.num_blocks, "block_size": r.block_size, "max_model_len": self.engine.max_model_len,
-                "max_num_seqs": self.engine.scheduler.max_num_seqs}
+                "max_num_seqs": self.engine.scheduler.max_num_seqs, "hidden_size": int(r.config.d_model)}
 
     def to_router(self, msg: dict) -> None:
         self.t.send(ROUTER, msg)

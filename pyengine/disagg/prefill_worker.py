@@ -39,6 +39,7 @@ from pyengine import tuning
 from pyengine.disagg.instance import Instance
 from pyengine.disagg.kv_transfer import KVBlocks, pack_data
 from pyengine.engine.block_manager import hash_block
+from pyengine.engine.prompt_logprobs import decode_params
 
 
 
@@ -87,7 +88,7 @@ class PrefillWorker(Instance):
         op, xid = msg["op"], msg.get("xid")
         if op == "prefill":
             try:
-                self.engine.add_request(msg["rid"], {"prompt_token_ids": msg["ids"]}, msg["params"])
+                self.engine.add_request(msg["rid"], {"prompt_token_ids": msg["ids"]}, msg["params"], msg["priority"])
             except Exception as exc:            # refused here (the router checked it already): report it
                 self.fail(xid, exc)
                 return
@@ -144,7 +145,8 @@ class PrefillWorker(Instance):
             hashes = prompt_hashes(seq.prompt_token_ids, eng.block_manager.block_size)
             self.transfers[xid] = Transfer(xid, req.request_id, dest, seq, hashes, first_token(req, seq))
             self.t.send(dest, {"op": "offer", "xid": xid, "rid": req.request_id, "index": seq.index,
-                               "ids": seq.prompt_token_ids, "params": req.params, "hashes": hashes})
+                               "ids": seq.prompt_token_ids, "params": decode_params(req.params), "hashes": hashes,
+                               "priority": req.priority})
             return
         if not done:
             return                                # its first sequence is still being prefilled

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pyengine.disagg.instance import HEARTBEAT_S
 from pyengine.engine.input_processor import InputProcessor
 from pyengine.engine.llm_engine import EngineOverloaded
-from pyengine.engine.prompt_logprobs import refuse_disaggregated
+from pyengine.engine.prompt_logprobs import routed_params
 from pyengine.parallel.launcher_link import say_abort
 from pyengine.parallel.mpi import ParallelError, proc_state
 from pyengine.structured.matcher import COMPILE_CACHE_SIZE, export
@@ -149,11 +149,13 @@ class Router:
     def model_metadata(self) -> dict | None:
         return self.gguf.metadata
 
-    def _check(self, request_id: str, ids: list[int], params) -> None:
-        """The refusals LLMEngine.add_request would give, decided here so that the client gets them at once."""
+    def _check(self, request_id: str, ids: list[int], params) -> tuple:
+        """The refusals LLMEngine.add_request would give, decided here so that the client gets them at once;
+        returns (the SamplingParams checked, the request's sequences): an embedding request's are greedy, 1."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
-        refuse_disaggregated(params)                      # S19: prompt logprobs, embeddings
+        hidden = next((i.info["hidden_size"] for i in self.instances.values() if i.info), 0)
+        params, n = routed_params(params, hidden)         # S19: embeddings checked as 1-token greedy requests
         max_tokens = self.inputs.check(ids, params)       # the engines' own refusals
         total = len(ids) + max_tokens
         if total > self.max_model_len:
@@ -169,13 +171,16 @@ class Router:
         waiting = sum(1 for r in self.requests.values() if r.stage == "prefill")
         if self.max_waiting is not None and waiting >= self.max_waiting:
             raise EngineOverloaded(f"waiting queue is full ({self.max_waiting} requests)")
+        return params, n
 
     def add_request(self, request_id: str, prompt, params=None, priority: int = 0,
                     arrival_time: float | None = None) -> None:
         from pyengine.sampling_params import SamplingParams
         params = params if params is not None else SamplingParams()
+        if not isinstance(priority, int):
+            raise ValueError(f"priority must be an int, got {priority!r}")
         _, ids = self.inputs.encode(prompt)
-        self._check(request_id, ids, params)
+        checked, n = self._check(request_id, ids, params)
         self._check_liveness(self._failed)           # the server may have been idle: route to live ones only
         decodes = self.alive("decode")
         if not decodes:
@@ -186,16 +191,17 @@ class Router:
         self._next_xid += 1
         if prefills:
             pre = min(prefills, key=lambda i: (i.prompt_tokens, i.rank))
-            self._send_grammar(pre, params)
-        self._send_grammar(dec, params)
+            self._send_grammar(pre, checked)
+        self._send_grammar(dec, checked)
         if prefills:
-            r = Routed(xid, request_id, len(ids), pre.rank, dec.rank, "prefill", params.n)
+            r = Routed(xid, request_id, len(ids), pre.rank, dec.rank, "prefill", n)
             pre.prompt_tokens += len(ids)
             self.t.send(pre.rank, {"op": "prefill", "xid": xid, "rid": request_id, "ids": ids, "params": params,
-                                   "decode": dec.rank})
+                                   "decode": dec.rank, "priority": priority})
         else:                                        # no prefill instance left: the decode instance does it all
-            r = Routed(xid, request_id, len(ids), None, dec.rank, "decode", params.n)
-            self.t.send(dec.rank, {"op": "run", "xid": xid, "rid": request_id, "ids": ids, "params": params})
+            r = Routed(xid, request_id, len(ids), None, dec.rank, "decode", n)
+            self.t.send(dec.rank, {"op": "run", "xid": xid, "rid": request_id, "ids": ids, "params": params,
+                                   "priority": priority})
         dec.seqs += r.seqs
         self.requests[request_id], self.by_xid[xid] = r, r
 

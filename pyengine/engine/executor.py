@@ -88,6 +88,12 @@ class RankRunner(Protocol):
 
     def logits_rows(self, n: int) -> np.ndarray | None: ...
 
+    def run_rows(self, rows) -> np.ndarray: ...               # S19 (parallel/prompt_rows.py)
+
+    def final_states(self, hidden: np.ndarray) -> np.ndarray: ...
+
+    def logit_columns(self, hidden: np.ndarray) -> tuple[int, np.ndarray]: ...
+
 
 @runtime_checkable
 class RankShard(Protocol):
@@ -130,6 +136,18 @@ class Executor(Protocol):
     def block_layout(self) -> tuple[tuple[int, int, int, int], np.dtype]: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class PromptRowsExecutor(Protocol):
+    """S19: an executor whose ranks hold the model in parts (parallel/executor.py `MPIExecutor`). The rows of a
+    step whose prompt logprobs or pooled states are wanted (engine/prompt_logprobs.py `PromptRows`) go with the
+    step (``ask_rows`` before its run or launch); their values come back reduced (``rows_back`` after its run or
+    finish: `PromptValues`, or None if none were asked)."""
+
+    def ask_rows(self, rows) -> None: ...
+
+    def rows_back(self): ...
 
 
 class LocalExecutor:

@@ -32,7 +32,7 @@ class PrefillHandoff:
             self._seq_owner.pop(seq.seq_id, None)
 
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int], params, arrival_time=None,
-                      index: int = 0) -> Sequence:
+                      index: int = 0, priority: int = 0) -> Sequence:
         """Decode side: adopt sequence ``index`` of a request whose prompt K/V another engine computed. The
         first call registers the request with all its ``params.n`` sequences, each in no scheduler queue until
         it is committed (n > 1: the prefill engine ran them as `add_request` does, and offers them one by one).
@@ -45,7 +45,8 @@ class PrefillHandoff:
         req = self.requests.get(request_id)
         new = req is None
         if new:
-            self.add_request(request_id, {"prompt_token_ids": prompt_token_ids}, params, arrival_time=arrival_time)
+            self.add_request(request_id, {"prompt_token_ids": prompt_token_ids}, params, priority,
+                             arrival_time=arrival_time)
             req = self.requests[request_id]
             for s in req.seqs:                  # each waits for its own commit, in no queue
                 self.scheduler.waiting.remove(s)

@@ -226,6 +226,8 @@ class LLMEngine(PrefillHandoff):
         decode_only = all(n == 1 + len(s.spec_token_ids) for s, n in sched.scheduled) and not sched.preempted
         batch, sampled = build_batch(sched, lambda s: self._seq_owner[s.seq_id].score_only)
         extra = PromptPass.plan(sched.scheduled, lambda s: self._seq_owner[s.seq_id])   # S19: prompt rows
+        if extra is not None:
+            extra.ask(self.executor)      # S19 under S17: the rows travel with the step
         return Flight(group, sched, batch, sampled, decode_only, t_step, t_start, extra)
 
     def _free_aborted(self, sched: SchedulerOutput) -> list[Sequence]:
@@ -239,7 +241,7 @@ class LLMEngine(PrefillHandoff):
         """A step's logits are back: advance its sequences, sample, check stops, make the outputs."""
         sched, sampled = flight.sched, flight.sampled
         if flight.extra is not None:          # S19: prompt logprobs and pooled states first (the runner's latest run)
-            flight.extra.take(self.runner, self.vocab_size)
+            flight.extra.take(self.executor, self.vocab_size)
         if self._free_aborted(sched):      # S17 (one row per sequence: no drafts with pipelining)
             keep = [i for i, s in enumerate(sampled) if not s.is_finished]
             logits, sampled = (logits[keep] if keep else None), [sampled[i] for i in keep]

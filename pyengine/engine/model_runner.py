@@ -222,6 +222,20 @@ class ModelRunner:
         logits = self.buffers.logits
         return logits[:n] if n <= logits.shape[0] else None
 
+    # --- S19 under S17: a rank's part of prompt logprobs and pooled states (parallel/prompt_rows.py) ------------
+    def run_rows(self, rows) -> np.ndarray:
+        """Rows ``rows`` of the latest run's residual stream (after the stage's layers: with one stage, the final
+        one), a new array."""
+        return np.take(self.buffers.x, np.asarray(rows, dtype=np.int64), axis=0)
+
+    def final_states(self, hidden: np.ndarray) -> np.ndarray:
+        """The final norm of final residual rows ``hidden`` (the state `hidden_states` pools), a new array."""
+        return self.model.final_hidden(hidden, np.arange(len(hidden)))
+
+    def logit_columns(self, hidden: np.ndarray) -> tuple[int, np.ndarray]:
+        """(first id, this rank's columns of the logits of final residual rows ``hidden``), not gathered."""
+        return self.model.logit_columns(hidden)
+
     # --- helpers for tests and benchmarks (the real generation loop is the engine's) -------------------
     def contiguous_batch(self, token_ids, start: int, logits_all: bool = False) -> ForwardBatch:
         """One sequence whose blocks are 0, 1, 2, ... (block table = arange): tokens at start.. start+n."""

@@ -7,8 +7,11 @@ the SAME forward as the prefill: after every step that runs a chunk of such a pr
 to the final hidden states of that chunk's positions (`HiddenStateRunner.prompt_logits`, read from the runner
 before its next run), so chunked prefill gives each chunk's positions in its own step and no layer runs twice. The
 head rows go through in slices of at most PROMPT_LOGITS_BYTES of logits (V floats a row: Gemma 3's 262k vocabulary
-would need 2 GiB for a 2048-token chunk at once), each reduced to its logprobs before the next. They need one local
-model runner (not a parallel group, not S18's disaggregated instances).
+would need 2 GiB for a 2048-token chunk at once), each reduced to its logprobs before the next. Under S17 (an
+executor of several ranks, engine/executor.py `PromptRowsExecutor`) the step's rows go with its plan
+(`PromptRows`, ``PromptPass.ask``) and their values come back reduced (`PromptValues`: each rank's vocabulary
+columns cut to `column_stats`, merged by `merge_stats`; parallel/prompt_rows.py); under S18 the prefill instance
+computes them (`routed_params`).
 
 Prefix caching: a cached block holds K/V, not logits, so such a request (its first sequence) bypasses the prefix
 cache lookup and computes its whole prompt; its blocks are still cached for later requests. A preempted sequence
@@ -22,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from pyengine.engine.executor import PromptRowsExecutor
 
 PROMPT_LOGITS_BYTES = 64 << 20      # memory bound of one slice of prompt logits (rows x vocab x 4 bytes)
 
@@ -55,6 +60,81 @@ def prompt_logprob_entries(logits: np.ndarray, next_ids: np.ndarray, k: int) -> 
         if tok not in entry:
             rank = int(np.count_nonzero(row > row[tok])) + 1
             entry = {tok: Logprob(float(row[tok]) - lse[r], rank), **entry}
+        out.append(entry)
+    return out
+
+
+@dataclass
+class PromptRows:
+    """S19 under S17: the rows of one step whose values are wanted (token rows of its batch): ``logprob_rows``
+    with the ids they predict (``next_ids``) and the top ``k``, ``hidden_rows`` whose final states are pooled."""
+    logprob_rows: np.ndarray
+    next_ids: np.ndarray
+    k: int
+    hidden_rows: np.ndarray
+
+    @property
+    def rows(self) -> np.ndarray:
+        """Every row wanted, logprob rows first (what a last pipeline stage sends back)."""
+        return np.concatenate([self.logprob_rows, self.hidden_rows]).astype(np.int64)
+
+
+@dataclass
+class PromptValues:
+    """What comes back for a step's `PromptRows`: per logprob row its entry (as `prompt_logprob_entries`), and
+    the final (normed) states of the hidden rows, (len(hidden_rows), d)."""
+    entries: list
+    hidden: np.ndarray | None
+
+
+def target_logits(cols: np.ndarray, v0: int, next_ids: np.ndarray) -> np.ndarray:
+    """(m,) float32: each row's logit of its next id if this rank's columns [v0, v0 + width) hold it, else 0
+    (summed over the ranks: every rank then has each row's target logit)."""
+    t = np.zeros(len(cols), np.float32)
+    local = np.asarray(next_ids, np.int64) - v0
+    mine = np.nonzero((local >= 0) & (local < cols.shape[1]))[0]
+    t[mine] = cols[mine, local[mine]]
+    return t
+
+
+def column_stats(cols: np.ndarray, v0: int, target: np.ndarray, k: int) -> np.ndarray:
+    """(m, 3 + 2k) float64 of a rank's logit columns: max, sum of exp(x - max) (float64), how many exceed the
+    row's ``target`` logit, its top-k ids and their logits (id -1 / -inf where it has fewer columns)."""
+    x = np.asarray(cols, dtype=np.float32)
+    m, width = x.shape
+    out = np.full((m, 3 + 2 * k), -np.inf)
+    out[:, 3:3 + k] = -1
+    mx = x.max(axis=1, keepdims=True)
+    out[:, 0] = mx[:, 0]
+    out[:, 1] = np.exp(x - mx).sum(axis=1, dtype=np.float64)
+    out[:, 2] = np.count_nonzero(x > target[:, None], axis=1)
+    n = min(k, width)
+    if n:
+        top = np.argpartition(-x, n - 1, axis=1)[:, :n]
+        out[:, 3:3 + n] = top + v0
+        out[:, 3 + k:3 + k + n] = np.take_along_axis(x, top, axis=1)
+    return out
+
+
+def merge_stats(parts: list, target: np.ndarray, next_ids: np.ndarray, k: int) -> list[dict[int, Logprob]]:
+    """The entries `prompt_logprob_entries` gives for whole rows, from every rank's `column_stats` of its
+    columns: the normalizer from the ranks' maxima and sums, the top-k of their top-k's (best first, ties by id),
+    the next id's rank from their counts."""
+    st = np.stack(parts)                                   # (ranks, m, 3 + 2k)
+    big = st[:, :, 0].max(axis=0)
+    lse = big + np.log((st[:, :, 1] * np.exp(st[:, :, 0] - big)).sum(axis=0))
+    ids = np.concatenate(list(st[:, :, 3:3 + k]), axis=1).astype(np.int64)
+    vals = np.concatenate(list(st[:, :, 3 + k:]), axis=1)
+    out = []
+    for r in range(st.shape[1]):
+        tok, entry = int(next_ids[r]), {}
+        keep = ids[r] >= 0
+        cand, cv = ids[r][keep], vals[r][keep]
+        order = np.lexsort((cand, -cv))[:k]
+        for rank, i in enumerate(order.tolist(), 1):
+            entry[int(cand[i])] = Logprob(float(cv[i]) - lse[r], rank)
+        if tok not in entry:
+            entry = {tok: Logprob(float(target[r]) - lse[r], int(st[:, r, 2].sum()) + 1), **entry}
         out.append(entry)
     return out
 
@@ -110,8 +190,36 @@ class PromptPass:
             offset += n
         return p
 
-    def take(self, runner, vocab_size: int) -> None:
-        """Prompt logprobs and pooled states of the step ``runner`` ran last (read before its next run)."""
+    def ask(self, executor) -> None:
+        """S19 under S17: before the step runs, tell an executor of several ranks which rows it brings back."""
+        if (self.rows or self.hidden) and isinstance(executor, PromptRowsExecutor):
+            next_ids = np.concatenate([np.asarray(s.ids[p.start + 1:p.stop + 1], np.int64)
+                                       for s, p in self.logprob_parts]) if self.rows else np.zeros(0, np.int64)
+            executor.ask_rows(PromptRows(np.asarray(self.rows, np.int64), next_ids,
+                                         max((s.k for s, _ in self.logprob_parts), default=0),
+                                         np.asarray(self.hidden, np.int64)))
+
+    def take(self, executor, vocab_size: int) -> None:
+        """Prompt logprobs and pooled states of the step ``executor`` ran last (read before its next run): from
+        its runner, or (several ranks) what its ranks reduced and brought back."""
+        if isinstance(executor, PromptRowsExecutor):
+            got = executor.rows_back() if (self.rows or self.hidden) else None
+            if got is not None:
+                self._deliver(got.entries, got.hidden)
+            return
+        self._take_local(executor.runner, vocab_size)
+
+    def _deliver(self, entries: list, hidden) -> None:
+        owners = [s for s, p in self.logprob_parts for _ in p]
+        next_ids = [s.ids[q + 1] for s, p in self.logprob_parts for q in p]
+        for state, tok, entry in zip(owners, next_ids, entries):
+            state.entries.append({t: e for t, e in entry.items() if e.rank <= state.k or t == tok})
+        at = 0
+        for pool, pos, count in self.pool_parts:
+            pool.add(pos, hidden[at:at + count])
+            at += count
+
+    def _take_local(self, runner, vocab_size: int) -> None:
         if self.rows:
             next_ids = np.concatenate([np.asarray(s.ids[p.start + 1:p.stop + 1]) for s, p in self.logprob_parts])
             owners = [s for s, p in self.logprob_parts for _ in p]
@@ -150,8 +258,11 @@ def local_runner(engine, what: str):
     """The engine's runner if it can return hidden states and head rows of its latest run, else ValueError."""
     from pyengine.engine.pooling import HiddenStateRunner
     runner = engine.runner
+    if isinstance(engine.executor, PromptRowsExecutor):   # several ranks: they bring the values back (S17)
+        return runner
     if not isinstance(runner, HiddenStateRunner) or engine.executor.group is not None:
-        raise ValueError(f"{what} need one local model runner (not a parallel group, not this engine's runner)")
+        raise ValueError(f"{what} need one local model runner or an executor of several ranks that brings them "
+                         f"back (not this engine's runner)")
     return runner
 
 
@@ -182,13 +293,22 @@ def finish_scoring(engine, scoring, deltas: dict) -> None:
             req.metrics.finished_time = now
 
 
-def refuse_disaggregated(params) -> None:
-    """S18's router: ValueError for what a disaggregated deployment does not carry from its prefill instances
-    (prompt logprobs, pooled states)."""
+def routed_params(params, hidden_size: int):
+    """S18's router: (the SamplingParams its checks see, the request's sequences) of what a client sent. An
+    embedding request (`PoolingParams`) is checked as an engine would (``dimensions`` against the model's
+    ``hidden_size``) and routed as a one-sequence prefill-only request: a prefill instance pools it and its
+    output ends the request. Prompt logprobs are computed by the prefill instance in the prompt's own forward
+    and come with its first output (`decode_params` leaves them out on the decode side)."""
     from pyengine.engine.pooling import PoolingParams
+    from pyengine.sampling_params import SamplingParams
     if isinstance(params, PoolingParams):
-        raise ValueError("embeddings are not served by a disaggregated deployment (its prefill instances do not "
-                         "return hidden states)")
-    if params.prompt_logprobs is not None:
-        raise ValueError("prompt_logprobs (and echo with logprobs) are not served by a disaggregated deployment "
-                         "(its prefill instances do not return them)")
+        params.check(int(hidden_size))
+        return SamplingParams(max_tokens=1, temperature=0.0), 1
+    return params, params.n
+
+
+def decode_params(params):
+    """S18's decode instance: the params it adopts a prefilled request with. The prefill instance reported the
+    prompt logprobs with its first output; here they are not asked again (an empty list would replace them)."""
+    from dataclasses import replace
+    return params if params.prompt_logprobs is None else replace(params, prompt_logprobs=None)

@@ -71,6 +71,11 @@ class VocabParallelHead(BlockedLinear):
         self.comm.gather_columns(part, out, self.bounds)
         return out
 
+    def columns(self, x) -> tuple[int, np.ndarray]:
+        """(first vocabulary id, this rank's columns of the logits of rows ``x``), not gathered (S19: a rank
+        reduces its columns of prompt logprobs before anything goes over the wire)."""
+        return self.bounds[self.rank], super().matmul(x)
+
 
 class ExpertSlice(Experts):
     """Experts e0..e1-1 of a layer (expert parallelism), dequantized once from the lean (quantized) ``Experts``

@@ -423,6 +423,19 @@ class TransformerModel:
             ops.call(np.divide, logits, np.float32(self.logit_scale), logits)
         return logits
 
+    def logit_columns(self, x: np.ndarray) -> tuple[int, np.ndarray]:
+        """S19 under S17: (first id, this rank's columns of the logits of rows ``x``) — as ``logits`` computes
+        them, with a vocab-parallel head's own columns only (its ``columns``: not gathered)."""
+        c, w = self.config, self.weights
+        v0, logits = w.head.columns(rms_norm(x, w.output_norm, c.rms_eps))
+        if w.head_bias is not None:
+            logits += w.head_bias[v0:v0 + logits.shape[1]]
+        if self.final_softcap:
+            cap_scores(logits, self.final_softcap)
+        if self.logit_scale is not None:
+            np.divide(logits, np.float32(self.logit_scale), logits)
+        return v0, logits
+
     def final_hidden(self, x: np.ndarray, idx: np.ndarray) -> np.ndarray:
         """S19: rows ``idx`` of the final residual stream ``x`` after the final norm (its weight even when folded
         into the head): the hidden state the LM head reads, a new (len(idx), d) float32 array."""

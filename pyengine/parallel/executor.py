@@ -21,7 +21,8 @@ class MPIExecutor:
 
     def __init__(self, runner: RankRunner, group):
         self.runner, self.group = runner, group
-        group.held = runner.held      # what rank 0 holds (weights, KV cache), in the group's stats
+        self._asked = None                # S19: the prompt rows of the next step run or launched
+        group.held = runner.held        # what rank 0 holds (weights, KV cache), in the group's stats
 
     @property
     def pipeline_groups(self) -> int:
@@ -36,17 +37,29 @@ class MPIExecutor:
     def run(self, batch: ForwardBatch) -> np.ndarray:
         """(len(logits_indices), V) float32 logits of one step that every rank runs its part of."""
         self.runner.check(batch)
-        self.group.send_step(batch)
-        return self.group.step(self.runner, batch)
+        rows, self._asked = self._asked, None
+        self.group.send_step(batch, rows)
+        return self.group.step(self.runner, batch, rows)
 
     def launch(self, batch: ForwardBatch) -> None:
         """S17 cross-step pipelining: start a step and return at once (stage 0 has run its layers)."""
         self.runner.check(batch)
-        self.group.launch(self.runner, batch)
+        rows, self._asked = self._asked, None
+        self.group.launch(self.runner, batch, rows)
 
     def finish(self) -> np.ndarray:
         """S17: the logits of the oldest launched step (as ``run`` returns them)."""
         return self.group.finish(self.runner)
+
+    def ask_rows(self, rows) -> None:
+        """S19: the next step run or launched also brings back the values of ``rows`` (`PromptRows`):
+        parallel/prompt_rows.py."""
+        self._asked = rows
+
+    def rows_back(self):
+        """S19: the `PromptValues` of the step run or finished last (None if it asked for none)."""
+        got, self.group.prompt_result = self.group.prompt_result, None
+        return got
 
     def read_blocks(self, blocks) -> np.ndarray:
         """K and V of whole blocks, every layer, all KV heads (the other tensor ranks' heads gathered)."""

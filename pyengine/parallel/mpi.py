@@ -68,9 +68,10 @@ from pyengine.engine.forward_batch import ForwardBatch
 from pyengine.parallel.kv_shards import KVShards
 from pyengine.parallel.launcher_link import say_abort
 from pyengine.parallel.layout import plan_ranks
+from pyengine.parallel.prompt_rows import PromptRowsSteps, decode_rows, encode_rows
 from pyengine.parallel.rank_steps import RankSteps
 from pyengine.parallel.wire import (HEADER, OP_STATS, OP_STOP, TAG_PLAN, TAG_STOP, ParallelError, _PeerLost,
-                                    decode_batch, encode_batch)
+                                    decode_batch, encode_batch, with_rows)
 
 CROSS_STEP = True              # pp >= 2: M groups of sequences in flight across steps (PP 2 32-sequence decode
                                # 2.2-2.7x the within-step mode's in bench parallel: docs/performance.md)
@@ -94,7 +95,7 @@ def launched_under_mpi() -> bool:
     return any(k in os.environ for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "PMI_RANK"))
 
 
-class MPIGroup(RankSteps, KVShards):
+class MPIGroup(RankSteps, KVShards, PromptRowsSteps):
     """This process's place in the MPI job: the communicator of the parallel layers (allreduce, gather_columns), the
     orders of rank 0 with their deadlines and failures (here), this rank's part of each step (`RankSteps`,
     parallel/rank_steps.py) and whole KV blocks of a tensor-parallel instance (`KVShards`, parallel/kv_shards.py);
@@ -126,6 +127,7 @@ class MPIGroup(RankSteps, KVShards):
         self.cross_step = CROSS_STEP if cross_step is None else bool(cross_step)
         self._sending: list = []          # (request, buffer) of sends not known to be complete yet
         self._open: list[int] = []        # rank 0, cross-step: logits rows of the steps launched, not finished
+        self._open_rows: list = []        # stage 0, cross-step: their S19 prompt rows (PromptRows or None)
         # who is where: (host, pid) of every rank, to name a stuck one
         self.where = self.world.allgather((socket.gethostname(), os.getpid()))
         if self.rank == 0:                # a driver that exits without closing its runner still sends STOP
@@ -316,9 +318,9 @@ class MPIGroup(RankSteps, KVShards):
         self._wait(self.world.Irecv(buf, 0, tag), "idle" if idle else "step plan", idle=idle)
         return buf
 
-    def send_step(self, batch: ForwardBatch) -> None:
-        """Rank 0, one step at a time: the step's plan to every worker (then ``step``)."""
-        self._post(*encode_batch(batch))
+    def send_step(self, batch: ForwardBatch, rows=None) -> None:
+        """Rank 0, one step at a time: the step's plan (and S19's `PromptRows`) to every worker (then ``step``)."""
+        self._post(*with_rows(*encode_batch(batch), encode_rows(rows)))
 
     def recv_step(self):
         """A worker's next order: its header (int64 array; ``decode_batch`` with `recv_plan`), or None (stop)."""
@@ -329,8 +331,12 @@ class MPIGroup(RankSteps, KVShards):
         return header
 
     def recv_plan(self, header: np.ndarray) -> ForwardBatch:
+        """The step's batch; its S19 `PromptRows` (or None) in ``plan_rows``."""
         T, S, R, nt = (int(v) for v in header[1:5])
-        return decode_batch(header, self._recv(2 * T + 3 * S + nt + R, TAG_PLAN + 1))
+        n = 2 * T + 3 * S + nt + R
+        payload = self._recv(n + int(header[6]), TAG_PLAN + 1)
+        self.plan_rows = decode_rows(payload[n:])
+        return decode_batch(header, payload[:n])
 
     def stop(self) -> None:
         """Rank 0: send the workers home (every rank then leaves its loop and exits). Idempotent; never raises."""

@@ -10,7 +10,8 @@ from pyengine.engine.forward_batch import ForwardBatch
 
 OP_STEP, OP_STOP, OP_STATS, OP_LAUNCH, OP_FINISH = 1, 2, 3, 4, 5
 OP_KV_GATHER, OP_KV_SCATTER = 6, 7     # S18: a TP instance's whole KV blocks (kv_gather / kv_scatter)
-HEADER = 8                     # int64 slots: op, T, sequences, logits rows, block-table entries, discard
+HEADER = 8                     # int64 slots: op, T, sequences, logits rows, block-table entries, discard,
+                               # prompt-value rows (S19: parallel/prompt_rows.py)
 TAG_ACT, TAG_BACK, TAG_STOP, TAG_PLAN = 1000, 2000, 3000, 4000
 TAG_KV = 5000                  # S18: KV shards, follower -> rank 0 (gather) and rank 0 -> follower (+1, scatter)
 
@@ -44,13 +45,26 @@ def decode_batch(header: np.ndarray, payload: np.ndarray) -> ForwardBatch:
     return ForwardBatch(tok, pos, ql.tolist(), cl.tolist(), tables, li)
 
 
+def batch_cuts(T: int, n: int) -> list[int]:
+    """Where ``split_batch`` cuts T tokens into (at most) ``n`` micro-batches."""
+    n = max(1, min(n, T))
+    return sorted({round(T * j / n) for j in range(n + 1)})
+
+
+def with_rows(header: np.ndarray, payload: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """S19: a plan with the int64 rows of its prompt values (parallel/prompt_rows.py) after its payload, their
+    length in header slot 6."""
+    if not len(rows):
+        return header, payload
+    header[6] = len(rows)
+    return header, np.concatenate([payload, rows])
+
+
 def split_batch(batch: ForwardBatch, n: int) -> list[tuple[ForwardBatch, np.ndarray]]:
     """Cut a batch into ``n`` micro-batches of about T / n consecutive tokens; a sequence cut in two becomes a
     first piece (its context ends where the piece does) and a second. Returns [(micro-batch, sel)]: sel = the
     positions in batch.logits_indices of the micro-batch's logits rows, in its order."""
-    T = batch.num_tokens
-    n = max(1, min(n, T))
-    cuts = sorted({round(T * j / n) for j in range(n + 1)})
+    cuts = batch_cuts(batch.num_tokens, n)
     starts = np.concatenate([[0], np.cumsum(batch.query_lens)]).astype(np.int64)
     li = np.asarray(batch.logits_indices, np.int64)
     out = []

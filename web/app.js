@@ -32,6 +32,7 @@ const $ = (id) => document.getElementById(id);
 const ENGINES = { python: { label: "Python", color: "#3572A5" }, ts: { label: "TypeScript", color: "#d9822b" } };
 // S14 for the Python engine: loaded with an n-gram proposer; each request opts in with the page's switch.
 const SPECULATIVE = { method: "ngram", num_speculative_tokens: 4 };
+const PAINT_MS = 250;   // streamed tokens are drawn at most this often (EngineClient.schedulePaint)
 
 class EngineClient {
   constructor(name, url) {
@@ -45,6 +46,7 @@ class EngineClient {
     this.loadWaiter = null;
     this.running = new Map();      // request id -> {resolve, reject, tokens, ms, spans}
     this.nextId = 0;
+    this.paintedAt = -Infinity;     // when streamed tokens last reached the DOM (schedulePaint)
     this.modelReady = null;        // promise of the latest load
     try {
       this.worker = new Worker(url, { type: "module" });
@@ -58,6 +60,36 @@ class EngineClient {
       e.preventDefault();
       this.fail(`worker failed to load (${e.message || url}); is it built? (scripts/setup_web.sh)`);
     };
+  }
+
+  // Streamed tokens reach the DOM at most every PAINT_MS (one batch of spans, the stats line, one plot draw):
+  // painting after every token cost the page's main thread and compositor ~4.5 ms of CPU per token, which on
+  // two cores came out of the engine's decode (docs/performance.md, "the tab against Node").
+  schedulePaint(r) {
+    if (r.timer !== null) return;
+    const wait = Math.max(0, PAINT_MS - (performance.now() - this.paintedAt));
+    r.timer = setTimeout(() => requestAnimationFrame(() => this.paint(r)), wait);
+  }
+
+  paint(r) {
+    if (r.timer !== null) { clearTimeout(r.timer); r.timer = null; }
+    if (!r.unpainted.length) return;
+    // one span per token (S22's agreement badge highlights the first divergent one)
+    const frag = document.createDocumentFragment();
+    let i = r.tokens.length - r.unpainted.length;
+    for (const msg of r.unpainted) {
+      const span = document.createElement("span");
+      span.dataset.i = String(i++);
+      span.dataset.token = String(msg.tokenId);
+      span.textContent = msg.text || "";
+      frag.appendChild(span);
+    }
+    this.role("output").appendChild(frag);
+    plot.add(this.name, ...r.unpainted.map((m) => m.ms));
+    const last = r.unpainted[r.unpainted.length - 1];
+    this.role("stats").textContent = `${r.tokens.length} tokens, last ${last.ms.toFixed(0)} ms`;
+    r.unpainted = [];
+    this.paintedAt = performance.now();
   }
 
   get available() { return this.status !== "unavailable"; }
@@ -114,14 +146,8 @@ class EngineClient {
         if (!r) break;
         r.tokens.push(msg.tokenId);
         r.ms.push(msg.ms);
-        // one span per token (S22's agreement badge highlights the first divergent one)
-        const span = document.createElement("span");
-        span.dataset.i = String(r.tokens.length - 1);
-        span.dataset.token = String(msg.tokenId);
-        span.textContent = msg.text || "";
-        this.role("output").appendChild(span);
-        plot.add(this.name, msg.ms);
-        this.role("stats").textContent = `${r.tokens.length} tokens, last ${msg.ms.toFixed(0)} ms`;
+        r.unpainted.push(msg);
+        this.schedulePaint(r);
         break;
       }
       case "live":
@@ -131,6 +157,7 @@ class EngineClient {
         const r = this.running.get(msg.id);
         if (!r) break;
         this.running.delete(msg.id);
+        this.paint(r);
         // The streamed spans stay when they spell the final text (stop strings can cut it); else plain text.
         const out = this.role("output");
         const spans = [...out.querySelectorAll("span[data-i]")];
@@ -158,6 +185,7 @@ class EngineClient {
         if (msg.id != null && this.running.has(msg.id)) {
           const r = this.running.get(msg.id);
           this.running.delete(msg.id);
+          this.paint(r);             // what streamed before the error stays visible
           r.reject(new Error(message));
         } else if (this.loadWaiter) {
           this.loadWaiter.reject(new Error(message));
@@ -211,7 +239,8 @@ class EngineClient {
     this.role("stats").textContent = "";
     this.showError("");
     plot.reset(this.name);
-    const done = new Promise((resolve, reject) => this.running.set(id, { resolve, reject, tokens: [], ms: [] }));
+    const done = new Promise((resolve, reject) => this.running.set(id, { resolve, reject, tokens: [], ms: [],
+                                                                         unpainted: [], timer: null }));
     const msg = {
       type: "generate", id, prompt: opts.prompt ?? "", maxTokens: opts.maxTokens ?? 64,
       temperature: opts.temperature ?? 0, topP: opts.topP ?? 1, topK: opts.topK ?? -1, chat: !!opts.chat,
@@ -262,8 +291,8 @@ const plot = {
   series: { python: [], ts: [] },
   pending: false,
   reset(name) { this.series[name] = []; this.draw(); },
-  add(name, ms) {
-    this.series[name].push(ms);
+  add(name, ...ms) {
+    this.series[name].push(...ms);
     if (!this.pending) { this.pending = true; requestAnimationFrame(() => { this.pending = false; this.draw(); }); }
   },
   draw() {

@@ -25,9 +25,10 @@ def test_held_bytes_rebuild_ggml_dequantization(t):
     raw = _rows(t, 37, 512, 1)
     p = wasm_lean.HeldPart(lambda a, b: raw[a:b], t, 37, 512)
     ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(int(t))).reshape(37, 512)
-    w = p.q.astype(np.float32) * p.scale[:, :, None] + p.bias[:, :, None]
-    assert p.q.max() <= 15 and np.abs(w.reshape(37, 512) - ref).max() <= 1e-6 * np.abs(ref).max()
-    assert p.nbytes == 37 * 512 * (1 + 8 / 32)
+    w = p.q.astype(np.float32) * p.scale[:, :, None] + (0 if p.bias is None else p.bias[:, :, None])
+    assert p.q.dtype == np.int8 and -8 <= p.q.min() and p.q.max() <= 7
+    assert np.abs(w.reshape(37, 512) - ref).max() <= 1e-6 * np.abs(ref).max()
+    assert p.nbytes == 37 * 512 * (1 + (8 if t == GGMLType.Q4_1 else 4) / 32)
 
 
 def test_byte_products_equal_float64(monkeypatch):

@@ -387,7 +387,10 @@ class LeanLinear(Linear):
                     views[n] = (tmp[:n * lay.tmp_bytes].reshape(n, lay.tmp_bytes), f, v,
                                 xg.reshape(v.shape[:-2] + (L, T)), np.empty(v.shape[:-1] + (T,), np.float32))
                 tb, f, v, xb, d = views[n]
-                np.copyto(f, lay.unpack(self.q.part_rows(i, a, b), tb), casting="unsafe")
+                q = lay.unpack(self.q.part_rows(i, a, b), tb)
+                if tuning.WASM and q.dtype == np.uint8:  # values < 128: wasm converts int8 in one instruction
+                    q = q.view(np.int8)
+                np.copyto(f, q, casting="unsafe")
                 np.matmul(v, xb, out=d)
                 s = seg_scale[:, a - c0:b - c0]
                 ds = d.reshape(S, n, T)

@@ -6,14 +6,16 @@ NumPy in wasm has no BLAS and no SIMD: a cast or a nibble operation costs about 
 too, short (16-value) segments in the product, and the scales. Here a Q4_0 / Q4_1 part is unpacked *once*, at
 load, into one int8 a weight in weight order (exact: the quants less 8, -8..7; int8, because wasm converts signed
 integers to float in one instruction and unsigned ones in several: 256x576 values, uint8 -> float32 0.55 CPU ns a
-value, int8 0.30), with its block scale and offset as float32 (rows, blocks) arrays; a product then costs one contiguous cast of a block of rows into the shared float32
-scratch and one einsum over whole 32-weight blocks against x, the scales folded per block:
+value, int8 0.30), with its block scale and offset as float32 (rows, blocks) arrays; a product then costs one
+contiguous cast of a block of rows into the shared float32 scratch and one einsum over whole 32-weight blocks
+against x, the scales folded per block:
 
     y[t, r] = sum_b d[r, b] * (q[r, b, :] . x[t, b, :]) + bias[r, b] * sum(x[t, b, :])
 
-(bias = the Q4_1 min + 8 d; none for Q4_0, whose weights are d (q - 8).) A Q8_0 part needs no copy: its raw rows are cast whole (block headers
-included, skipped by the product's view). Memory: 1 byte + 8/32 bytes a weight of a Q4 part on top of the file's
-bytes (SmolLM2-135M: +133 MB beside the 98 MB file; float32 resident holds 4 bytes a weight).
+(bias = the Q4_1 min + 8 d; none for Q4_0, whose weights are d (q - 8).) A Q8_0 part needs no copy: its raw
+rows are cast whole (block headers included, skipped by the product's view). Memory: 1 byte + 8/32 bytes a
+weight of a Q4_1 part (4/32 for Q4_0) on top of the file's bytes (SmolLM2-135M: +126.6 MiB beside the 93.8 MiB
+file; float32 resident holds 4 bytes a weight).
 
 Chosen by ``tuning.LEAN_LAYOUT`` ("bytes" in Pyodide, "stream" in CPython, whose SIMD NumPy unpacks at memory
 speed and keeps the file's bytes only).
@@ -31,8 +33,8 @@ _HOLD_ROWS = 1024                                 # rows unpacked at a time at l
 
 class HeldPart:
     """One part of a lean matrix as its product needs it: ``q`` (rows, blocks, 32) int8 quants less 8 (-8..7) in
-    weight order and ``scale`` / ``bias`` (rows, blocks) float32 (Q4_1; Q4_0 has no bias: w = d (q - 8)), or ``raw_rows(a, b)`` giving the file's Q8_0
-    rows (scales decoded per block of rows on use)."""
+    weight order and ``scale`` / ``bias`` (rows, blocks) float32 (Q4_1; Q4_0 has no bias: w = d (q - 8)), or
+    ``raw_rows(a, b)`` giving the file's Q8_0 rows (scales decoded per block of rows on use)."""
 
     def __init__(self, raw_rows, t: GGMLType, n_rows: int, cols: int):
         self.t, self.rows, self.cols = t, n_rows, cols

@@ -4,9 +4,11 @@
 
 Needs scripts/setup_web.sh (the Pyodide assets tests/pyodide/harness.py uses) and the default model. Loads the
 model through the browser worker's Python half (web/pyworker.py, as the tab does), decodes greedily in each mode
+(lean also with its CPython form, tuning.LEAN_LAYOUT = "stream": the product before issue 29's byte-held quants)
 and prints decode tokens per CPU-second (Node's process.cpuUsage: the Pyodide runtime is one thread, so on a
 loaded host this is steadier than tokens per wall second), best of three runs; per quant format, CPU ms of one
-row through LeanLinear as it runs (decode streams for LEAN_STREAM_TYPES), folded, and the resident matrix;
+row through LeanLinear as it runs (byte-held quants for Q4_0 / Q4_1 / Q8_0), its stream form, folded, and the
+resident matrix;
 and with --profile the lean decode's top functions by own time (cProfile).
 """
 from __future__ import annotations
@@ -36,9 +38,12 @@ def cpu():
 
 N, PROFILE = __N__, __PROFILE__
 res = {"decode tokens per CPU-second": {}, "one row, CPU ms": {}}
-sessions = {"resident": WorkerSession(), "lean": WorkerSession()}
-for mode, session in sessions.items():
-    session.load(MODEL_BYTES, mode=mode, max_model_len=256)
+sessions = {"resident": WorkerSession(), "lean": WorkerSession(), "lean stream": WorkerSession()}
+for name, session in sessions.items():               # "lean stream": tuning.LEAN_LAYOUT's CPython form (before)
+    keep = tuning.LEAN_LAYOUT
+    tuning.LEAN_LAYOUT = "stream" if name == "lean stream" else keep
+    session.load(MODEL_BYTES, mode=name.split()[0], max_model_len=256)
+    tuning.LEAN_LAYOUT = keep
 
 
 def decode(session, stream_rows):
@@ -56,7 +61,7 @@ def decode(session, stream_rows):
 
 # lean folded: the lean products before the decode streams (LEAN_STREAM_MAX_ROWS = 0); alternated run by run
 runs = {"resident": (sessions["resident"], 1), "lean": (sessions["lean"], 1),
-        "lean folded (before)": (sessions["lean"], 0)}
+        "lean stream (before)": (sessions["lean stream"], 1)}
 best = dict.fromkeys(runs, 0.0)
 for _ in range(3):
     for name, (session, rows) in runs.items():
@@ -80,15 +85,20 @@ for name, (n_out, n_in) in (("Q4_1", (1536, 576)), ("Q8_0", (1536, 576)), ("Q4_0
     raw = quants.quantizer(t)(rng.standard_normal((n_out, n_in)).astype(np.float32) * 0.05).reshape(n_out, -1)
     lin = LeanLinear(QuantMatrix([(raw, int(t))], n_in))
     lin.scratch = np.empty(lin.scratch_floats, np.float32)
+    keep, tuning.LEAN_LAYOUT = tuning.LEAN_LAYOUT, "stream"
+    stream = LeanLinear(QuantMatrix([(raw, int(t))], n_in))
+    tuning.LEAN_LAYOUT = keep
+    stream.scratch = lin.scratch
     dense = DenseLinear(lin.dense())
     x, o = rng.standard_normal((1, n_in)).astype(np.float32), np.empty((1, n_out), np.float32)
 
     def folded():
         keep, tuning.LEAN_STREAM_MAX_ROWS = tuning.LEAN_STREAM_MAX_ROWS, 0
-        lin.matmul(x, o)
+        stream.matmul(x, o)
         tuning.LEAN_STREAM_MAX_ROWS = keep
 
-    fns = {"lean": lambda: lin.matmul(x, o), "lean folded": folded, "resident": lambda: dense.matmul(x, o)}
+    fns = {"lean": lambda: lin.matmul(x, o), "lean stream": lambda: stream.matmul(x, o), "lean folded": folded,
+           "resident": lambda: dense.matmul(x, o)}
     best = dict.fromkeys(fns, 1e9)
     for _ in range(15):                                     # alternated: a loaded host slows them alike
         for k, f in fns.items():

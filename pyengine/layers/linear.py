@@ -25,6 +25,7 @@ from numpy.lib.stride_tricks import as_strided
 
 from pyengine import tuning
 from pyengine.gguf import quants, quants_stream
+from pyengine.layers import wasm_lean
 from pyengine.layers.activation import gated_activation
 
 
@@ -294,6 +295,11 @@ class LeanLinear(Linear):
         rows = chunk_rows or max(1, tuning.LEAN_BLOCK_BYTES // (4 * m.cols))
         self.block_rows = min(m.shape[0], rows)
         self.scratch: np.ndarray | None = None           # bound by the runner (arena region "lean.scratch")
+        # Pyodide (tuning.LEAN_LAYOUT == "bytes"): Q4_0 / Q4_1 parts unpacked once into bytes (layers/wasm_lean.py)
+        self.held = ([wasm_lean.HeldPart(partial(m.part_rows, i), quants.GGMLType(t), raw.shape[0], m.cols)
+                      for i, (raw, t) in enumerate(m.parts)]
+                     if tuning.LEAN_LAYOUT == "bytes" and m.cols % 32 == 0
+                     and all(wasm_lean.holds(t) for _, t in m.parts) else None)
 
     @property
     def scratch_floats(self) -> int:
@@ -303,6 +309,12 @@ class LeanLinear(Linear):
         out = np.empty((x.shape[0], self.shape[1]), np.float32) if out is None else out
         T, k, br = x.shape[0], self.q.cols, self.block_rows
         buf = (np.empty(self.scratch_floats, np.float32) if self.scratch is None else self.scratch)
+        if self.held is not None:
+            base = 0
+            for p in self.held:
+                wasm_lean.matmul_part(p, x, buf, out[:, base:base + p.rows], tuning.LEAN_FOLD_MAX_ROWS)
+                base += p.rows
+            return out
         fold = T <= tuning.LEAN_FOLD_MAX_ROWS
         per_group: dict[int, tuple] = {}                 # group size -> (x as (G, group, T), per-group sums (T, G))
         span = br * tuning.LEAN_SCALE_BLOCKS             # rows whose scales are decoded at once (small arrays)
@@ -375,7 +387,10 @@ class LeanLinear(Linear):
                     views[n] = (tmp[:n * lay.tmp_bytes].reshape(n, lay.tmp_bytes), f, v,
                                 xg.reshape(v.shape[:-2] + (L, T)), np.empty(v.shape[:-1] + (T,), np.float32))
                 tb, f, v, xb, d = views[n]
-                np.copyto(f, lay.unpack(self.q.part_rows(i, a, b), tb), casting="unsafe")
+                q = lay.unpack(self.q.part_rows(i, a, b), tb)
+                if tuning.WASM and q.dtype == np.uint8:  # values < 128: wasm converts int8 in one instruction
+                    q = q.view(np.int8)
+                np.copyto(f, q, casting="unsafe")
                 np.matmul(v, xb, out=d)
                 s = seg_scale[:, a - c0:b - c0]
                 ds = d.reshape(S, n, T)

@@ -28,7 +28,7 @@ from . import ir
 from . import budget as _budget
 from .automaton import compile_rules, estimate_states, productive
 from .ir import GrammarError, alt, literal, opt, ref, rep, seq
-from .product import MAX_STRING_STATES, CounterTooLarge, dfa_of, intersect, length_range
+from .product import CounterTooLarge, dfa_of, intersect, length_range
 from .regex import MAX_REPEAT, regex_to_ir
 
 ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
@@ -51,7 +51,6 @@ TYPE_KEYWORDS = {
     "string": {"minLength", "maxLength", "pattern", "format"},
     "number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"},
 }
-MIN_LENGTH_CAP = 32          # a format/pattern string's maxLength is never lowered below this (see _intersected)
 MAX_BOUND_DIGITS = 400        # a numeric bound costs O(digits^2) automaton states
 DIGITS = ir.byte_set(0x30, 0x39)
 DIGITS19 = ir.byte_set(0x31, 0x39)
@@ -573,10 +572,12 @@ class SchemaCompiler:
             if len(bodies) == 1 and not lo and hi is None:
                 return seq(literal('"'), bodies[0], literal('"'))
             return seq(literal('"'), self._intersected(bodies, fmt, pattern, lo, hi), literal('"'))
-        if hi is not None and hi > MAX_REPEAT:
-            raise GrammarError(f"maxLength above {MAX_REPEAT} is not supported", "maxLength")
-        if lo > MAX_REPEAT:
-            raise GrammarError(f"minLength above {MAX_REPEAT} is not supported", "minLength")
+        if (hi is not None and hi > MAX_REPEAT) or lo > MAX_REPEAT:
+            # unrolled, the repetition would cost states per character: counted at run time instead
+            body = self._counted_string(intersect([], _lexer(), lo, hi, counted=True))
+            if body == ir.NOTHING:
+                self.empty.append((f"minLength {lo} with maxLength {hi} admits no string", "minLength"))
+            return seq(literal('"'), body, literal('"'))
         return seq(literal('"'), rep(JSON_CHAR, lo, hi), literal('"'))
 
     def _intersected(self, bodies, fmt, pattern, lo: int, hi: int | None) -> ir.GrammarNode:
@@ -596,28 +597,25 @@ class SchemaCompiler:
                 fewest, most = length_range(dfas[0], _lexer())
                 if lo <= fewest and (hi is None or most <= hi):
                     return bodies[0]                # the bounds cannot bind: the regex as it is
-            body = None
-            cap = hi
-            while body is None:
-                try:
-                    body = intersect(dfas, _lexer() if counting else None, lo, cap)
-                except CounterTooLarge as e:
-                    # maxLength exact would need more states than one string may have: write at most
-                    # `cap` characters instead (a subset of the language, so every output validates);
-                    # a built automaton's size says about how many states each character adds
-                    nxt = cap // 2 if cap is not None else 0
-                    if e.suggest:
-                        nxt = min(cap - 1, e.suggest)
-                    elif e.states:
-                        nxt = min(nxt, int(cap * MAX_STRING_STATES * 0.9) // e.states)
-                    if nxt < max(lo, 1) or nxt < MIN_LENGTH_CAP:
-                        raise
-                    cap = nxt
+            try:
+                body = intersect(dfas, _lexer() if counting else None, lo, hi)
+            except CounterTooLarge:
+                # the bounds spelled into the automaton would multiply its states: the string becomes a
+                # rule of its own whose count is kept at run time (counter.py), exact at any length
+                body = self._counted_string(intersect(dfas, _lexer(), lo, hi, counted=True))
         except _budget.GrammarTooLarge as e:
             raise _budget.GrammarTooLarge(f"{what}: {e}", keyword) from None
         if body == ir.NOTHING:
             self.empty.append((f"{what} admits no string", keyword))
         return body
+
+    def _counted_string(self, node) -> ir.GrammarNode:
+        """A ("counted", ...) string body as a rule of its own (the pushdown matcher counts its characters)."""
+        if node[0] != "counted":
+            return node
+        name = f"counted:{len(self.rules)}"
+        self.rules[name] = node
+        return ref(name)
 
     def _number(self, s, integer: bool) -> ir.GrammarNode:
         lo, lo_excl = _bound(s, "minimum", "exclusiveMinimum", lower=True)

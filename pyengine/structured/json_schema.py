@@ -673,7 +673,7 @@ class SchemaCompiler:
         return seq(literal("["), alt(*options) if options else ir.NOTHING, literal("]"))
 
     def _pattern_member(self, s, names, addl):
-        """``"key":value`` members for patternProperties, or None. Enforced when every pattern shares one
+        """(key, value) of the ``"key":value`` members for patternProperties, or None. Enforced when every pattern shares one
         schema, no listed property matches a pattern (its value would have to satisfy both) and
         additionalProperties is false or absent (keys outside the patterns are then not written)."""
         pp = s.get("patternProperties")
@@ -701,7 +701,7 @@ class SchemaCompiler:
         value = self.node(schemas[0])
         if value == ir.NOTHING:
             return None
-        return seq(literal('"'), alt(*keys), literal('"'), literal(":"), value)
+        return seq(literal('"'), alt(*keys), literal('"')), value
 
     def _unique_array(self, s, lo, hi):
         """uniqueItems: items from a finite enum are written as distinct values in declared order (a
@@ -758,10 +758,10 @@ class SchemaCompiler:
             members.append(seq(literal(dumps(name)), literal(":"), value))
             flags.append(name in required)
         singles = list(members)                  # one member each (for maxProperties 1)
-        pattern_member = self._pattern_member(s, names, addl)
-        if pattern_member is not None and extra_key is not None:
+        distinct = self._pattern_member(s, names, addl)     # (key node, value node) of the extra members
+        if distinct is not None and extra_key is not None:
             raise GrammarError("propertyNames together with patternProperties is not supported", "propertyNames")
-        extra = pattern_member
+        extra = None if distinct is None else seq(distinct[0], literal(":"), distinct[1])
         if extra is None and addl is not False:
             value = self.node(addl)
             if value != ir.NOTHING:
@@ -769,6 +769,7 @@ class SchemaCompiler:
                     raise GrammarError("propertyNames with listed properties and additionalProperties is not "
                                        "supported", "propertyNames")
                 extra = seq(extra_key if extra_key is not None else _string_not_in(names), literal(":"), value)
+                distinct = (extra_key if extra_key is not None else _string_not_in(names), value)
         if extra is not None:
             members.append(seq(extra, rep(seq(literal(","), extra), 0, None)))
             flags.append(False)
@@ -789,6 +790,8 @@ class SchemaCompiler:
                 options = singles + ([] if lo_p else [ir.EMPTY])
             return seq(literal("{"), alt(*options), literal("}"))
         if (hi_p is not None and (extra is not None or hi_p < len(members))) or (lo_p > n_req and lo_p > 1):
+            if extra is not None and distinct is not None and len(members) == 1 and lo_p > 1:
+                return self._distinct(*distinct, lo_p, hi_p)
             return self._counted(members, flags, extra, lo_p, hi_p)
         at_least_one = False
         if lo_p > n_req:
@@ -846,6 +849,23 @@ class SchemaCompiler:
                                        f"about {cost} automaton states").args[0]
             raise _budget.GrammarTooLarge(message, keyword)
         return seq(literal("{"), node, literal("}"))
+
+    def _distinct(self, key, value, lo: int, hi: int | None) -> ir.GrammarNode:
+        """An object of additional properties only, lo..hi of them with pairwise distinct names (two or
+        more count towards minProperties): an ("xkeys", ...) rule (distinct.py) over the key's DFA."""
+        if hi is not None and hi < lo:
+            return ir.NOTHING
+        node = intersect([dfa_of(key)])
+        if node == ir.NOTHING:
+            return ir.NOTHING
+        _, edges, accepting = node
+        if any(a and e for a, e in zip(accepting, edges)):
+            raise GrammarError("minProperties over additional properties whose names the grammar cannot "
+                               "delimit is not supported", "minProperties")
+        base = f"distinct:{len(self.rules)}"
+        self.rules[base + ":value"] = value
+        self.rules[base] = ("xkeys", edges, accepting, base + ":value", lo, hi)
+        return seq(literal("{"), ref(base), literal("}"))
 
     def _property_names(self, s):
         """(predicate over listed names, key node for extra properties or None) from propertyNames, which

@@ -142,3 +142,24 @@ def test_random_outputs_are_distinct_and_valid():
     for _ in range(4):
         _, data = sample_random_model(g, rng, budget=25)
         assert valid(v, data.decode()), data
+
+
+def test_a_grown_cached_matcher_is_compiled_afresh(monkeypatch):
+    """Names and counts are interned as outputs are decoded; past MAX_GROWN_STATES the cached automaton is
+    replaced for new requests while a running sequence keeps its own."""
+    from pyengine.structured import matcher as mx
+    schema = {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 2,
+              "maxProperties": 9}
+    v = vocab()
+    g = compile_grammar(("json", schema), v)
+    m = GrammarMatcher(g)
+    tok = tokenizer()
+    for t in tok.encode('{"alpha":1,"beta":2,'):
+        assert m.advance(t)
+    monkeypatch.setattr(mx, "MAX_GROWN_STATES", g.automaton.num_states - 1)
+    g2 = compile_grammar(("json", schema), v)
+    assert g2 is not g and g2.automaton is not g.automaton
+    assert compile_grammar(("json", schema), v) is g2          # cached again while it stays small
+    for t in tok.encode('"gamma":3}'):
+        assert m.advance(t)
+    assert m.is_complete()

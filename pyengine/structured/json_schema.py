@@ -673,9 +673,9 @@ class SchemaCompiler:
         return seq(literal("["), alt(*options) if options else ir.NOTHING, literal("]"))
 
     def _pattern_member(self, s, names, addl):
-        """(key, value) of the ``"key":value`` members for patternProperties, or None. Enforced when every pattern shares one
-        schema, no listed property matches a pattern (its value would have to satisfy both) and
-        additionalProperties is false or absent (keys outside the patterns are then not written)."""
+        """(key, value) of the ``"key":value`` members for patternProperties, or None. Enforced when every
+        pattern shares one schema, no listed property matches a pattern (its value would have to satisfy both)
+        and additionalProperties is false or absent (keys outside the patterns are then not written)."""
         pp = s.get("patternProperties")
         if not pp:
             return None

@@ -78,8 +78,47 @@ def default_validator(schema):
 
 # --- sampling through the mask -----------------------------------------------------------------------
 def shortest_completion(automaton, state: int, limit: int = 50_000) -> bytes:
-    """The shortest byte string of single-byte tokens that takes ``state`` to an accepting state (BFS)."""
-    usable = sorted(byte_tokens())
+    """The shortest byte string of single-byte tokens that takes ``state`` to an accepting state (BFS). Past
+    ``limit`` states (distinct object names are states of their own: every byte of a name branches) the
+    search goes depth first instead."""
+    try:
+        return _bfs_completion(automaton, state, limit, sorted(byte_tokens()))
+    except _SearchLimit:
+        return _dfs_completion(automaton, state, limit)
+
+
+def _dfs_completion(automaton, state: int, limit: int, depth: int = 256) -> bytes:
+    """A (not the shortest) completion: depth first, closing bytes tried first, every state visited once."""
+    first = b'"}]:0,abc'
+    order = list(first) + [b for b in sorted(byte_tokens()) if b not in first]
+    seen = {state}
+    stack = [(state, iter(order))]
+    path: list[int] = []
+    while stack:
+        s, it = stack[-1]
+        if automaton.is_accepting(s):
+            return bytes(path)
+        for b in it:
+            t = automaton.step(s, bytes([b]))
+            if t and t not in seen and len(path) < depth:
+                seen.add(t)
+                if len(seen) > limit:
+                    raise AssertionError("no completion found within the search limit")
+                stack.append((t, iter(order)))
+                path.append(b)
+                break
+        else:
+            stack.pop()
+            if path:
+                path.pop()
+    raise AssertionError("the grammar cannot be completed from this state")
+
+
+class _SearchLimit(AssertionError):
+    pass
+
+
+def _bfs_completion(automaton, state: int, limit: int, usable) -> bytes:
     prev = {state: None}
     queue = deque([state])
     while queue:
@@ -96,7 +135,7 @@ def shortest_completion(automaton, state: int, limit: int = 50_000) -> bytes:
                 prev[t] = (s, b)
                 queue.append(t)
                 if len(prev) > limit:
-                    raise AssertionError("no completion found within the search limit")
+                    raise _SearchLimit("no completion found within the search limit")
     raise AssertionError("the grammar cannot be completed from this state")
 
 

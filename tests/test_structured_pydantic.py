@@ -91,7 +91,8 @@ def test_pydantic_corpus_compiles_and_validates(compiled_corpus):
 def test_pydantic_models_through_the_server_with_the_openai_client():
     """The user path on SmolLM2: the official client's ``chat.completions.parse(response_format=Model)`` for
     models whose schemas main refused (a dict with max keys, a pattern with lengths), answered with valid
-    JSON the model parses; a schema asking for two additional properties is a 400 naming minProperties."""
+    JSON the model parses; a schema asking for two additional properties beside a listed one is a 400 naming
+    minProperties."""
     import openai
     from pyengine.engine.llm_engine import LLMEngine
     from pyengine.model_files import default_model_path
@@ -116,7 +117,9 @@ def test_pydantic_models_through_the_server_with_the_openai_client():
                                     format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
                 finished += 1
         assert finished >= 1
-        bad = {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 2}
+        # two additional properties count since distinct.py; with a listed property beside them they do not
+        bad = {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": {"type": "integer"},
+               "minProperties": 3}
         with pytest.raises(openai.BadRequestError, match="minProperties") as e:
             client.chat.completions.create(
                 model=model_id, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
@@ -169,7 +172,7 @@ def test_format_with_lengths_sound_and_complete(fmt):
 
 def test_format_with_pattern_and_large_maxlength():
     """format with pattern is the intersection; a maxLength the format can never reach costs nothing;
-    HttpUrl's maxLength 2083 is honoured as a shorter cap (a subset: every output still validates)."""
+    HttpUrl's maxLength 2083 is exact (counted at run time: tests/test_structured_counted.py)."""
     a = automaton_of({"type": "string", "format": "date", "pattern": "^2024-0[1-3]"})
     assert accepts(a, '"2024-02-28"') and not accepts(a, '"2024-04-01"') and not accepts(a, '"2024-02-30"')
     uuid = automaton_of({"type": "string", "format": "uuid", "maxLength": 100000})
@@ -261,7 +264,8 @@ def test_property_count_refusals_name_the_keyword_and_hold_the_budget():
     """A count that cannot be met names minProperties; a huge maxProperties over many optional keys is
     refused by the state budget (at once, naming maxProperties), not unrolled."""
     with pytest.raises(GrammarError) as e:
-        compile_grammar(("json", {"type": "object", "additionalProperties": {"type": "integer"},
+        compile_grammar(("json", {"type": "object", "properties": {"a": {"type": "integer"}},   # distinct.py
+                                  "additionalProperties": {"type": "integer"},   # counts extras alone
                                   "minProperties": 3}), vocab())
     assert e.value.keyword == "minProperties" and "minProperties" in str(e.value)
     props = {f"p{i}": {"type": "string", "format": "date-time"} for i in range(2000)}

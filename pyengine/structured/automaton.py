@@ -18,6 +18,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import budget as _budget
+from .counter import CountedRule
+from .distinct import DistinctKeysRule
 from .ir import GrammarError
 
 MAX_DFA_STATES = 20_000          # past this a regular grammar is compiled rule by rule (pushdown) instead
@@ -391,6 +393,8 @@ class ByteDFA:
 
 
 class _RuleDFA:
+    counted = False                                 # a plain rule (counter.CountedRule: a counted string)
+
     def __init__(self, table, accepting, calls):
         self.rows = table.tolist()                  # python lists: the byte-at-a-time walk is scalar
         self.flat = np.ascontiguousarray(table, dtype=np.int32).reshape(-1)
@@ -498,7 +502,7 @@ class PushdownMatcher:
         slow = []
         for name, s in {st[-1] for st in self._sets[state]}:
             r = self.rules[name]
-            ok, maybe = vocab.frame_walk(r.flat, s, r.escapable)
+            ok, maybe = r.frame_mask(s, vocab) if r.counted else vocab.frame_walk(r.flat, s, r.escapable)
             mask[ok] = True
             slow.append(maybe)
         if slow:
@@ -529,6 +533,8 @@ def _refs(node, out: set) -> set:
         _refs(node[3], out)
         if kind == "clist" and node[6] is not None:
             _refs(node[6], out)
+    elif kind == "xkeys":
+        out.add(node[3])
     return out
 
 
@@ -589,7 +595,10 @@ def compile_rules(rules: dict, root: str):
     """IR rules -> `ByteDFA` (no recursion) or `PushdownMatcher`. A grammar whose automaton would be too
     large (a big rule inlined at many places) is compiled as a pushdown matcher with every rule its own
     small DFA instead."""
-    rec = recursive_rules(rules, root)
+    # a counted string (counter.py) and distinct-named members (distinct.py) are always rules of their own,
+    # their frame states carrying run-time data; the members' value rule is called from the latter
+    special = {n for n in reachable_rules(rules, root) if rules[n][0] in ("counted", "xkeys")}
+    rec = recursive_rules(rules, root) | special | {rules[n][3] for n in special if rules[n][0] == "xkeys"}
     if not productive(rules, root):
         raise GrammarError("the grammar matches nothing (its language is empty)")
     inline = set(rules) - rec
@@ -695,6 +704,10 @@ def productive(rules: dict, root: str) -> bool:
             return n[1] in good
         if kind == "dfa":
             return any(n[2])                    # trimmed: an accepting state is reachable
+        if kind == "counted":
+            return True                         # product.counted_node: the start meets the bounds
+        if kind == "xkeys":
+            return n[4] == 0 or n[3] in good    # members need a value
         if kind == "clist":
             return clist_productive(n, ok)
         if kind == "list":
@@ -731,6 +744,12 @@ def _pushdown(rules, root, rec, inline):
     names = set(rec) | {root}
     dfas = {}
     for name in names:
+        if rules[name][0] == "counted":
+            dfas[name] = CountedRule(rules[name])
+            continue
+        if rules[name][0] == "xkeys":
+            dfas[name] = DistinctKeysRule(rules[name])
+            continue
         nfa = _NFA(rules, inline - {name})
         s, f = nfa.start(rules[name])
         table, cls, acc, calls = _determinize(nfa, s, f)

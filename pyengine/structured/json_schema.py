@@ -28,7 +28,7 @@ from . import ir
 from . import budget as _budget
 from .automaton import compile_rules, estimate_states, productive
 from .ir import GrammarError, alt, literal, opt, ref, rep, seq
-from .product import MAX_STRING_STATES, CounterTooLarge, dfa_of, intersect, length_range
+from .product import CounterTooLarge, dfa_of, intersect, length_range
 from .regex import MAX_REPEAT, regex_to_ir
 
 ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
@@ -51,7 +51,6 @@ TYPE_KEYWORDS = {
     "string": {"minLength", "maxLength", "pattern", "format"},
     "number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"},
 }
-MIN_LENGTH_CAP = 32          # a format/pattern string's maxLength is never lowered below this (see _intersected)
 MAX_BOUND_DIGITS = 400        # a numeric bound costs O(digits^2) automaton states
 DIGITS = ir.byte_set(0x30, 0x39)
 DIGITS19 = ir.byte_set(0x31, 0x39)
@@ -573,10 +572,12 @@ class SchemaCompiler:
             if len(bodies) == 1 and not lo and hi is None:
                 return seq(literal('"'), bodies[0], literal('"'))
             return seq(literal('"'), self._intersected(bodies, fmt, pattern, lo, hi), literal('"'))
-        if hi is not None and hi > MAX_REPEAT:
-            raise GrammarError(f"maxLength above {MAX_REPEAT} is not supported", "maxLength")
-        if lo > MAX_REPEAT:
-            raise GrammarError(f"minLength above {MAX_REPEAT} is not supported", "minLength")
+        if (hi is not None and hi > MAX_REPEAT) or lo > MAX_REPEAT:
+            # unrolled, the repetition would cost states per character: counted at run time instead
+            body = self._counted_string(intersect([], _lexer(), lo, hi, counted=True))
+            if body == ir.NOTHING:
+                self.empty.append((f"minLength {lo} with maxLength {hi} admits no string", "minLength"))
+            return seq(literal('"'), body, literal('"'))
         return seq(literal('"'), rep(JSON_CHAR, lo, hi), literal('"'))
 
     def _intersected(self, bodies, fmt, pattern, lo: int, hi: int | None) -> ir.GrammarNode:
@@ -596,28 +597,25 @@ class SchemaCompiler:
                 fewest, most = length_range(dfas[0], _lexer())
                 if lo <= fewest and (hi is None or most <= hi):
                     return bodies[0]                # the bounds cannot bind: the regex as it is
-            body = None
-            cap = hi
-            while body is None:
-                try:
-                    body = intersect(dfas, _lexer() if counting else None, lo, cap)
-                except CounterTooLarge as e:
-                    # maxLength exact would need more states than one string may have: write at most
-                    # `cap` characters instead (a subset of the language, so every output validates);
-                    # a built automaton's size says about how many states each character adds
-                    nxt = cap // 2 if cap is not None else 0
-                    if e.suggest:
-                        nxt = min(cap - 1, e.suggest)
-                    elif e.states:
-                        nxt = min(nxt, int(cap * MAX_STRING_STATES * 0.9) // e.states)
-                    if nxt < max(lo, 1) or nxt < MIN_LENGTH_CAP:
-                        raise
-                    cap = nxt
+            try:
+                body = intersect(dfas, _lexer() if counting else None, lo, hi)
+            except CounterTooLarge:
+                # the bounds spelled into the automaton would multiply its states: the string becomes a
+                # rule of its own whose count is kept at run time (counter.py), exact at any length
+                body = self._counted_string(intersect(dfas, _lexer(), lo, hi, counted=True))
         except _budget.GrammarTooLarge as e:
             raise _budget.GrammarTooLarge(f"{what}: {e}", keyword) from None
         if body == ir.NOTHING:
             self.empty.append((f"{what} admits no string", keyword))
         return body
+
+    def _counted_string(self, node) -> ir.GrammarNode:
+        """A ("counted", ...) string body as a rule of its own (the pushdown matcher counts its characters)."""
+        if node[0] != "counted":
+            return node
+        name = f"counted:{len(self.rules)}"
+        self.rules[name] = node
+        return ref(name)
 
     def _number(self, s, integer: bool) -> ir.GrammarNode:
         lo, lo_excl = _bound(s, "minimum", "exclusiveMinimum", lower=True)
@@ -675,9 +673,9 @@ class SchemaCompiler:
         return seq(literal("["), alt(*options) if options else ir.NOTHING, literal("]"))
 
     def _pattern_member(self, s, names, addl):
-        """``"key":value`` members for patternProperties, or None. Enforced when every pattern shares one
-        schema, no listed property matches a pattern (its value would have to satisfy both) and
-        additionalProperties is false or absent (keys outside the patterns are then not written)."""
+        """(key, value) of the ``"key":value`` members for patternProperties, or None. Enforced when every
+        pattern shares one schema, no listed property matches a pattern (its value would have to satisfy both)
+        and additionalProperties is false or absent (keys outside the patterns are then not written)."""
         pp = s.get("patternProperties")
         if not pp:
             return None
@@ -703,7 +701,7 @@ class SchemaCompiler:
         value = self.node(schemas[0])
         if value == ir.NOTHING:
             return None
-        return seq(literal('"'), alt(*keys), literal('"'), literal(":"), value)
+        return seq(literal('"'), alt(*keys), literal('"')), value
 
     def _unique_array(self, s, lo, hi):
         """uniqueItems: items from a finite enum are written as distinct values in declared order (a
@@ -760,10 +758,10 @@ class SchemaCompiler:
             members.append(seq(literal(dumps(name)), literal(":"), value))
             flags.append(name in required)
         singles = list(members)                  # one member each (for maxProperties 1)
-        pattern_member = self._pattern_member(s, names, addl)
-        if pattern_member is not None and extra_key is not None:
+        distinct = self._pattern_member(s, names, addl)     # (key node, value node) of the extra members
+        if distinct is not None and extra_key is not None:
             raise GrammarError("propertyNames together with patternProperties is not supported", "propertyNames")
-        extra = pattern_member
+        extra = None if distinct is None else seq(distinct[0], literal(":"), distinct[1])
         if extra is None and addl is not False:
             value = self.node(addl)
             if value != ir.NOTHING:
@@ -771,6 +769,7 @@ class SchemaCompiler:
                     raise GrammarError("propertyNames with listed properties and additionalProperties is not "
                                        "supported", "propertyNames")
                 extra = seq(extra_key if extra_key is not None else _string_not_in(names), literal(":"), value)
+                distinct = (extra_key if extra_key is not None else _string_not_in(names), value)
         if extra is not None:
             members.append(seq(extra, rep(seq(literal(","), extra), 0, None)))
             flags.append(False)
@@ -791,6 +790,8 @@ class SchemaCompiler:
                 options = singles + ([] if lo_p else [ir.EMPTY])
             return seq(literal("{"), alt(*options), literal("}"))
         if (hi_p is not None and (extra is not None or hi_p < len(members))) or (lo_p > n_req and lo_p > 1):
+            if extra is not None and distinct is not None and len(members) == 1 and lo_p > 1:
+                return self._distinct(*distinct, lo_p, hi_p)
             return self._counted(members, flags, extra, lo_p, hi_p)
         at_least_one = False
         if lo_p > n_req:
@@ -848,6 +849,23 @@ class SchemaCompiler:
                                        f"about {cost} automaton states").args[0]
             raise _budget.GrammarTooLarge(message, keyword)
         return seq(literal("{"), node, literal("}"))
+
+    def _distinct(self, key, value, lo: int, hi: int | None) -> ir.GrammarNode:
+        """An object of additional properties only, lo..hi of them with pairwise distinct names (two or
+        more count towards minProperties): an ("xkeys", ...) rule (distinct.py) over the key's DFA."""
+        if hi is not None and hi < lo:
+            return ir.NOTHING
+        node = intersect([dfa_of(key)])
+        if node == ir.NOTHING:
+            return ir.NOTHING
+        _, edges, accepting = node
+        if any(a and e for a, e in zip(accepting, edges)):
+            raise GrammarError("minProperties over additional properties whose names the grammar cannot "
+                               "delimit is not supported", "minProperties")
+        base = f"distinct:{len(self.rules)}"
+        self.rules[base + ":value"] = value
+        self.rules[base] = ("xkeys", edges, accepting, base + ":value", lo, hi)
+        return seq(literal("{"), ref(base), literal("}"))
 
     def _property_names(self, s):
         """(predicate over listed names, key node for extra properties or None) from propertyNames, which

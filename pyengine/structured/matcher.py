@@ -30,6 +30,9 @@ KINDS = ("json", "regex", "choice", "grammar", "json_object")
 COMPILE_CACHE_SIZE = 64
 MASK_CACHE_STATES = 8192        # packed masks kept per grammar (49152 tokens -> 6 KiB each)
 RECENT_STATES = 32              # unpacked (48 KiB each): a JSON string's states repeat token after token
+MAX_GROWN_STATES = 200_000      # a cached pushdown matcher past this many interned states (they grow as
+                                # outputs are decoded: counted strings, distinct names) is compiled afresh
+                                # for new requests; running sequences keep the old one
 
 
 def grammar_rules(kind: str, spec) -> tuple[dict, str]:
@@ -76,8 +79,16 @@ def cached_automaton(key: str):
         raise cls(message, keyword)
     hit = _cache.get((key, None))         # automata are vocabulary-free: (key, None) in the compile cache
     if hit is not None:
+        if _grown(hit):
+            del _cache[(key, None)]
+            return None
         _cache.move_to_end((key, None))
     return hit
+
+
+def _grown(automaton) -> bool:
+    """A pushdown matcher whose run-time state tables have grown past MAX_GROWN_STATES."""
+    return automaton.kind == "pda" and automaton.num_states > MAX_GROWN_STATES
 
 
 def install(key: str, automaton=None, refusal: GrammarError | None = None) -> None:
@@ -179,8 +190,10 @@ def compile_grammar(request, vocab: TokenVocabulary) -> CompiledGrammar:
     key = (spec_key(kind, spec), vocab.key)
     hit = _cache.get(key)
     if hit is not None:
-        _cache.move_to_end(key)
-        return hit
+        fresh = _grown(hit.automaton) and cached_automaton(key[0])     # None: compiled again below
+        if not _grown(hit.automaton) or fresh is hit.automaton:
+            _cache.move_to_end(key)
+            return hit
     compiled = CompiledGrammar(compile_automaton(kind, spec), vocab)
     _remember(_cache, key, compiled, 2 * COMPILE_CACHE_SIZE)     # with the automata (key, None)
     return compiled

@@ -26,13 +26,14 @@ import numpy as np
 from . import budget as _budget
 from . import ir
 from .automaton import ByteDFA, MAX_DFA_STATES, _minimize, _rows_id, compile_rules, minimize_by_labels
+from .counter import INF, CountedRule
+from .counter import remaining as _remaining
 from .ir import GrammarError
 
 MAX_STRING_STATES = 2048     # states of one string's automaton (it is embedded in the schema's DFA)
 MAX_BUILT_STATES = 12288     # states built for it before minimization (which runs only past MAX_STRING_STATES:
                              # the schema's own compile minimizes the whole automaton anyway)
 FREE = -1               # the counter value "the bounds can no longer bind"
-INF = 1 << 60
 
 
 class CounterTooLarge(_budget.GrammarTooLarge):
@@ -65,64 +66,6 @@ def _classes(tables):
         reps[cls[b]] = b
         masks[cls[b]] |= 1 << b
     return cls, reps, masks
-
-
-def _remaining(rows, accepting, weight):
-    """Per state: (fewest, most) characters still to read before acceptance (INF: unbounded; a state
-    that cannot accept gets fewest INF). rows: successor lists; weight[s] 1 if leaving s starts a char."""
-    n = len(rows)
-    succ = [set(t for t in r if t) for r in rows]
-    pred = [[] for _ in range(n)]
-    for s in range(1, n):
-        for t in succ[s]:
-            pred[t].append(s)
-    # fewest: 0/1-weighted shortest path to an accepting state, backwards (a deque-free Dijkstra by layers)
-    fewest = [INF] * n
-    frontier = [s for s in range(1, n) if accepting[s]]
-    for s in frontier:
-        fewest[s] = 0
-    dist = 0
-    while frontier:
-        # zero-weight closure at this distance
-        work = list(frontier)
-        layer = set(frontier)
-        while work:
-            t = work.pop()
-            for s in pred[t]:
-                if not weight[s] and fewest[s] > dist:
-                    fewest[s] = dist
-                    layer.add(s)
-                    work.append(s)
-        nxt = set()
-        for t in layer:
-            for s in pred[t]:
-                if weight[s] and fewest[s] > dist + 1:
-                    fewest[s] = dist + 1
-                    nxt.add(s)
-        frontier = list(nxt)
-        dist += 1
-    # most: longest path over the co-accessible states, INF where a cycle can still be entered: peel
-    # states whose successors are all peeled (Kahn's order); what is never peeled reaches a cycle
-    live = [fewest[s] < INF for s in range(n)]
-    outdeg = [sum(1 for t in succ[s] if live[t]) if live[s] else 0 for s in range(n)]
-    order = [s for s in range(1, n) if live[s] and not outdeg[s]]
-    i = 0
-    while i < len(order):
-        t = order[i]
-        i += 1
-        for s in pred[t]:
-            if live[s]:
-                outdeg[s] -= 1
-                if not outdeg[s]:
-                    order.append(s)
-    most = [INF] * n
-    for s in order:
-        best = 0 if accepting[s] else -INF
-        for t in succ[s]:
-            if live[t]:
-                best = max(best, most[t] + weight[s])
-        most[s] = best
-    return fewest, most
 
 
 def _minimize_labelled(rows, acc, boundary):
@@ -164,10 +107,12 @@ def length_range(dfa: ByteDFA, lexer: ByteDFA) -> tuple[int, int]:
 
 
 def intersect(dfas: list[ByteDFA], lexer: ByteDFA | None = None, lo: int = 0, hi: int | None = None,
-              limit: int = MAX_BUILT_STATES, max_states: int = MAX_STRING_STATES):
+              limit: int = MAX_BUILT_STATES, max_states: int = MAX_STRING_STATES, counted: bool = False):
     """The IR node of the intersection of the DFAs' languages, restricted (when ``lexer`` is given) to
     strings of ``lo``..``hi`` characters; ``ir.NOTHING`` when it is empty. At most ``limit`` states are
-    built and ``max_states`` kept after minimization (past either: `GrammarTooLarge`)."""
+    built and ``max_states`` kept after minimization (past either: `GrammarTooLarge`). With ``counted``
+    the bounds are left to the run-time counter: a ("counted", ...) node (`counter.py`), whose size is
+    that of the uncounted product whatever the bounds."""
     budget = _budget.current()
     parts = list(dfas) + ([lexer] if lexer is not None else [])
     tables = [d.table for d in parts]
@@ -211,11 +156,15 @@ def intersect(dfas: list[ByteDFA], lexer: ByteDFA | None = None, lo: int = 0, hi
     fewest, most = _remaining(prow, acc, boundary)
     if fewest[1] >= INF:
         return ir.NOTHING
-    # states on or before a cycle carry every count up to hi: past the limit, say which cap would fit
+    if counted:
+        return _counted_node(prow, acc, boundary, fewest, cmasks, lo, hi, max_states)
+    # states on or before a cycle carry every count the bounds tell apart: past the limit at once (the
+    # caller then counts at run time: counted=True)
     looping = sum(1 for p in range(1, len(prow)) if fewest[p] < INF and most[p] >= INF)
-    if hi is not None and looping and (hi - lo) * looping > limit:
-        raise CounterTooLarge(f"grammar too large (the length-bounded string needs about {(hi - lo) * looping} "
-                              f"DFA states, more than {limit})", suggest=lo + (max_states * 9 // 10) // looping)
+    span = (hi - lo) if hi is not None else lo
+    if looping and span * looping > max_states:
+        raise CounterTooLarge(f"grammar too large (the length-bounded string needs about {span * looping} "
+                              f"DFA states, more than {max_states})", suggest=lo + (max_states * 9 // 10) // looping)
     # 2. the counter: states (p, count) with count FREE once the bounds cannot bind
     def norm(p, c):
         if c == FREE:
@@ -263,6 +212,29 @@ def intersect(dfas: list[ByteDFA], lexer: ByteDFA | None = None, lo: int = 0, hi
     if node != ir.NOTHING and len(node[1]) > max_states:
         raise CounterTooLarge(f"grammar too large (the length-bounded string needs {len(node[1])} DFA states, "
                               f"more than {max_states})", states=len(node[1]))
+    return node
+
+
+def _counted_node(rows, acc, boundary, fewest, cmasks, lo: int, hi: int | None, max_states: int):
+    """The uncounted product, trimmed, as ("counted", edges, accepting, boundary, lo, hi) (ir.py), or
+    ir.NOTHING when no string meets the bounds; the plain DFA node when the bounds cannot bind at all."""
+    keep = [0] + [s for s in range(1, len(rows)) if fewest[s] < INF]
+    if len(keep) - 1 > max_states:
+        raise _budget.GrammarTooLarge(f"grammar too large (the string needs {len(keep) - 1} DFA states, "
+                                      f"more than {max_states})")
+    new = [0] * len(rows)
+    for i, s in enumerate(keep):
+        new[s] = i
+    table = np.array([[new[t] for t in rows[s]] for s in keep], dtype=np.int32)
+    table[0] = 0
+    node = dfa_node(table, np.array([acc[s] for s in keep], dtype=bool), cmasks)
+    node = ("counted", node[1], node[2], tuple(int(boundary[s]) for s in keep[1:]), int(lo),
+            None if hi is None else int(hi))
+    rule = CountedRule(node)
+    if not rule.start_ok():
+        return ir.NOTHING
+    if rule.is_free(1):
+        return ("dfa", node[1], node[2])
     return node
 
 

@@ -52,6 +52,13 @@ class TokenVocabulary:
         full pushdown step)."""
         return self._walk(flat_table, state, escapable)
 
+    def counted_walk(self, flat_table: np.ndarray, state: int, weight: np.ndarray, escapable: np.ndarray):
+        """The walk of a counted string (`counter.py`): (token ids read whole, the state each ends in, the
+        characters each adds (``weight[s]`` per byte read from state s), token ids that died after passing
+        an escapable state)."""
+        alive, slow, ends, adds = self._walk(flat_table, state, escapable, weight)
+        return alive, ends, adds, slow
+
     def _build_levels(self) -> None:
         """The byte trie of the vocabulary laid out level by level: node k of level j is one distinct
         (j+1)-byte token prefix, with its parent's index in level j-1 and its last byte. SmolLM2's
@@ -99,12 +106,15 @@ class TokenVocabulary:
         self._token_node = np.array([offsets[j] + new_ids[j][n] for j, n in ends], dtype=np.int64)  # per row
         self._n_nodes = int(offsets[-1])
 
-    def _walk(self, flat_table, state, escapable):
+    def _walk(self, flat_table, state, escapable, weight=None):
         """Step every trie node from its parent's state, level by level (dead stays dead: row 0 of the
         table is all zeros). A level whose parents are mostly dead steps only the children of the live
         ones (a contiguous range each). Returns (alive token ids, token ids that died after passing an
-        escapable state) — the second only when ``escapable`` is given."""
+        escapable state) — the second only when ``escapable`` is given; with ``weight`` (per state) also the
+        alive tokens' end states and their summed weights."""
         st = np.zeros(self._n_nodes, dtype=np.int32)
+        counting = weight is not None
+        cnt = np.zeros(self._n_nodes, dtype=np.int32) if counting else None
         flags = escapable is not None
         slow = np.zeros(self._n_nodes, dtype=bool) if flags else None
         passed = np.zeros(self._n_nodes, dtype=bool) if flags else None
@@ -114,6 +124,8 @@ class TokenVocabulary:
             lo, hi = off[j], off[j + 1]
             if j == 0:
                 st[lo:hi] = prev = flat_table[state * 256 + byt]
+                if counting:
+                    cnt[lo:hi] = weight[state]
                 continue
             p_lo = off[j - 1]
             active = prev != 0
@@ -137,6 +149,8 @@ class TokenVocabulary:
             cur = flat_table[parent_state * 256 + (byt if ch is None else byt[ch])]
             nodes = slice(lo, hi) if ch is None else lo + ch
             st[nodes] = cur
+            if counting:
+                cnt[nodes] = cnt[p_lo + sub_par] + weight[parent_state]
             if flags:
                 passed[nodes] = passed[p_lo + sub_par] | escapable[parent_state]
                 slow[nodes] = slow[p_lo + sub_par] | ((cur == 0) & (parent_state != 0) & passed[nodes])
@@ -147,6 +161,9 @@ class TokenVocabulary:
                 prev[ch] = cur
         alive = st[self._token_node] != 0
         out_slow = self.order[slow[self._token_node] & ~alive] if flags else None
+        if counting:
+            nodes = self._token_node[alive]
+            return self.order[alive], out_slow, st[nodes], cnt[nodes].astype(np.int64)
         return self.order[alive], out_slow
 
     # --- pushdown masks: trie walk -----------------------------------------------------------------

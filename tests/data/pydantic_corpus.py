@@ -206,9 +206,18 @@ class Schedule(BaseModel):
     notes: dict[str, constr(max_length=10)] = Field(max_length=2)
 
 
+class Quorum(BaseModel):
+    votes: dict[str, int] = Field(min_length=2, max_length=5)    # two or more distinct additional keys
+
+
+class Glossary(BaseModel):
+    terms: dict[constr(pattern=r"^[a-z]+$"), constr(max_length=12)] = Field(min_length=3)
+
+
 def corpus() -> list[tuple[str, type[BaseModel], bool]]:
     exact = {"Link": False, "Profile": False,          # HttpUrl: the model also checks the scheme
              "AnyLink": False}                          # pydantic's URL parser: hosts, ports, escapes
     models = [User, Event, Ticket, Link, AnyLink, Host, Tags, Settings, Address, Person, Pet, Order, Contact,
-              Versioned, Meeting, Labels, Metadata, Canvas, Tree, Profile, Sensor, Answer, IdCard, Schedule]
+              Versioned, Meeting, Labels, Metadata, Canvas, Tree, Profile, Sensor, Answer, IdCard, Schedule,
+              Quorum, Glossary]
     return [(m.__name__, m, exact.get(m.__name__, True)) for m in models]

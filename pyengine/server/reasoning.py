@@ -29,26 +29,14 @@ class ReasoningParser:
         i = prompt_text.rfind(self.start)
         return i >= 0 and prompt_text.find(self.end, i) < 0
 
-    def count_tokens(self, decode, ids: list[int], in_reasoning: bool) -> int:
-        """Output tokens spent thinking: those up to the one that completes the end tag (all of them when the
-        thinking never closed; 0 when the output does not think). ``decode``: ids -> text with the tags."""
-        if not ids or self.split(decode(ids), in_reasoning)[0] is None:
-            return 0
-        if self.end not in decode(ids):
-            return len(ids)
-        lo, hi = 1, len(ids)                      # the first prefix whose text holds the end tag
-        while lo < hi:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if self.end in decode(ids[:mid]) else (mid + 1, hi)
-        return lo
-
     def count_reasoning_tokens(self, decode, ids: list[int], in_reasoning: bool) -> int:
-        """Chat usage's ``completion_tokens_details.reasoning_tokens``, counted as vLLM's
+        """Usage's reasoning tokens (chat's ``completion_tokens_details``, the Responses API's
+        ``output_tokens_details``), counted as vLLM's
         `BaseThinkingReasoningParser.count_reasoning_tokens` does: the output tokens between the start and the
         end tag, the tags' own tokens not counted (to the output's end when the thinking never closed; from its
         start when the prompt opened it; 0 when the output does not think). The tags are text here (several
         tokens each with a vocabulary that lacks them, or sharing a token with the text beside them): a token
-        counts when its text lies wholly between them. `count_tokens` (the Responses API's count) includes them."""
+        counts when its text lies wholly between them."""
         if not ids:
             return 0
         text = decode(ids)

@@ -186,7 +186,7 @@ def _usage(gen, ids: list[int]) -> dict:
     """``ids``: the output's token ids (a thinking model's reasoning tokens are counted from them)."""
     p, thought = gen.parsed, 0
     if p.reasoning is not None:
-        thought = p.reasoning.count_tokens(gen.loop.engine.get_tokenizer().decode, ids, p.reasoning_open)
+        thought = p.reasoning.count_reasoning_tokens(gen.loop.engine.get_tokenizer().decode, ids, p.reasoning_open)
     return {"input_tokens": gen.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
             "output_tokens": gen.completion_tokens, "output_tokens_details": {"reasoning_tokens": thought},
             "total_tokens": gen.prompt_tokens + gen.completion_tokens}

@@ -96,6 +96,40 @@ def _q6_k(raw: np.ndarray, tmp: np.ndarray) -> np.ndarray:
     return q.reshape(n, nb * 256)
 
 
+_Q6_CRUMB = np.uint64(0x3030303030303030)
+
+
+def _q6_k_pairs(raw: np.ndarray, tmp: np.ndarray) -> np.ndarray:
+    """Q6_K quants (0..63), CPython: 1-D operations on contiguous regions (NumPy's SIMD loops; the same
+    operations on 2-D views of a block of rows run ~4x slower) in the order (s, k, row, block, half h, l) --
+    nibble s of ql byte 64h + 32k + l, OR-ed with its 2-bit field of qh byte 32h + l, field 2s + k, moved to
+    bits 4-5 (weight 256 block + 128h + 64s + 32k + l). Only two copies work on pieces of a block: ql into
+    (k, row, block, h, l) order, qh twice (k = 0, 1); then the second copy of qh is shifted right by 2 and both
+    fields are found by whole-region operations in 8-byte lanes: ((p << 4) & 0x30 for s = 0, p & 0x30 for 1).
+    The result is the (n, cols) stream of the n rows together, *not* row by row (``segments`` reads it so)."""
+    n, rb = raw.shape
+    nb = rb // 210
+    m = n * nb * 128
+    flat = tmp.reshape(-1)
+    off = -flat.ctypes.data % 8                         # 8-byte lanes need aligned regions (tmp_bytes has room)
+    q, ql, p, t = flat[off:off + 2 * m], flat[off + 2 * m:off + 3 * m], flat[off + 3 * m:off + 4 * m], \
+        flat[off + 4 * m:off + 5 * m]
+    b = raw.reshape(n, nb, 210)
+    np.copyto(ql.reshape(2, n, nb, 2, 32), b[:, :, :128].reshape(n, nb, 2, 2, 32).transpose(3, 0, 1, 2, 4))
+    np.copyto(p.reshape(2, n, nb, 64), b[None, :, :, 128:192])
+    np.bitwise_and(ql, 15, out=q[:m])
+    np.right_shift(ql, 4, out=q[m:])
+    q64, p64, t64 = q.view(np.uint64), p.view(np.uint64), t.view(np.uint64)
+    h = p64.size // 2
+    p64[h:] >>= np.uint64(2)
+    np.left_shift(p64, np.uint64(4), out=t64)
+    t64 &= _Q6_CRUMB
+    q64[:h * 2] |= t64
+    np.bitwise_and(p64, _Q6_CRUMB, out=t64)
+    q64[h * 2:] |= t64
+    return q.reshape(n, nb * 256)
+
+
 # Block scales transposed, (values per block, blocks): every NumPy operation below runs one long (strided) inner
 # loop per value of a block, not one short loop per block -- decoding the scales of 45k Q4_K blocks took 2.8 ms as
 # (blocks, 8) arrays, more than the unpacking.
@@ -163,9 +197,14 @@ def _weights(shape, fn) -> np.ndarray:
     return np.fromfunction(fn, shape, dtype=np.intp).astype(np.intp)
 
 
-@lru_cache(maxsize=64)
 def layout(ggml_type: int, cols: int) -> StreamLayout | None:
-    """The decode stream of a format for rows of ``cols`` weights, or None (formats without one)."""
+    """The decode stream of a format for rows of ``cols`` weights, or None (formats without one). Q6_K's is
+    ``_q6_k_pairs`` (CPython) or ``_q6_k`` (Pyodide), as tuning.LEAN_Q6_PAIRS says."""
+    return _layout(ggml_type, cols, tuning.LEAN_Q6_PAIRS)
+
+
+@lru_cache(maxsize=64)
+def _layout(ggml_type: int, cols: int, q6_pairs: bool) -> StreamLayout | None:
     t = GGMLType(ggml_type)
     bs, ts = GGML_BLOCK[t].block_size, GGML_BLOCK[t].type_size
     nb = cols // bs
@@ -187,6 +226,11 @@ def layout(ggml_type: int, cols: int) -> StreamLayout | None:
         idx = _weights((nb, 32), lambda b, l: 32 * b + l)
         return StreamLayout(rb, 0, _int8, lambda f: f.reshape(-1, nb, ts)[..., 2:].transpose(1, 0, 2),
                             idx, idx[:, 0] // 32, lambda raw: _scales_q8_0(raw, nb))
+    if t == GGMLType.Q6_K and q6_pairs:   # (s, k, row, b, h, l): weight 256b + 128h + 64s + 32k + l
+        idx = _weights((cols // 16, 16), lambda s, l: 16 * s + l)
+        return StreamLayout(cols, nb * 640 + 8, _q6_k_pairs,
+                            lambda f: f.reshape(2, 2, -1, nb, 2, 2, 16).transpose(3, 4, 0, 1, 5, 2, 6), idx,
+                            idx[:, 0] // 16, lambda raw: _scales_q6_k(raw, nb))
     if t == GGMLType.Q6_K:     # weight order, scales per 16 weights
         idx = _weights((cols // 16, 16), lambda s, l: 16 * s + l)
         return StreamLayout(cols, nb * 576, _q6_k,

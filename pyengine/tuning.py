@@ -46,9 +46,10 @@ LEAN_FOLD_MAX_ROWS = 8        # S21 lean: up to this many input rows fold the bl
 # CPU ms, the same bytes as uint64 lanes: 0.06 ms); CPython's NumPy does bytes with SIMD as fast as lanes (0.45 ms
 # both, memory-bound) and keeps the two-operation byte form (lanes need a third, a mask).
 LEAN_LANE_BYTES = 8 if WASM else 1   # decode streams unpack nibbles in lanes of this many bytes
-LEAN_Q6_PAIRS = not WASM      # S21 lean, CPython: Q6_K's decode stream unpacked by 1-D operations on whole regions
-#                               of a row block (quants_stream._q6_k_pairs): 5632 x 2048, one row, CPU ms, same run,
-#                               alternated: 17.0 / 18.2 -> 13.1 / 13.8 (unpacking alone 9.3 -> 4.2)
+LEAN_STREAM_REGIONS = not WASM   # S21 lean, CPython: decode streams unpacked by 1-D operations on whole regions of
+#                               a row block (NumPy's SIMD loops; on 2-D views of the rows ~4x slower): 5632 x 2048,
+#                               one row, CPU ms, same run, alternated: Q6_K 17.0 / 18.2 -> 13.1 / 13.8 (its unpacking
+#                               9.3 -> 4.2, quants_stream._q6_k_pairs); Q4_K's nibbles 1.4 -> 0.9
 LEAN_STREAM_MAX_ROWS = 1      # S21 lean: one input row (decode) multiplies the decode streams of LEAN_STREAM_TYPES
 LEAN_STREAM_TYPES = ("Q4_K", "Q6_K", "Q4_0", "Q4_1")  # (gguf/quants_stream.py: whole-row unpacking, x in stream
 #                               order): 5632 x 2048, CPU ms folded -> stream, same run: Q4_K 9.3 -> 7.2, Q6_K 23.8 ->

@@ -60,6 +60,17 @@ def _nibbles(raw: np.ndarray, tmp: np.ndarray) -> np.ndarray:
     return tmp
 
 
+def _nibble_regions(raw: np.ndarray, tmp: np.ndarray) -> np.ndarray:
+    """CPython: the low nibbles of every byte of a block of rows, then their high nibbles, each one 1-D operation
+    (NumPy's SIMD loops; into the (row, nibble) halves of 2-D rows they took ~1.6x as long). The result is the
+    (n, width) stream of the n rows together, (nibble, row, byte), *not* row by row (``segments`` reads it so)."""
+    v = raw.reshape(-1)
+    o = tmp.reshape(-1)[:2 * v.size]
+    np.bitwise_and(v, 15, out=o[:v.size])
+    np.right_shift(v, 4, out=o[v.size:])
+    return o.reshape(raw.shape[0], -1)
+
+
 def _lane(nbytes: int, most: int) -> type:
     """The widest unsigned lane of at most ``most`` bytes dividing a row of ``nbytes`` bytes."""
     return next(t for t in (np.uint64, np.uint32, np.uint16, np.uint8)
@@ -199,34 +210,38 @@ def _weights(shape, fn) -> np.ndarray:
 
 def layout(ggml_type: int, cols: int) -> StreamLayout | None:
     """The decode stream of a format for rows of ``cols`` weights, or None (formats without one). Q6_K's is
-    ``_q6_k_pairs`` (CPython) or ``_q6_k`` (Pyodide), as tuning.LEAN_Q6_PAIRS says."""
-    return _layout(ggml_type, cols, tuning.LEAN_Q6_PAIRS)
+    ``_q6_k_pairs`` (CPython) or ``_q6_k`` (Pyodide), the nibbles ``_nibble_regions`` or ``_nibbles``, as
+    tuning.LEAN_STREAM_REGIONS says."""
+    return _layout(ggml_type, cols, tuning.LEAN_STREAM_REGIONS)
 
 
 @lru_cache(maxsize=64)
-def _layout(ggml_type: int, cols: int, q6_pairs: bool) -> StreamLayout | None:
+def _layout(ggml_type: int, cols: int, regions: bool) -> StreamLayout | None:
     t = GGMLType(ggml_type)
     bs, ts = GGML_BLOCK[t].block_size, GGML_BLOCK[t].type_size
     nb = cols // bs
     rb = nb * ts
+    # regions (CPython): the nibble streams of a block of rows are (nibble, row, byte), else (row, nibble, byte)
+    nibbles = _nibble_regions if regions else _nibbles
+    by_nibble = (lambda f: f.reshape(2, -1, nb, ts)) if regions else \
+        (lambda f: f.reshape(-1, 2, nb, ts).transpose(1, 0, 2, 3))       # (nibble, row, block, byte)
     if t == GGMLType.Q4_K:     # 16 header bytes, 4 x 32 bytes: byte l of piece j -> weights 64j + l, 64j + 32 + l
         idx = _weights((2, nb, 4, 32), lambda s, b, j, l: 256 * b + 64 * j + 32 * s + l)
-        return StreamLayout(2 * rb, 2 * rb, _nibbles,
-                            lambda f: f.reshape(-1, 2, nb, ts)[..., 16:].reshape(-1, 2, nb, 4, 32)
-                            .transpose(1, 2, 3, 0, 4), idx.reshape(-1, 32), idx[..., 0].reshape(-1) // 32,
+        return StreamLayout(2 * rb, 2 * rb, nibbles,
+                            lambda f: by_nibble(f)[..., 16:].reshape(2, -1, nb, 4, 32).transpose(0, 2, 3, 1, 4),
+                            idx.reshape(-1, 32), idx[..., 0].reshape(-1) // 32,
                             lambda raw: _scales_q4_k(raw, nb))
     if t in (GGMLType.Q4_0, GGMLType.Q4_1):   # 2 / 4 header bytes, 16 bytes: byte l -> weights l, 16 + l
         head = ts - 16
         idx = _weights((2, nb, 16), lambda s, b, l: 32 * b + 16 * s + l)
-        return StreamLayout(2 * rb, 2 * rb, _nibbles,
-                            lambda f: f.reshape(-1, 2, nb, ts)[..., head:].transpose(1, 2, 0, 3),
+        return StreamLayout(2 * rb, 2 * rb, nibbles, lambda f: by_nibble(f)[..., head:].transpose(0, 2, 1, 3),
                             idx.reshape(-1, 16), idx[..., 0].reshape(-1) // 32,
                             lambda raw: _scales_q4_01(raw, nb, ts, t == GGMLType.Q4_1))
     if t == GGMLType.Q8_0:     # 2 header bytes, 32 int8 quants
         idx = _weights((nb, 32), lambda b, l: 32 * b + l)
         return StreamLayout(rb, 0, _int8, lambda f: f.reshape(-1, nb, ts)[..., 2:].transpose(1, 0, 2),
                             idx, idx[:, 0] // 32, lambda raw: _scales_q8_0(raw, nb))
-    if t == GGMLType.Q6_K and q6_pairs:   # (s, k, row, b, h, l): weight 256b + 128h + 64s + 32k + l
+    if t == GGMLType.Q6_K and regions:   # (s, k, row, b, h, l): weight 256b + 128h + 64s + 32k + l
         idx = _weights((cols // 16, 16), lambda s, l: 16 * s + l)
         return StreamLayout(cols, nb * 640 + 8, _q6_k_pairs,
                             lambda f: f.reshape(2, 2, -1, nb, 2, 2, 16).transpose(3, 4, 0, 1, 5, 2, 6), idx,

@@ -166,16 +166,16 @@ def _scales_q4_k(raw: np.ndarray, nb: int):
     np.right_shift(packed, 4, out=mn[1])
     mn[1] &= 0x0F0F0F0F
     mn[1] |= (lo_m >> 2) & 0x30303030
-    d, dmin = _f16(h[:, 0]), _f16(h[:, 1])
-    scale = np.empty((8, n * nb), np.float32)            # sub-block j = 4 * half + byte
-    np.copyto(scale.reshape(2, 4, -1), sc.view(np.uint8).reshape(2, -1, 4).transpose(0, 2, 1), casting="unsafe")
-    scale *= d
-    bias = np.empty((8, n * nb), np.float32)
-    np.copyto(bias.reshape(2, 4, -1), mn.view(np.uint8).reshape(2, -1, 4).transpose(0, 2, 1), casting="unsafe")
-    bias *= -dmin
-    # segments (s, b, j): sub-block 2j + s of block b; bias by group 8b + sub-block
-    seg = np.ascontiguousarray(scale.reshape(4, 2, n, nb).transpose(1, 3, 0, 2)).reshape(-1, n)
-    return seg, np.ascontiguousarray(bias.reshape(8, n, nb).transpose(2, 0, 1)).reshape(-1, n), 32
+    d, dmin = _f16(h[:, 0]).reshape(n, nb).T, _f16(h[:, 1]).reshape(n, nb).T      # (nb, n)
+    # sub-block 4 * half + byte = 2 j + s, cast straight into the order of the segments (s, b, j) and of the bias
+    # groups (b, sub-block), then scaled there: as fast as a transposed copy afterwards, without its temporaries
+    seg = np.empty((2, nb, 2, 2, n), np.float32)
+    np.copyto(seg, sc.view(np.uint8).reshape(2, n, nb, 2, 2).transpose(4, 2, 0, 3, 1), casting="unsafe")
+    seg *= d[None, :, None, None, :]
+    bias = np.empty((nb, 2, 4, n), np.float32)
+    np.copyto(bias, mn.view(np.uint8).reshape(2, n, nb, 4).transpose(2, 0, 3, 1), casting="unsafe")
+    bias *= -dmin[:, None, None, :]
+    return seg.reshape(-1, n), bias.reshape(-1, n), 32
 
 
 def _scales_q4_01(raw: np.ndarray, nb: int, bs: int, with_min: bool):
@@ -195,12 +195,12 @@ def _scales_q8_0(raw: np.ndarray, nb: int):
 
 def _scales_q6_k(raw: np.ndarray, nb: int):
     n = raw.shape[0]
-    d = _f16(_halves(raw, 210)[:, 104])
-    b = np.ascontiguousarray(raw).reshape(-1, 210)
-    scale = np.empty((16, n * nb), np.float32)
-    np.copyto(scale, b[:, 192:208].view(np.int8).T, casting="unsafe")
-    scale *= d
-    seg = np.ascontiguousarray(scale.reshape(16, n, nb).transpose(2, 0, 1)).reshape(-1, n)
+    d = _f16(_halves(raw, 210)[:, 104]).reshape(n, nb).T                             # (nb, n)
+    b = np.ascontiguousarray(raw).reshape(n, nb, 210)
+    seg = np.empty((nb, 16, n), np.float32)              # cast straight into the groups' order (b, sub-block)
+    np.copyto(seg, b[:, :, 192:208].view(np.int8).transpose(1, 2, 0), casting="unsafe")
+    seg *= d[:, None, :]
+    seg = seg.reshape(-1, n)
     return seg, seg * np.float32(-32), 16
 
 

@@ -36,20 +36,12 @@ RESIDENT_LAYOUT = "rows" if WASM else "column-blocks"
 SMALL_GEMM_MNK = 1_000_000  # OpenBLAS's small-matrix kernel takes M*N*K <= 100^3 (beyond: packed sgemm, 3x slower
 #                             for 9 rows of a 576 x 3072 block product; bit-identity across row counts ends there)
 LEAN_ROW_LOOP_MAX = 12      # lean: matvecs over the just-dequantized rows beat one product up to ~12 rows
-LEAN_BLOCK_BYTES = 512 << 10 if WASM else 1 << 20  # S21 lean: float32 rows unpacked per block, or one decode
-#                               stream block of rows (L2-sized: 2 MiB a core here). Before the streams, 2048-input Q4
-#                               rows, 1 token: 64 rows 5.5 ms vs 32 rows 6.5 / 128 rows 6.1 per 5632 rows. CPython,
-#                               with the streams, CPU ms, same run, 256 KiB / 512 KiB / 1 MiB / 2 MiB, one row: Q4_K
-#                               5632x2048 6.58 / 5.42 / 5.17 / 6.45, 2048x5632 10.28 / 7.26 / 6.24 / 7.57; Q6_K 15.09 /
-#                               12.28 / 10.77 / 12.50, 21.06 / 14.19 / 12.59 / 12.49; 512 KiB / 1 MiB, 8 and 64 rows:
-#                               Q4_K 14.6 / 14.2, 37.0 / 36.1 and 14.3 / 14.5, 48.1 / 40.3; Q6_K 27.4 / 27.2, 50.5 /
-#                               48.2 and 27.4 / 25.9, 64.1 / 55.5 (docs/performance.md; the scratch: 0.5 -> 1 MiB)
-LEAN_SCALE_BLOCKS = 16 if WASM else 8   # S21 lean: block scales decoded for 16 row blocks at once (~1 MiB of (rows,
-#                               groups) float32 scales and mins; per row block they cost 3.4 of 9 ms for 5632 Q4_K
-#                               rows); 8 of CPython's 1 MiB blocks: the same rows (and private memory) as before
-LEAN_STREAM_SCALE_BLOCKS = 16   # S21 lean: the same for the decode streams' blocks of rows: CPU ms, one row, same run,
-#                               4 / 8 / 16 blocks: Q4_K 5632x2048 6.42 / 6.29 / 5.90, Q6_K 2048x5632 14.1 / 13.3 / 12.4,
-#                               Q6_K 32000x2048 68.0 / 67.9 / 68.7 (docs/performance.md: the private memory it costs)
+LEAN_BLOCK_BYTES = 512 << 10  # S21 lean: float32 rows unpacked per block (L2-sized): 2048-input Q4 rows, 1 token,
+#                               64 rows 5.5 ms vs 32 rows 6.5 / 128 rows 6.1 per 5632 rows (docs/performance.md; 1 MiB
+#                               makes the region streams' products 5-15% faster but not a whole decode token, within
+#                               noise, and costs 2.8 MiB of the 1.1B shape's 64 MiB)
+LEAN_SCALE_BLOCKS = 16       # S21 lean: block scales decoded for 16 row blocks at once (~1 MiB of (rows, groups)
+#                               float32 scales and mins; per row block they cost 3.4 of 9 ms for 5632 Q4_K rows)
 LEAN_FOLD_MAX_ROWS = 8        # S21 lean: up to this many input rows fold the block scales into the activations
 #                               (per-group batched products); more rows scale the block in place and take one sgemm
 # S21 lean in Pyodide: NumPy in wasm runs integer operations on bytes without SIMD (1 MiB of uint8 `& 15`: 0.26

@@ -360,7 +360,7 @@ class LeanLinear(Linear):
             floats, tmp = np.empty(rows * lay.width, np.float32), np.empty(rows * lay.tmp_bytes, np.uint8)
         S, L = lay.x_index.shape
         xg = np.ascontiguousarray(x[:, lay.x_index].transpose(1, 2, 0))          # (S, L, T): x in stream order
-        span = rows * tuning.LEAN_STREAM_SCALE_BLOCKS
+        span = rows * tuning.LEAN_SCALE_BLOCKS
         views: dict[int, tuple] = {}
         for c0 in range(0, n_rows, span):
             c1 = min(n_rows, c0 + span)

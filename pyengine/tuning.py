@@ -37,7 +37,9 @@ SMALL_GEMM_MNK = 1_000_000  # OpenBLAS's small-matrix kernel takes M*N*K <= 100^
 #                             for 9 rows of a 576 x 3072 block product; bit-identity across row counts ends there)
 LEAN_ROW_LOOP_MAX = 12      # lean: matvecs over the just-dequantized rows beat one product up to ~12 rows
 LEAN_BLOCK_BYTES = 512 << 10  # S21 lean: float32 rows unpacked per block (L2-sized): 2048-input Q4 rows, 1 token,
-#                               64 rows 5.5 ms vs 32 rows 6.5 / 128 rows 6.1 per 5632 rows (docs/performance.md)
+#                               64 rows 5.5 ms vs 32 rows 6.5 / 128 rows 6.1 per 5632 rows (docs/performance.md; 1 MiB
+#                               makes the region streams' products 5-15% faster but not a whole decode token, within
+#                               noise, and costs 2.8 MiB of the 1.1B shape's 64 MiB)
 LEAN_SCALE_BLOCKS = 16       # S21 lean: block scales decoded for 16 row blocks at once (~1 MiB of (rows, groups)
 #                               float32 scales and mins; per row block they cost 3.4 of 9 ms for 5632 Q4_K rows)
 LEAN_FOLD_MAX_ROWS = 8        # S21 lean: up to this many input rows fold the block scales into the activations
@@ -49,6 +51,10 @@ LEAN_LANE_BYTES = 8 if WASM else 1   # decode streams unpack nibbles in lanes of
 LEAN_LAYOUT = "bytes" if WASM else "stream"   # Q4_0 / Q4_1 lean parts: unpacked once into a byte a weight
 #                               and cast a row block at a time (layers/wasm_lean.py; Pyodide, SmolLM2 1536x576, CPU
 #                               ns a weight over 40 matrices: stream 2.72, bytes 1.13), or the file's bytes (CPython)
+LEAN_STREAM_REGIONS = not WASM   # S21 lean, CPython: decode streams unpacked by 1-D operations on whole regions of
+#                               a row block (NumPy's SIMD loops; on 2-D views of the rows ~4x slower): 5632 x 2048,
+#                               one row, CPU ms, same run, alternated: Q6_K 17.0 / 18.2 -> 13.1 / 13.8 (its unpacking
+#                               9.3 -> 4.2, quants_stream._q6_k_pairs); Q4_K's nibbles 1.4 -> 0.9
 LEAN_STREAM_MAX_ROWS = 1      # S21 lean: one input row (decode) multiplies the decode streams of LEAN_STREAM_TYPES
 LEAN_STREAM_TYPES = ("Q4_K", "Q6_K", "Q4_0", "Q4_1")  # (gguf/quants_stream.py: whole-row unpacking, x in stream
 #                               order): 5632 x 2048, CPU ms folded -> stream, same run: Q4_K 9.3 -> 7.2, Q6_K 23.8 ->

@@ -89,8 +89,10 @@ def test_decode_stream_rebuilds_ggml_dequantization(t, cols, wasm, monkeypatch):
     """The decode stream of a format (gguf/quants_stream.py: whole-row unpacking, weights in byte order, block
     headers skipped by the segments) puts every weight back where `gguf` (independent) dequantizes it: value q
     of segment s, row r, lane l is weight x_index[s, l] of row r, = scale[s, r] * q + bias[group, r]. Both
-    runtime forms: nibbles unpacked in bytes (CPython) and in uint64 lanes (Pyodide)."""
+    runtime forms: 1-D operations on whole regions of a block of rows, nibbles in bytes (CPython), and 2-D ones,
+    nibbles in uint64 lanes, Q6_K assembled block by block (Pyodide)."""
     monkeypatch.setattr(tuning, "LEAN_LANE_BYTES", 8 if wasm else 1)
+    monkeypatch.setattr(tuning, "LEAN_STREAM_REGIONS", not wasm)
     n = 5
     raw = _rows(t, n, cols, 7)
     ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(int(t))).reshape(n, cols)

@@ -797,8 +797,12 @@ class SchemaCompiler:
                 return self._distinct(*distinct, lo_p, hi_p)
             if extra is not None and open_extras and lo_p > n_req + 1:
                 # an object of the required members and extras needs two or more of the latter to count:
-                # distinct names beside the listed members (distinct.py)
-                return self._distinct(*distinct, lo_p, hi_p, listed)
+                # distinct names beside the listed members (distinct.py); keys too many for one DFA keep
+                # the counted list below
+                try:
+                    return self._distinct(*distinct, lo_p, hi_p, listed)
+                except _budget.GrammarTooLarge:
+                    pass
             return self._counted(members, flags, extra, lo_p, hi_p)
         at_least_one = False
         if lo_p > n_req:

@@ -15,6 +15,7 @@ from hypothesis import given, settings, strategies as st
 from pyengine.structured import GrammarMatcher, compile_grammar
 from pyengine.structured.automaton import compile_rules
 from pyengine.structured.distinct import DistinctKeysRule
+from pyengine.structured.ir import GrammarError
 from pyengine.structured.json_schema import compile_json_schema
 from structured_support import default_validator, sample_random_model, tokenizer, vocab
 
@@ -225,6 +226,9 @@ def test_listed_plus_extras_masks_and_no_dead_end():
     forced = a.step(a.initial(), b'{"d":{"x":1,"y":2,')       # two slots left, "a" and "c" missing
     assert a.step(forced, b'"c":true,"a":"s"}}') and not a.step(forced, b'"z')
     assert a.step(forced, b'"a":"s",') and not a.step(forced, b'"a":"s","z')
+    with pytest.raises(GrammarError, match="admits no value"):      # minProperties above maxProperties 1
+        automaton_of({"type": "object", "properties": {"c": LISTED["c"]}, "additionalProperties": {"type": "integer"},
+                      "minProperties": 2, "maxProperties": 1})
     c = pickle.loads(pickle.dumps(a))          # as the server's compile worker ships it
     assert accepts(c, '{"d":{"x":1,"c":true,"y":2,"a":"s"}}') and not accepts(c, '{"d":{"x":1,"c":true,"x":2,"a":"s"}}')
     g = compile_grammar(("json", schema), v)

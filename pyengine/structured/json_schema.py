@@ -780,7 +780,7 @@ class SchemaCompiler:
         n_req = sum(flags)
         lo_p = _count(s, "minProperties", 0)
         hi_p = _count(s, "maxProperties", None)
-        if hi_p is not None and hi_p < n_req:
+        if hi_p is not None and hi_p < max(n_req, lo_p):
             return ir.NOTHING
         if extra is None and lo_p > len(members):
             raise GrammarError(f"minProperties {lo_p} exceeds the {len(members)} properties the grammar may write "

@@ -15,6 +15,7 @@ from hypothesis import given, settings, strategies as st
 from pyengine.structured import GrammarMatcher, compile_grammar
 from pyengine.structured.automaton import compile_rules
 from pyengine.structured.distinct import DistinctKeysRule
+from pyengine.structured.ir import GrammarError
 from pyengine.structured.json_schema import compile_json_schema
 from structured_support import default_validator, sample_random_model, tokenizer, vocab
 
@@ -167,3 +168,72 @@ def test_a_grown_cached_matcher_is_compiled_afresh(monkeypatch):
     for t in tok.encode('"gamma":3}'):
         assert m.advance(t)
     assert m.is_complete()
+
+
+# --- listed properties beside two or more distinct extras ----------------------------------------------
+LISTED = {"a": {"type": "string", "maxLength": 1}, "c": {"type": "boolean"}}
+
+
+def _listed_schema(lo, hi, required=("a",)):
+    schema = {"type": "object", "properties": LISTED, "required": list(required),
+              "additionalProperties": {"type": "integer"}, "minProperties": lo}
+    if hi is not None:
+        schema["maxProperties"] = hi
+    return schema
+
+
+@pytest.mark.parametrize("lo,hi,required", [(3, None, ("a",)), (3, 3, ("a",)), (4, 5, ("a", "c")), (4, 4, ())])
+def test_listed_plus_extras_exhaustive_against_jsonschema(lo, hi, required):
+    """Listed names (one a string, one a boolean) and extras in any order, every value of every type at
+    every name, names repeated: accepted exactly when valid and no name is written twice."""
+    schema = _listed_schema(lo, hi, required)
+    a = automaton_of(schema)
+    assert any(isinstance(r, DistinctKeysRule) and r.listed for r in a.rules.values())
+    v = default_validator(schema)
+    names, values = ["a", "c", "x", "y"], ['"s"', "true", "1"]
+    checked = 0
+    for n in range(0, 5):
+        for keys in itertools.product(names, repeat=n):
+            for vals in itertools.product(values, repeat=n) if n <= 3 else [
+                    tuple({"a": '"s"', "c": "true"}.get(k, "1") for k in keys)]:
+                text = "{" + ",".join(f'"{k}":{x}' for k, x in zip(keys, vals)) + "}"
+                assert accepts(a, text) == valid(v, text), text
+                checked += 1
+    assert checked > 2000
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["a", "c", "", "x", "\u00e9", "a\n", "c\"", "ac"]),
+                          st.sampled_from(['"s"', '"st"', "true", "0", "-2"])), max_size=6),
+       st.sampled_from([(3, None, ("a",)), (3, 5, ("a", "c")), (4, 4, ("c",))]))
+def test_hypothesis_listed_plus_extras(pairs, bounds):
+    schema = _listed_schema(*bounds)
+    text = "{" + ",".join(f"{json.dumps(k, ensure_ascii=False)}:{v}" for k, v in pairs) + "}"
+    assert accepts(_cached(json.dumps(schema)), text) == valid(default_validator(schema), text), text
+
+
+def test_listed_plus_extras_masks_and_no_dead_end():
+    """The mask equals the byte walk; when maxProperties leaves room only for the missing required names
+    their keys alone may start (no prefix of an extra key is allowed then); random outputs are valid."""
+    v = vocab()
+    schema = {"type": "object", "properties": {"d": _listed_schema(4, 4, ("a", "c"))}, "required": ["d"]}
+    a = automaton_of(schema)
+    for p in ['{"d":{"x":1,', '{"d":{"x":1,"y":2,', '{"d":{"x":1,"c":true,"y":2,', '{"d":{"a":"s","x',
+              '{"d":{"x":1,"a":"s",']:
+        s = a.step(a.initial(), p.encode())
+        assert s, p
+        assert np.array_equal(a.token_mask(s, v), a.trie_mask(s, v)), p
+    forced = a.step(a.initial(), b'{"d":{"x":1,"y":2,')       # two slots left, "a" and "c" missing
+    assert a.step(forced, b'"c":true,"a":"s"}}') and not a.step(forced, b'"z')
+    assert a.step(forced, b'"a":"s",') and not a.step(forced, b'"a":"s","z')
+    with pytest.raises(GrammarError, match="admits no value"):      # minProperties above maxProperties 1
+        automaton_of({"type": "object", "properties": {"c": LISTED["c"]}, "additionalProperties": {"type": "integer"},
+                      "minProperties": 2, "maxProperties": 1})
+    c = pickle.loads(pickle.dumps(a))          # as the server's compile worker ships it
+    assert accepts(c, '{"d":{"x":1,"c":true,"y":2,"a":"s"}}') and not accepts(c, '{"d":{"x":1,"c":true,"x":2,"a":"s"}}')
+    g = compile_grammar(("json", schema), v)
+    val = default_validator(schema)
+    rng = np.random.default_rng(4)
+    for _ in range(4):
+        _, data = sample_random_model(g, rng, budget=25)
+        assert valid(val, data.decode()), data

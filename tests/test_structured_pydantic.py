@@ -91,8 +91,8 @@ def test_pydantic_corpus_compiles_and_validates(compiled_corpus):
 def test_pydantic_models_through_the_server_with_the_openai_client():
     """The user path on SmolLM2: the official client's ``chat.completions.parse(response_format=Model)`` for
     models whose schemas main refused (a dict with max keys, a pattern with lengths), answered with valid
-    JSON the model parses; a schema asking for two additional properties beside a listed one is a 400 naming
-    minProperties."""
+    JSON the model parses; a schema asking for two patternProperties members beside a listed one is a 400
+    naming minProperties."""
     import openai
     from pyengine.engine.llm_engine import LLMEngine
     from pyengine.model_files import default_model_path
@@ -117,9 +117,9 @@ def test_pydantic_models_through_the_server_with_the_openai_client():
                                     format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
                 finished += 1
         assert finished >= 1
-        # two additional properties count since distinct.py; with a listed property beside them they do not
-        bad = {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": {"type": "integer"},
-               "minProperties": 3}
+        # two additional properties count since distinct.py, beside listed ones too; patternProperties not
+        bad = {"type": "object", "properties": {"a": {"type": "integer"}},
+               "patternProperties": {"^x": {"type": "integer"}}, "minProperties": 3}
         with pytest.raises(openai.BadRequestError, match="minProperties") as e:
             client.chat.completions.create(
                 model=model_id, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
@@ -264,8 +264,9 @@ def test_property_count_refusals_name_the_keyword_and_hold_the_budget():
     """A count that cannot be met names minProperties; a huge maxProperties over many optional keys is
     refused by the state budget (at once, naming maxProperties), not unrolled."""
     with pytest.raises(GrammarError) as e:
-        compile_grammar(("json", {"type": "object", "properties": {"a": {"type": "integer"}},   # distinct.py
-                                  "additionalProperties": {"type": "integer"},   # counts extras alone
+        # distinct.py counts additional properties beside listed ones; patternProperties beside them not
+        compile_grammar(("json", {"type": "object", "properties": {"a": {"type": "integer"}},
+                                  "patternProperties": {"^x": {"type": "integer"}},
                                   "minProperties": 3}), vocab())
     assert e.value.keyword == "minProperties" and "minProperties" in str(e.value)
     props = {f"p{i}": {"type": "string", "format": "date-time"} for i in range(2000)}

@@ -535,6 +535,7 @@ def _refs(node, out: set) -> set:
             _refs(node[6], out)
     elif kind == "xkeys":
         out.add(node[3])
+        out.update(m[2] for m in (node[6] if len(node) > 6 else ()))
     return out
 
 
@@ -598,7 +599,8 @@ def compile_rules(rules: dict, root: str):
     # a counted string (counter.py) and distinct-named members (distinct.py) are always rules of their own,
     # their frame states carrying run-time data; the members' value rule is called from the latter
     special = {n for n in reachable_rules(rules, root) if rules[n][0] in ("counted", "xkeys")}
-    rec = recursive_rules(rules, root) | special | {rules[n][3] for n in special if rules[n][0] == "xkeys"}
+    rec = recursive_rules(rules, root) | special | {r for n in special if rules[n][0] == "xkeys"
+                                                      for r in _refs(rules[n], set())}
     if not productive(rules, root):
         raise GrammarError("the grammar matches nothing (its language is empty)")
     inline = set(rules) - rec
@@ -706,8 +708,9 @@ def productive(rules: dict, root: str) -> bool:
             return any(n[2])                    # trimmed: an accepting state is reachable
         if kind == "counted":
             return True                         # product.counted_node: the start meets the bounds
-        if kind == "xkeys":
-            return n[4] == 0 or n[3] in good    # members need a value
+        if kind == "xkeys":                     # members need a value; required listed ones theirs
+            listed = n[6] if len(n) > 6 else ()
+            return (n[4] == 0 or n[3] in good) and all(m[2] in good for m in listed if m[3])
         if kind == "clist":
             return clist_productive(n, ok)
         if kind == "list":

@@ -747,7 +747,7 @@ class SchemaCompiler:
                 names.append(r)
         self._check_count_size(s, names, required, addl)
         name_ok, extra_key = self._property_names(s)
-        members, flags = [], []
+        members, flags, listed = [], [], []
         for name in names:
             sub = props.get(name, addl)
             value = self.node(sub) if name_ok(name) else ir.NOTHING
@@ -757,8 +757,10 @@ class SchemaCompiler:
                 continue
             members.append(seq(literal(dumps(name)), literal(":"), value))
             flags.append(name in required)
+            listed.append((name, value, name in required))
         singles = list(members)                  # one member each (for maxProperties 1)
         distinct = self._pattern_member(s, names, addl)     # (key node, value node) of the extra members
+        open_extras = False
         if distinct is not None and extra_key is not None:
             raise GrammarError("propertyNames together with patternProperties is not supported", "propertyNames")
         extra = None if distinct is None else seq(distinct[0], literal(":"), distinct[1])
@@ -770,6 +772,7 @@ class SchemaCompiler:
                                        "supported", "propertyNames")
                 extra = seq(extra_key if extra_key is not None else _string_not_in(names), literal(":"), value)
                 distinct = (extra_key if extra_key is not None else _string_not_in(names), value)
+                open_extras = extra_key is None      # any name but the listed ones: never a dead end
         if extra is not None:
             members.append(seq(extra, rep(seq(literal(","), extra), 0, None)))
             flags.append(False)
@@ -777,7 +780,7 @@ class SchemaCompiler:
         n_req = sum(flags)
         lo_p = _count(s, "minProperties", 0)
         hi_p = _count(s, "maxProperties", None)
-        if hi_p is not None and hi_p < n_req:
+        if hi_p is not None and hi_p < max(n_req, lo_p):
             return ir.NOTHING
         if extra is None and lo_p > len(members):
             raise GrammarError(f"minProperties {lo_p} exceeds the {len(members)} properties the grammar may write "
@@ -792,6 +795,14 @@ class SchemaCompiler:
         if (hi_p is not None and (extra is not None or hi_p < len(members))) or (lo_p > n_req and lo_p > 1):
             if extra is not None and distinct is not None and len(members) == 1 and lo_p > 1:
                 return self._distinct(*distinct, lo_p, hi_p)
+            if extra is not None and open_extras and lo_p > n_req + 1:
+                # an object of the required members and extras needs two or more of the latter to count:
+                # distinct names beside the listed members (distinct.py); keys too many for one DFA keep
+                # the counted list below
+                try:
+                    return self._distinct(*distinct, lo_p, hi_p, listed)
+                except _budget.GrammarTooLarge:
+                    pass
             return self._counted(members, flags, extra, lo_p, hi_p)
         at_least_one = False
         if lo_p > n_req:
@@ -850,12 +861,14 @@ class SchemaCompiler:
             raise _budget.GrammarTooLarge(message, keyword)
         return seq(literal("{"), node, literal("}"))
 
-    def _distinct(self, key, value, lo: int, hi: int | None) -> ir.GrammarNode:
-        """An object of additional properties only, lo..hi of them with pairwise distinct names (two or
-        more count towards minProperties): an ("xkeys", ...) rule (distinct.py) over the key's DFA."""
-        if hi is not None and hi < lo:
+    def _distinct(self, key, value, lo: int, hi: int | None, listed=()) -> ir.GrammarNode:
+        """An object of additional properties, lo..hi members with pairwise distinct names (two or more
+        extras count towards minProperties): an ("xkeys", ...) rule (distinct.py) over the keys' DFA.
+        ``listed``: (name, value node, required) of the listed members beside the extras (any order)."""
+        if hi is not None and hi < max(lo, sum(r for _, _, r in listed)):
             return ir.NOTHING
-        node = intersect([dfa_of(key)])
+        keys = [literal(dumps(name)) for name, _, _ in listed]
+        node = intersect([dfa_of(alt(key, *keys) if keys else key)])
         if node == ir.NOTHING:
             return ir.NOTHING
         _, edges, accepting = node
@@ -864,7 +877,11 @@ class SchemaCompiler:
                                "delimit is not supported", "minProperties")
         base = f"distinct:{len(self.rules)}"
         self.rules[base + ":value"] = value
-        self.rules[base] = ("xkeys", edges, accepting, base + ":value", lo, hi)
+        members = []
+        for i, (name, v, req) in enumerate(listed):
+            self.rules[f"{base}:{i}"] = v
+            members.append((name, dumps(name).encode("utf-8"), f"{base}:{i}", req))
+        self.rules[base] = ("xkeys", edges, accepting, base + ":value", lo, hi, *([tuple(members)] if listed else []))
         return seq(literal("{"), ref(base), literal("}"))
 
     def _property_names(self, s):

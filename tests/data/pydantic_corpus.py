@@ -14,7 +14,7 @@ import ipaddress
 import uuid
 from typing import Annotated, Literal, Optional, Union
 
-from pydantic import AnyUrl, BaseModel, Field, HttpUrl, conint, conlist, constr
+from pydantic import AnyUrl, BaseModel, ConfigDict, Field, HttpUrl, conint, conlist, constr
 
 try:
     import email_validator  # noqa: F401
@@ -214,10 +214,19 @@ class Glossary(BaseModel):
     terms: dict[constr(pattern=r"^[a-z]+$"), constr(max_length=12)] = Field(min_length=3)
 
 
+class Ballot(BaseModel):
+    """Listed properties and typed extras (``__pydantic_extra__``) with a member count needing two or more
+    extras beside the required one."""
+    model_config = ConfigDict(extra="allow", json_schema_extra={"minProperties": 4, "maxProperties": 6})
+    __pydantic_extra__: dict[str, int] = Field(init=False)
+    chair: str
+    note: Optional[str] = None
+
+
 def corpus() -> list[tuple[str, type[BaseModel], bool]]:
     exact = {"Link": False, "Profile": False,          # HttpUrl: the model also checks the scheme
              "AnyLink": False}                          # pydantic's URL parser: hosts, ports, escapes
     models = [User, Event, Ticket, Link, AnyLink, Host, Tags, Settings, Address, Person, Pet, Order, Contact,
               Versioned, Meeting, Labels, Metadata, Canvas, Tree, Profile, Sensor, Answer, IdCard, Schedule,
-              Quorum, Glossary]
+              Quorum, Glossary, Ballot]
     return [(m.__name__, m, exact.get(m.__name__, True)) for m in models]

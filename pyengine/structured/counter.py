@@ -34,9 +34,9 @@ MAX_LENGTH_BITS = 1 << 22        # (product states) x (minLength + states) bits 
 WALKS_KEPT = 32                  # per product state: the walk of the vocabulary (3 arrays of <= vocab size)
 
 
-class _Lazy:
+class Lazy:
     """A read-only sequence computed on demand: ``rule.rows[s][b]``, ``rule.accepting[s]`` as the pushdown
-    matcher reads a rule DFA's lists."""
+    matcher reads a rule DFA's lists (the counted rules here and distinct.py's)."""
 
     __slots__ = ("fn",)
 
@@ -47,6 +47,20 @@ class _Lazy:
         return self.fn(i)
 
 
+def dfa_table(edges, accepting):
+    """(rows as lists, flat int32 table, accepting list, accepting array) of a DFA given as ir.py edges;
+    state 0 is dead, ir.py's state i is i + 1."""
+    q = len(edges) + 1
+    table = np.zeros((q, 256), dtype=np.int32)
+    for s, out in enumerate(edges, start=1):
+        for mask, t in out:
+            bits = np.unpackbits(np.frombuffer(int(mask).to_bytes(32, "little"), dtype=np.uint8),
+                                 bitorder="little").astype(bool)
+            table[s, bits] = t + 1
+    acc = [False] + [bool(a) for a in accepting]
+    return table.tolist(), table.reshape(-1), acc, np.array(acc, dtype=bool)
+
+
 class CountedRule:
     """A rule of the pushdown matcher whose frame state carries a character count (module docstring)."""
 
@@ -55,31 +69,18 @@ class CountedRule:
     def __init__(self, node):
         _, edges, accepting, boundary, lo, hi = node
         q = len(edges) + 1                          # dead 0, the IR's states 0.. become 1..
-        table = np.zeros((q, 256), dtype=np.int32)
-        for s, out in enumerate(edges, start=1):
-            for mask, t in out:
-                bits = np.unpackbits(np.frombuffer(int(mask).to_bytes(32, "little"), dtype=np.uint8),
-                                     bitorder="little").astype(bool)
-                table[s, bits] = t + 1
         self.q = q
-        self.table_rows = table.tolist()
-        self.flat = table.reshape(-1)
-        self.acc = [False] + [bool(a) for a in accepting]
+        self.table_rows, self.flat, self.acc, self.acc_np = dfa_table(edges, accepting)
         self.weight = [0] + [int(b) for b in boundary]
         self.lo, self.hi = int(lo), (None if hi is None else int(hi))
         self.free_k = max(self.lo, self.hi or 0) + 1
         self.fewest, self.most = remaining(self.table_rows, self.acc, self.weight)
         self.bits_hi = self.lo + q if self.lo else 0
         self.lengths = _completion_lengths(self.table_rows, self.acc, self.weight, self.bits_hi) if self.lo else None
-        self.acc_np = np.array(self.acc, dtype=bool)
         self.weight_np = np.array(self.weight, dtype=np.int32)
         self.fewest_np = np.array([min(f, INF) for f in self.fewest], dtype=np.int64)
         self.most_np = np.array([min(m, INF) for m in self.most], dtype=np.int64)
-        self.rows = _Lazy(self._row)
-        self.accepting = _Lazy(self._accepting)
-        self.has_bytes = _Lazy(lambda s: any(self.table_rows[s % self.q]))
-        self.calls = _Lazy(lambda s: ())
-        self.final_only = _Lazy(lambda s: False)
+        self._views()
         self._walks: OrderedDict = OrderedDict()
 
     def __getstate__(self):
@@ -91,11 +92,15 @@ class CountedRule:
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-        self.rows = _Lazy(self._row)
-        self.accepting = _Lazy(self._accepting)
-        self.has_bytes = _Lazy(lambda s: any(self.table_rows[s % self.q]))
-        self.calls = _Lazy(lambda s: ())
-        self.final_only = _Lazy(lambda s: False)
+        self._views()
+
+    def _views(self):
+        """The lists the pushdown matcher reads, computed on demand (not pickled)."""
+        self.rows = Lazy(self._row)
+        self.accepting = Lazy(self._accepting)
+        self.has_bytes = Lazy(lambda s: any(self.table_rows[s % self.q]))
+        self.calls = Lazy(lambda s: ())
+        self.final_only = Lazy(lambda s: False)
 
     # --- one frame state ----------------------------------------------------------------------------
     def _norm(self, p: int, k: int) -> int:
@@ -127,7 +132,7 @@ class CountedRule:
         p, k = s % self.q, s // self.q
         row = self.table_rows[p]
         k2 = -1 if k == self.free_k else k + self.weight[p]
-        return _Lazy(lambda b: self._norm(row[b], k2))
+        return Lazy(lambda b: self._norm(row[b], k2))
 
     def _accepting(self, s: int) -> bool:
         p, k = s % self.q, s // self.q

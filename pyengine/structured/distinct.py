@@ -31,36 +31,14 @@ import json
 
 import numpy as np
 
+from .counter import Lazy, dfa_table
+
 KEY, COLON, CALL, AFTER = 0, 1, 2, 3
 MAX_NAME_BYTES = 4096            # a key longer than this is refused (the frame state holds its bytes)
 
 
-class _Lazy:
-    __slots__ = ("fn",)
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def __getitem__(self, i):
-        return self.fn(i)
-
-
-def _table(edges, accepting):
-    """(rows as lists, flat int32 table, accepting list, accepting array) of a DFA given as ir.py edges;
-    state 0 is dead, ir.py's state i is i + 1."""
-    q = len(edges) + 1
-    table = np.zeros((q, 256), dtype=np.int32)
-    for s, out in enumerate(edges, start=1):
-        for mask, t in out:
-            bits = np.unpackbits(np.frombuffer(int(mask).to_bytes(32, "little"), dtype=np.uint8),
-                                 bitorder="little").astype(bool)
-            table[s, bits] = t + 1
-    acc = [False] + [bool(a) for a in accepting]
-    return table.tolist(), table.reshape(-1), acc, np.array(acc, dtype=bool)
-
-
 def _trie(keys):
-    """The DFA of a finite set of byte strings, in `_table`'s layout (start 1)."""
+    """The DFA of a finite set of byte strings, in `dfa_table`'s layout (start 1)."""
     rows = [[0] * 256, [0] * 256]
     acc = [False, False]
     for k in keys:
@@ -85,7 +63,7 @@ class DistinctKeysRule:
     def __init__(self, node):
         _, edges, accepting, value_rule, lo, hi = node[:6]
         listed = node[6] if len(node) > 6 else ()
-        self.full = _table(edges, accepting)
+        self.full = dfa_table(edges, accepting)
         self.key_rows, self.key_flat, self.key_acc, self.key_acc_np = self.full
         self.value_rule = value_rule
         self.listed = {name: rule for name, _, rule, _ in listed}
@@ -100,11 +78,11 @@ class DistinctKeysRule:
         self._bind()
 
     def _bind(self):
-        self.rows = _Lazy(self._row)
-        self.accepting = _Lazy(self._accepting)
-        self.has_bytes = _Lazy(lambda s: self._states[s][0] != CALL)
-        self.calls = _Lazy(self._calls)
-        self.final_only = _Lazy(lambda s: False)
+        self.rows = Lazy(self._row)
+        self.accepting = Lazy(self._accepting)
+        self.has_bytes = Lazy(lambda s: self._states[s][0] != CALL)
+        self.calls = Lazy(self._calls)
+        self.final_only = Lazy(lambda s: False)
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -168,7 +146,7 @@ class DistinctKeysRule:
         return 0
 
     def _row(self, s: int):
-        return _Lazy(lambda b: self._next(s, b))
+        return Lazy(lambda b: self._next(s, b))
 
     def _accepting(self, s: int) -> bool:
         phase, _, _, seen, n, _ = self._states[s]

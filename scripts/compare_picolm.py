@@ -9,12 +9,15 @@ yourself), then runs each engine in its own process, one at a time, and prints f
 seconds per token, private (anonymous) memory, load time. Greedy decoding, one thread everywhere.
 
 How each figure is taken. CPU-s/token: picoLM runs its prompt one token at a time, so its process CPU time
-(rusage, load included, ~0.2 s) over prompt + generated tokens; pyengine: (CPU of N tokens - CPU of 1 token) /
-(N - 1) in one process without prefix caching, so prompt and load are out. Private memory: the largest
+(rusage, load included) over its forwards (prompt + generated tokens - 1: the last token is never fed back);
+pyengine: (CPU of N tokens - CPU of 1 token) / (N - 1) in one process without prefix caching, after one warm-up
+request (the first request's one-time work, the tokenizer and the captured steps, made the 1-token figure larger
+than the N-token one: a negative per-token figure under load), so prompt and load are out. Private memory: the largest
 "Anonymous" of /proc/PID/smaps_rollup sampled every 20 ms (the file-backed pages of the memory-mapped model,
 which the OS can evict, are not in it). Note picoLM allocates its KV cache with calloc: only the pages its
 positions wrote count, while pyengine's arena is written (zeroed) whole at start, as at a full context.
-Load time: picoLM's wall time before its first forward (from its own log), pyengine's LLM(...) construction.
+Load time: picoLM's wall time until it writes the "---" line that starts its generation loop (timed as the
+line arrives), pyengine's LLM(...) construction.
 """
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ def run(k):
     c = time.process_time()
     out = llm.generate([prompt], SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True))[0]
     return time.process_time() - c, out
+run(1)                  # warm-up: the first call's one-time work (tokenizer, captured steps) is in neither figure
 c1, _ = run(1)
 cn, out = run(int(n))
 print(json.dumps({"load_s": load, "cpu_per_token": (cn - c1) / (int(n) - 1), "text": out.outputs[0].text,
@@ -60,51 +64,64 @@ def anonymous_kib(pid: int) -> int:
     return 0
 
 
-def run_sampled(cmd: list[str], env: dict) -> tuple[subprocess.CompletedProcess, int, float]:
-    """(completed process, peak anonymous KiB, CPU seconds of the child)."""
+def run_sampled(cmd: list[str], env: dict, mark: bytes | None = None) -> tuple[subprocess.CompletedProcess, int, float,
+                                                                           float | None]:
+    """(completed process, peak anonymous KiB, CPU seconds of the child, wall seconds from the start until the
+    child wrote the stderr line ``mark`` (None if it never did)). stderr is read line by line as it comes, so the
+    time is taken when the line is written, not computed from the child's own rounded figures."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-    peak = [0]
+    peak, seen, err = [0], [None], []
 
     def sample():
         while p.poll() is None:
             peak[0] = max(peak[0], anonymous_kib(p.pid))
             time.sleep(0.02)
 
-    t = threading.Thread(target=sample, daemon=True)
-    t.start()
-    out, err = p.communicate()
-    t.join()
+    def read_err():
+        for line in p.stderr:
+            if mark is not None and seen[0] is None and line.rstrip(b"\n") == mark:
+                seen[0] = time.perf_counter() - t0
+            err.append(line)
+
+    threads = [threading.Thread(target=sample, daemon=True), threading.Thread(target=read_err, daemon=True)]
+    for t in threads:
+        t.start()
+    out = p.stdout.read()
+    p.wait()
+    for t in threads:
+        t.join()
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return subprocess.CompletedProcess(cmd, p.returncode, out, err), peak[0], cpu
+    return subprocess.CompletedProcess(cmd, p.returncode, out, b"".join(err)), peak[0], cpu, seen[0]
 
 
 def picolm(binary: str, model: str, prompt: str, n: int, ctx: int, env: dict) -> dict:
     cmd = [binary, model, "-p", prompt, "-n", str(n), "-t", "0", "-j", "1", "-c", str(ctx)]
-    t0 = time.perf_counter()
-    p, peak, cpu = run_sampled(cmd, env)
-    wall = time.perf_counter() - t0
+    # picoLM writes "---" just before its generation loop starts its clock: the load time is the wall time until
+    # then (it was the whole wall time minus picoLM's own prefill and generation times, each rounded to 10 ms
+    # and taken on another clock: near-zero loads came out negative)
+    p, peak, cpu, load = run_sampled(cmd, env, mark=b"---")
     err = p.stderr.decode(errors="replace")
     if p.returncode:
         raise SystemExit(f"picoLM failed ({p.returncode}): {err[-2000:]}")
     n_prompt = n_gen = 0
-    prefill = gen = 0.0
     for line in err.splitlines():
         if line.startswith("Prompt:"):
             n_prompt = int(line.split()[1])
-        elif line.startswith("Prefill:"):
-            prefill = float(line.split(" in ")[1].split("s")[0])
         elif line.startswith("Generation:"):
             n_gen = int(line.split()[1])
-            gen = float(line.split(" in ")[1].split("s")[0])
     text = p.stdout.decode("utf-8", errors="replace").rstrip("\n")
-    return {"engine": "picoLM", "text": text, "cpu_per_token": cpu / max(1, n_prompt + n_gen),
-            "private_mib": peak / 1024, "load_s": wall - prefill - gen, "note": f"fp16 KV, {n_gen} tokens"}
+    # forwards: every prompt token, then each generated token but the last (sampled, never fed back)
+    forwards = max(1, n_prompt + n_gen - 1)
+    return {"engine": "picoLM", "text": text, "cpu_per_token": cpu / forwards,
+            "private_mib": peak / 1024, "load_s": float("nan") if load is None else load,
+            "note": f"fp16 KV, {n_gen} tokens"}
 
 
 def pyengine(model: str, mode: str, kv: str, prompt: str, n: int, ctx: int, env: dict) -> dict:
-    p, peak, _ = run_sampled([sys.executable, "-c", CHILD, model, mode, kv, str(ctx), str(n), prompt], env)
+    p, peak, _, _ = run_sampled([sys.executable, "-c", CHILD, model, mode, kv, str(ctx), str(n), prompt], env)
     if p.returncode:
         raise SystemExit(f"pyengine {mode} failed: {p.stderr.decode(errors='replace')[-2000:]}")
     r = json.loads(p.stdout.decode().strip().splitlines()[-1])

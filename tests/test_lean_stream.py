@@ -128,3 +128,30 @@ def test_decode_stream_equals_folded_product(monkeypatch):
     assert np.abs(stream - ref).max() <= 2e-6 * np.abs(ref).max()
     assert np.abs(stream - folded).max() <= 2e-6 * np.abs(ref).max()
 
+
+
+def test_stored_kv_cache_needs_no_float32_context_copy(tmp_path):
+    """Over an fp16 / q8_0 / q4_0 cache the query groups attend over the stored rows tile by tile, so the
+    runner holds no float32 k_batch / v_batch (4 MiB at the 1.1B shape's 2048 context) yet batches as many
+    context slots as over a float32 cache; two prompts decoded together get the tokens each gets alone."""
+    from pyengine import LLM, SamplingParams
+    from pyengine.engine.model_runner import ModelRunner
+    from pyengine.gguf.random_llama import LlamaShape, write_random_llama
+    from pyengine.gguf.reader import GGUFFile
+
+    path = tmp_path / "m.gguf"
+    write_random_llama(path, LlamaShape(256, 2, 4, 2, 512, 512, 256), seed=7)
+    g = GGUFFile(str(path))
+    slots = {}
+    for kv in ("auto", "q8_0"):
+        r = ModelRunner(g, weights_mode="lean", max_model_len=256, max_num_seqs=4, kv_cache_dtype=kv)
+        slots[kv] = (r.arena["attn.k_batch"].shape[0], r.arena["attn.v_batch"].shape[0], r.max_slots)
+    assert slots["q8_0"][:2] == (0, 0) and slots["auto"][0] >= 256
+    assert slots["q8_0"][2] == slots["auto"][2]
+    llm = LLM(str(path), weights_mode="lean", kv_cache_dtype="q8_0", max_model_len=256, max_num_seqs=2,
+              enable_prefix_caching=False)
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = ["hello world", "a longer prompt than the other one"]
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    alone = [llm.generate([p], sp)[0].outputs[0].token_ids for p in prompts]
+    assert together == alone

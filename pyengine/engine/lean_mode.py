@@ -106,6 +106,6 @@ def memory_plan(gguf, weights_mode: str, max_model_len: int, kv_cache_dtype: str
     kv = blocks * PagedKVCache.bytes_per_block(c.n_layers, block_size, c.n_kv_heads, c.head_dim, kv_dtype)
     batch = min(batch, max_model_len) if lean else batch
     specs = Buffers.specs(c, len(model.kinds), batch, max_model_len, 1, blocks * block_size,
-                          w.lean_floats if lean else 0, tuning.FLASH_MIN_QUERY)
+                          w.lean_floats if lean else 0, tuning.FLASH_MIN_QUERY, kv_converts=kv_dtype != "auto")
     return {"weights": weights, "mapped": mapped if lean else 0, "kv_cache": kv, "buffers": plan_nbytes(specs),
             "kv_cache_dtype": kv_dtype, "max_num_batched_tokens": batch}

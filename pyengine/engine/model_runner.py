@@ -102,9 +102,11 @@ class ModelRunner:
                                      tuning.DECODE_SLOTS))
         n_kinds = len(self.model.kinds)
         specs = (Buffers.specs(c, n_kinds, self.max_num_batched_tokens, self.max_model_len, self.max_logits,
-                               decode_slots, self.weights.lean_floats, self.flash_min_query)
+                               decode_slots, self.weights.lean_floats, self.flash_min_query,
+                               kv_converts=self.kv_cache_dtype != "auto")
                  + PagedKVCache.arena_specs(c.n_layers, self.num_blocks, block_size, c.n_kv_heads, c.head_dim,
                                             kv_cache_dtype))
+        self.decode_slots = decode_slots
         self.arena = Arena.from_specs(specs)
         self.kv_cache = PagedKVCache(self.arena, c.n_layers, self.num_blocks, block_size, c.n_kv_heads,
                                      c.head_dim, kv_cache_dtype)
@@ -193,7 +195,7 @@ class ModelRunner:
     @property
     def max_slots(self) -> int:
         """Padded context slots a batched query group may gather."""
-        return min(tuning.DECODE_SLOTS, self.buffers.k_batch.shape[0])
+        return min(tuning.DECODE_SLOTS, self.decode_slots)
 
     # --- S17: a rank's part, as an executor of several ranks drives it (engine/executor.py `RankRunner`) --------
     def run_part(self, batch: ForwardBatch) -> np.ndarray:

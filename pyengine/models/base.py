@@ -101,7 +101,8 @@ class Buffers:
     rope_tables: list          # per layer kind: (cos, sin) (max_model_len, hd/2), filled once
     k_ctx: np.ndarray          # (max_model_len, Hkv, hd) a prompt's gathered keys (non-consecutive blocks)
     v_ctx: np.ndarray          # (max_model_len, Hkv, hd)
-    k_batch: np.ndarray        # (slots, Hkv, hd) padded keys of a batched query group (DECODE_SLOTS or more)
+    k_batch: np.ndarray        # (slots, Hkv, hd) padded keys of a batched query group (DECODE_SLOTS or more;
+    #                            0 slots over an fp16 / q8_0 / q4_0 cache, read as stored)
     v_batch: np.ndarray        # (slots, Hkv, hd)
     scores: np.ndarray         # (n,) attention scores, sized for the largest of the attention paths
     logits_x: np.ndarray       # (R, d) hidden rows whose logits are wanted
@@ -118,8 +119,10 @@ class Buffers:
 
     @classmethod
     def specs(cls, c, n_kinds: int, max_tokens: int, max_model_len: int, max_logits: int, decode_slots: int,
-              lean_floats: int, flash_min_query: int) -> list[ArenaSpec]:
-        """Arena regions for config ``c`` and the runner's limits (names: "act.x", "rope.0.cos", ...)."""
+              lean_floats: int, flash_min_query: int, kv_converts: bool = False) -> list[ArenaSpec]:
+        """Arena regions for config ``c`` and the runner's limits (names: "act.x", "rope.0.cos", ...).
+        ``kv_converts``: the KV cache is stored as fp16 / q8_0 / q4_0, whose query groups attend over the stored
+        rows tile by tile (layers/attention.py stored_decode_attention): no float32 k_batch / v_batch then."""
         H, Hkv, hd, d = c.n_heads, c.n_kv_heads, c.head_dim, c.d_model
         g = H // Hkv
         # scores, plus half as much again for the halving key reductions (attention._reduce_keys)
@@ -140,8 +143,9 @@ class Buffers:
                     spec(f"rope.{k}.table_sin", (max_model_len, hd // 2)),
                     spec(f"rope.{k}.cos", (max_tokens, H + Hkv, hd // 2)),
                     spec(f"rope.{k}.sin", (max_tokens, H + Hkv, hd // 2))]
+        batch_slots = 0 if kv_converts else decode_slots
         out += [spec("attn.k_ctx", (long_ctx, Hkv, hd)), spec("attn.v_ctx", (long_ctx, Hkv, hd)),
-                spec("attn.k_batch", (decode_slots, Hkv, hd)), spec("attn.v_batch", (decode_slots, Hkv, hd)),
+                spec("attn.k_batch", (batch_slots, Hkv, hd)), spec("attn.v_batch", (batch_slots, Hkv, hd)),
                 spec("attn.scores", (max(plain, flash, short),)),
                 spec("logits.x", (max_logits, d)), spec("logits.xn", (max_logits, d)),
                 spec("logits.out", (max_logits, c.vocab_size)), spec("lean.scratch", (lean_floats,))]

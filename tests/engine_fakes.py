@@ -61,6 +61,17 @@ class FakeTokenizer:
         return "".join("" if (t == EOS and skip_special_tokens) else self.token_bytes(t).decode() for t in ids)
 
 
+class WideTokenizer(FakeTokenizer):
+    """FakeTokenizer over the tiny model's whole vocabulary (ids shown as <n>); no stop token."""
+    vocab_size, eos_token_id, stop_token_ids, special_ids = None, None, [], set()
+
+    def check_id(self, tid):
+        return int(tid)
+
+    def token_bytes(self, tid):
+        return f"<{tid}>".encode()
+
+
 class FakeConfig:
     vocab_size = VOCAB
     n_params = 0                # unknown (a draft model's cost then defaults)

@@ -15,6 +15,8 @@ import numpy as np
 from pyengine.bench.structured_schemas import FEATURE_SCHEMAS  # noqa: F401 (re-exported)
 from pyengine.layers.sampler import sample_from_logits
 from pyengine.structured import GrammarMatcher, TokenVocabulary
+from pyengine.structured.automaton import compile_rules
+from pyengine.structured.json_schema import compile_json_schema
 
 ROOT = Path(__file__).resolve().parent.parent
 SUITE = ROOT / ".cache" / "json-schema-test-suite" / "package" / "tests" / "draft4"
@@ -277,3 +279,14 @@ def _effective(value, schema, compiler):
         else:
             return schema
     return schema
+
+
+def automaton_of(schema):
+    """A JSON Schema's automaton, compiled without the caches or the budget."""
+    return compile_rules(*compile_json_schema(schema))
+
+
+def accepts(a, text: str) -> bool:
+    """Whether the automaton's language holds ``text`` (its UTF-8 bytes)."""
+    state = a.step(a.initial(), text.encode("utf-8"))
+    return bool(state) and a.is_accepting(state)

@@ -9,24 +9,13 @@ import importlib
 import numpy as np
 import pytest
 
-from engine_fakes import FakeTokenizer
+from engine_fakes import FakeTokenizer, WideTokenizer
 from model_paths import model_path
 from tiny_models import write_tiny
 
 from pyengine.engine.args import EngineArgs, default_max_model_len
 from pyengine.engine.executor import Executor, LocalExecutor, Runner
 from pyengine.gguf.reader import GGUFFile
-
-
-class WideTokenizer(FakeTokenizer):
-    """FakeTokenizer over the tiny model's whole vocabulary (ids shown as <n>); no stop token."""
-    vocab_size, eos_token_id, stop_token_ids, special_ids = None, None, [], set()
-
-    def check_id(self, tid):
-        return int(tid)
-
-    def token_bytes(self, tid):
-        return f"<{tid}>".encode()
 
 
 @pytest.fixture(scope="module")

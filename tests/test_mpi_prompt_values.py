@@ -25,20 +25,10 @@ KW = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=24, block_si
 PROMPTS = [[int(t) for t in np.random.default_rng(s).integers(1, 320, n)] for s, n in ((1, 7), (2, 40), (3, 19))]
 SCRIPT = '''
 import json, sys
-from engine_fakes import FakeTokenizer
+from engine_fakes import WideTokenizer
 import pyengine.parallel.mpi as mpi
 from pyengine import LLM, SamplingParams
 from pyengine.engine.pooling import PoolingParams
-
-
-class WideTokenizer(FakeTokenizer):
-    vocab_size, eos_token_id, stop_token_ids, special_ids = None, None, [], set()
-
-    def check_id(self, tid):
-        return int(tid)
-
-    def token_bytes(self, tid):
-        return f"<{tid}>".encode()
 
 
 def run(llm, prompts):

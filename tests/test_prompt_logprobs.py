@@ -13,7 +13,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from engine_fakes import FakeRunner, FakeTokenizer
+from engine_fakes import FakeRunner, FakeTokenizer, WideTokenizer
 from model_paths import model_path
 from tiny_models import write_tiny
 from pyengine.engine.llm_engine import LLMEngine
@@ -24,16 +24,6 @@ from pyengine.sampling_params import SamplingParams
 
 GOLDEN = json.loads((pathlib.Path(__file__).parent / "golden" / "prompt_outputs_smollm2.json").read_text())
 TOP20 = json.loads((pathlib.Path(__file__).parent / "golden" / "generation_smollm2.json").read_text())
-
-
-class WideTokenizer(FakeTokenizer):
-    vocab_size, eos_token_id, stop_token_ids, special_ids = None, None, [], set()
-
-    def check_id(self, tid):
-        return int(tid)
-
-    def token_bytes(self, tid):
-        return f"<{tid}>".encode()
 
 
 @pytest.fixture(scope="module")

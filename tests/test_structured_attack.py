@@ -15,6 +15,7 @@ import re
 import pytest
 
 from engine_fakes import FakeRunner
+from structured_support import accepts
 from pyengine.llm import LLM
 from pyengine.sampling_params import SamplingParams, StructuredOutputsParams
 from pyengine.structured import automaton as A
@@ -32,11 +33,6 @@ def compiled(kind, spec, **budget):
     M._cache.clear()
     M._refusals.clear()
     return M.compile_automaton(kind, spec, Budget(**({"seconds": 30.0} | budget)))
-
-
-def accepts(automaton, text: str) -> bool:
-    state = automaton.step(automaton.initial(), text.encode())
-    return bool(state) and automaton.is_accepting(state)
 
 
 # --- the bodies: each answered, none with an internal error ---------------------------------------

@@ -16,21 +16,12 @@ import numpy as np
 import pytest
 
 from pyengine.structured import GrammarMatcher, compile_grammar
-from pyengine.structured.automaton import PushdownMatcher, compile_rules
+from pyengine.structured.automaton import PushdownMatcher
 from pyengine.structured.counter import CountedRule
-from pyengine.structured.json_schema import compile_json_schema, dumps
-from structured_support import default_validator, vocab
+from pyengine.structured.json_schema import dumps
+from structured_support import accepts, automaton_of, default_validator, vocab
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-
-def automaton_of(schema):
-    return compile_rules(*compile_json_schema(schema))
-
-
-def accepts(a, text: str) -> bool:
-    state = a.step(a.initial(), text.encode("utf-8"))
-    return bool(state) and a.is_accepting(state)
 
 
 def counted_rules(a):

@@ -13,22 +13,11 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from pyengine.structured import GrammarMatcher, compile_grammar
-from pyengine.structured.automaton import compile_rules
 from pyengine.structured.distinct import DistinctKeysRule
 from pyengine.structured.ir import GrammarError
-from pyengine.structured.json_schema import compile_json_schema
-from structured_support import default_validator, sample_random_model, tokenizer, vocab
+from structured_support import accepts, automaton_of, default_validator, sample_random_model, tokenizer, vocab
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-
-def automaton_of(schema):
-    return compile_rules(*compile_json_schema(schema))
-
-
-def accepts(a, text: str) -> bool:
-    state = a.step(a.initial(), text.encode("utf-8"))
-    return bool(state) and a.is_accepting(state)
 
 
 def valid(validator, text: str) -> bool:

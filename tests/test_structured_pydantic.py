@@ -14,25 +14,14 @@ import pytest
 
 from pyengine.server.constraints import parse_structured
 from pyengine.structured import GrammarError, compile_grammar
-from pyengine.structured.automaton import compile_rules
 from pyengine.structured.budget import Budget, GrammarTooLarge, compile_budget
-from pyengine.structured.json_schema import FORMATS, compile_json_schema, dumps
-from structured_support import accepts_text, default_validator, sample_random_model, vocab
+from pyengine.structured.json_schema import FORMATS, dumps
+from structured_support import accepts, automaton_of, default_validator, sample_random_model, vocab
 
 sys.path.insert(0, str(Path(__file__).parent / "data"))
 from pydantic_corpus import corpus  # noqa: E402
 
 BEFORE_COMPILED = 9          # main at 788bb5c compiled 9 of the 24 corpus schemas (see the module docstring)
-
-
-def automaton_of(schema):
-    rules, root = compile_json_schema(schema)
-    return compile_rules(rules, root)
-
-
-def accepts(a, text: str) -> bool:
-    state = a.step(a.initial(), text.encode("utf-8"))
-    return bool(state) and a.is_accepting(state)
 
 
 def walk(a, rng, stop: float = 0.15, limit: int = 400) -> bytes | None:

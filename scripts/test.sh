@@ -38,4 +38,7 @@ done
 # Tests check numbers, not speed: one BLAS thread per process keeps pytest, the dev server, Node and Chromium
 # (which run side by side in the e2e tests) from oversubscribing the cores.
 export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+# Open MPI's launcher sometimes fails before any rank starts ("The PMIx server's listener thread failed to start":
+# seen once in ~6 full runs, an Open MPI/PMIx start-up race): only a test that failed with that message runs again.
+exec .venv/bin/python -m pytest -q -p no:cacheprovider \
+    --reruns 1 --only-rerun "PMIx server's listener thread failed to start" "$@"

@@ -40,12 +40,18 @@ def test_lean_products_equal_float64(t, monkeypatch):
     m = QuantMatrix([(_rows(t, 40, 512, 2), int(t)), (_rows(GGMLType.Q6_K, 24, 512, 3), int(GGMLType.Q6_K))], 512)
     lin = LeanLinear(m)
     assert lin.block_rows == 7 and lin.scratch_floats == 7 * 512
+    assert_products_match_float64(lin, m)
+
+
+def assert_products_match_float64(lin: LeanLinear, m: QuantMatrix) -> None:
+    """``lin``'s products of 1, 2, LEAN_FOLD_MAX_ROWS (+1) and 20 input rows against the float64 product of the
+    dequantized matrix (the folded path and the scaled-block path both)."""
     lin.scratch = np.empty(lin.scratch_floats, np.float32)
     w = m.dequantize().astype(np.float64).T
     rng = np.random.default_rng(4)
     for n in (1, 2, tuning.LEAN_FOLD_MAX_ROWS, tuning.LEAN_FOLD_MAX_ROWS + 1, 20):
-        x = rng.standard_normal((n, 512)).astype(np.float32)
-        out = lin.matmul(x, np.empty((n, 64), np.float32))
+        x = rng.standard_normal((n, w.shape[0])).astype(np.float32)
+        out = lin.matmul(x, np.empty((n, w.shape[1]), np.float32))
         ref = x @ w
         assert np.abs(out - ref).max() <= 2e-6 * np.abs(ref).max(), n
 

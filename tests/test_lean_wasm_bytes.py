@@ -9,15 +9,10 @@ import numpy as np
 import pytest
 
 from pyengine import tuning
-from pyengine.gguf import quants
 from pyengine.gguf.quants import GGMLType
 from pyengine.layers import wasm_lean
 from pyengine.layers.linear import LeanLinear, QuantMatrix
-
-
-def _rows(t: GGMLType, n: int, k: int, seed: int) -> np.ndarray:
-    w = (np.random.default_rng(seed).standard_normal((n, k)) * 0.3 + 0.05).astype(np.float32)
-    return quants.quantizer(t)(w).reshape(n, -1)
+from test_lean_stream import _rows, assert_products_match_float64
 
 
 @pytest.mark.parametrize("t", wasm_lean.HELD_TYPES, ids=lambda t: t.name)
@@ -40,14 +35,7 @@ def test_byte_products_equal_float64(monkeypatch):
     m = QuantMatrix(parts, 512, [None, order, None])
     lin = LeanLinear(m)
     assert lin.held is not None
-    lin.scratch = np.empty(lin.scratch_floats, np.float32)
-    w = m.dequantize().astype(np.float64).T
-    rng = np.random.default_rng(4)
-    for n in (1, 2, tuning.LEAN_FOLD_MAX_ROWS, tuning.LEAN_FOLD_MAX_ROWS + 1, 20):
-        x = rng.standard_normal((n, 512)).astype(np.float32)
-        out = lin.matmul(x, np.empty((n, 83), np.float32))
-        ref = x @ w
-        assert np.abs(out - ref).max() <= 2e-6 * np.abs(ref).max(), n
+    assert_products_match_float64(lin, m)
 
 
 def test_other_formats_keep_the_stream(monkeypatch):

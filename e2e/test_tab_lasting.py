@@ -1,4 +1,4 @@
-"""Issue 29 in the browser (TypeScript engine only, `?engines=ts`): the dev server makes the page cross-origin
+"""Issue 29 in the browser (the TypeScript engine, `?engines=ts`, and both engines on a revisit): the dev server makes the page cross-origin
 isolated, so ts-mini runs its products on N worker threads and still gives HF's greedy tokens; the model is
 stored by content in the Cache API, so a reload with the model route blocked still generates ("from cache");
 a storage quota failure leaves the model working from memory with a clear message."""
@@ -24,9 +24,9 @@ def _page(browser, server, init_script=None, query="?engines=ts&threads=2"):
     return context, page, errors
 
 
-def _greedy(page, case):
-    r = page.evaluate("(p) => window.pyengineDemo.generate({engine: 'ts', prompt: p, maxTokens: %d, temperature: 0})" % N,
-                      case["prompt"])
+def _greedy(page, case, engine="ts"):
+    r = page.evaluate("([e, p]) => window.pyengineDemo.generate({engine: e, prompt: p, maxTokens: %d, temperature: 0})"
+                      % N, [engine, case["prompt"]])
     return r["tokenIds"]
 
 
@@ -60,6 +60,27 @@ def test_threads_greedy_and_reload_from_store_with_model_blocked(browser, server
         page.click("#forget-models")
         page.wait_for_function("() => /forgot 1 stored model/.test(document.getElementById('store-status').textContent)")
         assert page.evaluate("async () => (await caches.keys()).length") == 0
+        assert not errors, errors
+    finally:
+        context.close()
+
+
+def test_both_engines_load_a_stored_model_from_its_blob(browser, server, golden):
+    """A revisit hands both workers the stored body as a Blob (no copy in the page): ts-mini reads it into its
+    WebAssembly memory, the Pyodide worker into the bytes it parses; both then give HF's greedy tokens."""
+    context, page, errors = _page(browser, server, query="?threads=1")
+    try:
+        page.evaluate("() => window.pyengineDemo.loadModel('./model/default.gguf')")
+        page.wait_for_function("() => /stored for next visit/.test(document.getElementById('store-status').textContent)")
+        page.route("**/model/default.gguf", lambda route: route.abort())
+        page.reload()
+        page.evaluate("() => window.pyengineDemo.ready")
+        info = page.evaluate("() => window.pyengineDemo.loadModel('./model/default.gguf')")
+        assert set(info) == {"python", "ts"}, info
+        assert page.text_content("#store-status").startswith("from cache (")
+        case = _france(golden)
+        for engine in ("ts", "python"):
+            assert _greedy(page, case, engine) == case["greedy_ids"][:N], engine
         assert not errors, errors
     finally:
         context.close()

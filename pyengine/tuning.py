@@ -33,6 +33,12 @@ RESIDENT_LAYOUT = "rows" if WASM else "column-blocks"
 #                             (CPython), or the GGUF's (out, in) rows multiplied one input row at a time by
 #                             np.einsum("oi,i->o") (Pyodide: NumPy without BLAS; its einsum loop is 3.1-4.6x the
 #                             column blocks' matmul for one row: docs/performance.md, "Pyodide resident layout")
+RESIDENT_STAGE_BYTES = (512 << 10) if WASM else 0
+#                             rows layout: each L2-sized block of rows is copied into the weights scratch and
+#                             multiplied there; in Pyodide the scalar einsum reads memory at ~1.0 ns a float32
+#                             weight, NumPy's contiguous copy at 0.4-0.6, and copy + einsum in cache cost 0.74
+#                             (3072x576 / 576x1536 / 49152x576 from memory; docs/performance.md, "Pyodide resident:
+#                             staged blocks"); 0: the held rows are multiplied in place
 SMALL_GEMM_MNK = 1_000_000  # OpenBLAS's small-matrix kernel takes M*N*K <= 100^3 (beyond: packed sgemm, 3x slower
 #                             for 9 rows of a 576 x 3072 block product; bit-identity across row counts ends there)
 LEAN_ROW_LOOP_MAX = 12      # lean: matvecs over the just-dequantized rows beat one product up to ~12 rows

@@ -3,7 +3,8 @@ top-20 logprobs (|d| <= 1e-3) and greedy tokens (tests/golden/generation_smollm2
 
 The comparison code is tests/pyodide/golden_checks.py, the same functions the CPython side can use, and
 generation goes through web/pyworker.py, the browser worker's Python half (prompt text -> engine.step()).
-Every golden prompt is checked: top-20 logprobs at its 6 golden positions (one teacher-forced forward) and
+The resident matrices must run as Pyodide's staged rows (tuning.RESIDENT_LAYOUT, RESIDENT_STAGE_BYTES). Every
+golden prompt is checked: top-20 logprobs at its 6 golden positions (one teacher-forced forward) and
 16 greedy tokens through the worker (fewer when the model ends its turn: the engine stops at the end token,
 which must then be HF's token there). Pyodide's NumPy has no BLAS (about 2 GFLOP/s): a few minutes in all.
 """
@@ -38,6 +39,14 @@ info = session.load(MODEL_BYTES)
 print(f"engine built in {time.perf_counter() - t0:.1f}s: {info}")
 stops = session.engine.get_tokenizer().stop_token_ids
 bad = []
+# Pyodide's resident layout: (out, in) rows, each L2-sized block staged in the arena's weights scratch
+from pyengine import tuning
+from pyengine.layers.linear import DenseLinear
+runner = session.engine.runner
+dense = [lin for _, lin in runner.weights.linears() if isinstance(lin, DenseLinear)]
+if not (tuning.RESIDENT_LAYOUT == 'rows' and dense and all(lin.out_in is not None and lin.stage_rows
+                                                           and lin.scratch is runner.buffers.lean for lin in dense)):
+    bad.append(f"resident matrices not staged: {tuning.RESIDENT_LAYOUT}, {[lin.stage_rows for lin in dense]}")
 cases = golden['cases']
 assert len(cases) == N_CASES
 for case in cases:

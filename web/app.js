@@ -528,18 +528,20 @@ async function loadModel(source, name) {
       stored = await fetchSplitModel(parts, progress, joinSplit);
       name = `${name} (+${parts.length - 1} parts)`;
     } else stored = await fetchStoredModel(source, progress);
-    buffer = stored.buffer;
+    buffer = stored.buffer || stored.blob;   // a revisit: the stored model as a Blob, read by each worker
     storeStatus(stored);
   }
   else if (source instanceof ArrayBuffer) buffer = source;
   else if (source && typeof source.arrayBuffer === "function") { name = name || source.name; buffer = await source.arrayBuffer(); }
   else throw new Error("loadModel: expected a URL, an ArrayBuffer or a File");
   name = name || "model";
-  $("model-label").textContent = `${name} (${(buffer.byteLength / 1048576).toFixed(1)} MB): loading…`;
+  const bytes = buffer instanceof Blob ? buffer.size : buffer.byteLength;
+  $("model-label").textContent = `${name} (${(bytes / 1048576).toFixed(1)} MB): loading…`;
   const live = Object.values(engines).filter((e) => e.available);
-  // Each worker gets its own copy; the last one takes the original by transfer (no copy).
-  const results = await Promise.allSettled(live.map((e, i) =>
-    e.loadModel(i === live.length - 1 ? buffer : buffer.slice(0), i === live.length - 1)));
+  // Each worker gets its own copy; the last one takes the original by transfer (no copy). A Blob is shared.
+  const blob = buffer instanceof Blob;
+  const results = await Promise.allSettled(live.map((e, i) => blob ? e.loadModel(buffer, false)
+    : e.loadModel(i === live.length - 1 ? buffer : buffer.slice(0), i === live.length - 1)));
   const out = {};
   const refused = {};
   live.forEach((e, i) => {

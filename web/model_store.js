@@ -1,9 +1,10 @@
 // The model lasts: each GGUF the page downloads is kept in the Cache API, keyed by its content (SHA-256 + size),
 // and the next visit loads it from there with no download. Used by app.js (loadModel / "forget stored models").
 //
-//   fetchModel(url, onProgress) -> {buffer, fromCache, storedBytes, storing, note}
+//   fetchModel(url, onProgress) -> {buffer, blob, fromCache, storedBytes, storing, note}
 //       stored copy + server says 304 (If-None-Match / If-Modified-Since), or the network fails: the stored copy
-//       (fromCache: true; no body is downloaded). Otherwise the download, then stored: `storing` resolves to
+//       as a Blob (`blob`, `buffer` null; fromCache: true; no body is downloaded). Otherwise the download
+//       (`buffer`, `blob` null), then stored: `storing` resolves to
 //       {stored: true, bytes} or {stored: false, message} (quota exceeded, storage unavailable) — the model
 //       works either way, from memory.
 //   forgetAll() -> number of models removed;  storedModels() -> [{key, bytes, url}]
@@ -115,6 +116,7 @@ export async function fetchSplitModel(urls, onProgress, join) {
   let done = 0;
   for (const u of urls) {
     const r = await fetchModel(u, (loaded, total) => onProgress && onProgress(done + loaded, 0));
+    if (!r.buffer) r.buffer = await r.blob.arrayBuffer();   // the parts are joined here, in the page
     done += r.buffer.byteLength;
     got.push(r);
   }
@@ -123,7 +125,7 @@ export async function fetchSplitModel(urls, onProgress, join) {
     const bad = all.find((s) => !s.stored);
     return bad || { stored: true, bytes: all.reduce((a, s) => a + s.bytes, 0) };
   });
-  return { buffer, fromCache: got.every((r) => r.fromCache), storedBytes: got.reduce((a, r) => a + r.storedBytes, 0),
+  return { buffer, blob: null, fromCache: got.every((r) => r.fromCache), storedBytes: got.reduce((a, r) => a + r.storedBytes, 0),
            storing, note: got.map((r) => r.note).find(Boolean) || null, parts: urls.length };
 }
 
@@ -145,21 +147,23 @@ export async function fetchModel(url, onProgress) {
       resp = null;
     }
     if (!resp) {
-      const buffer = await hit.body.arrayBuffer();
-      if (buffer.byteLength === hit.entry.size) {
-        return { buffer, fromCache: true, storedBytes: buffer.byteLength, storing: Promise.resolve({ stored: true, bytes: buffer.byteLength }), note };
+      // A handle on the stored bytes, not a copy: the engines' workers read it themselves (ts-mini straight into
+      // its WebAssembly memory), so a revisit holds the model once and copies it once.
+      const blob = await hit.body.blob().catch(() => null);
+      if (blob && blob.size === hit.entry.size) {
+        return { buffer: null, blob, fromCache: true, storedBytes: blob.size, storing: Promise.resolve({ stored: true, bytes: blob.size }), note };
       }
       note = "stored copy was damaged: downloaded again";
       resp = await fetch(url, { cache: "no-store" });
     }
     if (!resp.ok) throw new Error(`could not download ${url}: HTTP ${resp.status}`);
     const buffer = await readBody(resp, onProgress);
-    return { buffer, fromCache: false, storedBytes: 0, storing: keep(url, buffer, resp), note };
+    return { buffer, blob: null, fromCache: false, storedBytes: 0, storing: keep(url, buffer, resp), note };
   }
   const resp = await fetch(url, { cache: "no-store" });
   if (!resp.ok) throw new Error(`could not download ${url}: HTTP ${resp.status}`);
   const buffer = await readBody(resp, onProgress);
-  return { buffer, fromCache: false, storedBytes: 0, storing: keep(url, buffer, resp), note: null };
+  return { buffer, blob: null, fromCache: false, storedBytes: 0, storing: keep(url, buffer, resp), note: null };
 }
 
 export async function storedModels() {

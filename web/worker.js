@@ -1,6 +1,6 @@
 // Pyodide web worker (module worker): runs the unchanged pyengine wheel on NumPy-in-WebAssembly.
 // Protocol (docs/architecture.md, shared with the TypeScript worker):
-//   in:  {type:"load", model: ArrayBuffer, mode?, speculative?, kvCacheDtype?}  {type:"generate", id, prompt,
+//   in:  {type:"load", model: ArrayBuffer | Blob, mode?, speculative?, kvCacheDtype?}  {type:"generate", id, prompt,
 //        maxTokens, temperature, topP, topK, seed, chat, jsonSchema?}  {type:"cancel", id}
 //        (jsonSchema, S15: JSON Schema text constraining the output; "" = any JSON object; `done` then has
 //        json: "valid" | "incomplete" | "invalid")
@@ -82,6 +82,7 @@ const booting = boot().catch((err) => {
 async function load(msg) {
   const runtime = await booting;
   const t0 = performance.now();
+  if (msg.model instanceof Blob) msg.model = await msg.model.arrayBuffer();   // a stored model (model_store.js)
   progress("model", 0, msg.model.byteLength);
   const u8 = new Uint8Array(msg.model);
   // One copy into the wasm heap (Python bytes); the transferred ArrayBuffer is garbage afterwards.

@@ -75,7 +75,7 @@ def memory_plan(gguf, weights_mode: str, max_model_len: int, kv_cache_dtype: str
     from pyengine import tuning
     from pyengine.arena import plan_nbytes
     from pyengine.engine.kv_cache import PagedKVCache
-    from pyengine.layers.linear import LeanLinear
+    from pyengine.layers.linear import LeanLinear, stage_rows
     from pyengine.models import load_model
     from pyengine.models.base import Buffers
 
@@ -105,7 +105,9 @@ def memory_plan(gguf, weights_mode: str, max_model_len: int, kv_cache_dtype: str
     blocks = -(-max_model_len // block_size)
     kv = blocks * PagedKVCache.bytes_per_block(c.n_layers, block_size, c.n_kv_heads, c.head_dim, kv_dtype)
     batch = min(batch, max_model_len) if lean else batch
+    # the weights scratch: lean's blocks, or resident's staged blocks (Pyodide's rows layout; else none)
+    staged = max((stage_rows(lin.shape[1], lin.shape[0]) * lin.shape[0] for _, lin in w.linears()), default=0)
     specs = Buffers.specs(c, len(model.kinds), batch, max_model_len, 1, blocks * block_size,
-                          w.lean_floats if lean else 0, tuning.FLASH_MIN_QUERY, kv_converts=kv_dtype != "auto")
+                          w.lean_floats if lean else staged, tuning.FLASH_MIN_QUERY, kv_converts=kv_dtype != "auto")
     return {"weights": weights, "mapped": mapped if lean else 0, "kv_cache": kv, "buffers": plan_nbytes(specs),
             "kv_cache_dtype": kv_dtype, "max_num_batched_tokens": batch}

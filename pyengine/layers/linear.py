@@ -121,6 +121,13 @@ def col_block(n_in: int) -> int:
     return 16
 
 
+def stage_rows(n_out: int, n_in: int) -> int:
+    """Rows per staged block of a resident matrix in the rows layout (tuning.RESIDENT_STAGE_BYTES; 0: unstaged)."""
+    if tuning.RESIDENT_LAYOUT != "rows" or not tuning.RESIDENT_STAGE_BYTES:
+        return 0
+    return min(n_out, max(1, tuning.RESIDENT_STAGE_BYTES // (4 * n_in)))
+
+
 # A one-row product runs as two rows (the second a zero pad) so that it takes the very kernel, and rounding,
 # of a few-row one: a decode row and a verification row of the same sequence are then bit-identical, and
 # greedy speculative output is the plain output by construction. Not in Pyodide: its NumPy has no BLAS, and
@@ -146,13 +153,17 @@ class DenseLinear(Linear):
     def __init__(self, w: np.ndarray, act: str | None = None):
         """``w``: the (in, out) matrix; a transposed view of the GGUF's (out, in) rows is copied only once.
         With ``tuning.RESIDENT_LAYOUT == "rows"`` (Pyodide) it is held as those (out, in) rows instead
-        (``self.out_in``; ``blocks`` and ``tail`` are None) and multiplied by ``np.einsum`` one input row at a time."""
+        (``self.out_in``; ``blocks`` and ``tail`` are None) and multiplied by ``np.einsum`` one input row at a time,
+        ``stage_rows`` rows at a time copied first into ``scratch`` (tuning.RESIDENT_STAGE_BYTES; the arena's
+        weights scratch, bound by the runner like the lean matrices'; 0 rows: in place)."""
         rows = np.asarray(w, dtype=np.float32).T                     # (out, in): block b is rows b*c..b*c+c-1
         n_out, n_in = rows.shape
+        self.stage_rows, self.scratch = 0, None
         if tuning.RESIDENT_LAYOUT == "rows":
             self.out_in = np.ascontiguousarray(rows)
             self.blocks = self.tail = None
             self.shape, self.act, self.nbytes = (n_in, n_out), act, self.out_in.nbytes
+            self.stage_rows = stage_rows(n_out, n_in)
             return
         self.out_in = None
         c = col_block(n_in)
@@ -170,7 +181,9 @@ class DenseLinear(Linear):
         if out.strides[1] != out.itemsize:
             raise ValueError("DenseLinear.matmul needs an output with contiguous columns")
         if self.out_in is not None:          # rows layout: a contiguous dot per output, NumPy's einsum loop
-            return [partial(np.einsum, "oi,i->o", self.out_in, x[r], out=out[r]) for r in range(x.shape[0])]
+            if not self.stage_rows:
+                return [partial(np.einsum, "oi,i->o", self.out_in, x[r], out=out[r]) for r in range(x.shape[0])]
+            return self._staged_ops(x, out)
         nb, _, c = self.blocks.shape
         # prefill-sized row counts: sgemm over regrouped columns (through the small kernel in row chunks,
         # Gemma's 1.5k-token golden prompt was 1.5x further from HF's logits: max 1.28e-3); wide batches (32
@@ -193,6 +206,24 @@ class DenseLinear(Linear):
             ops = [partial(np.matmul, x[a:b], self.blocks, _column_blocks_view(out[a:b], nb, c)) for a, b in chunks]
         if self.tail is not None:            # in the same chunks: a row's bits do not depend on the batch
             ops += [partial(np.matmul, x[a:b], self.tail, out[a:b, nb * c:]) for a, b in chunks]
+        return ops
+
+    @property
+    def scratch_floats(self) -> int:
+        """Floats of the weights scratch the staged rows layout multiplies from (0: none)."""
+        return self.stage_rows * self.shape[0]
+
+    def _staged_ops(self, x: np.ndarray, out: np.ndarray) -> list:
+        """Rows layout, staged: per block of ``stage_rows`` rows, one copy into the scratch (in cache) then the
+        einsum of every input row from there. Each output is the same contiguous dot as in place: same bits."""
+        n_out, n_in = self.out_in.shape
+        buf = np.empty(self.scratch_floats, np.float32) if self.scratch is None else self.scratch
+        ops = []
+        for a in range(0, n_out, self.stage_rows):
+            b = min(n_out, a + self.stage_rows)
+            s = buf[:(b - a) * n_in].reshape(b - a, n_in)
+            ops.append(partial(np.copyto, s, self.out_in[a:b]))
+            ops += [partial(np.einsum, "oi,i->o", s, x[r], out=out[r, a:b]) for r in range(x.shape[0])]
         return ops
 
     def _regrouped(self, x: np.ndarray, out: np.ndarray) -> None:

@@ -108,7 +108,8 @@ class Buffers:
     logits_x: np.ndarray       # (R, d) hidden rows whose logits are wanted
     logits_xn: np.ndarray      # (R, d) the same, normalized
     logits: np.ndarray         # (R, V)
-    lean: np.ndarray           # (n,) lean mode: one matrix's (or a head chunk's, or an expert's) float32 rows
+    lean: np.ndarray           # (n,) the weights scratch: a lean matrix's (or a head chunk's, or an expert's)
+    #                            float32 rows, or a staged block of a resident matrix's rows (Pyodide)
     moe: MoEScratch | None = None   # MoE models (S16): router and grouped-expert regions "moe.*"
 
     PER_TOKEN = ("x", "xn", "qkv", "qk", "qk_rot", "rope_tmp", "attn", "proj", "gate_up", "ffn")
@@ -216,17 +217,19 @@ class Weights:
         return total
 
     def _scratch_users(self):
-        """The lean matrices and the lean experts (S16): they share one dequantization scratch."""
-        yield from (lin for _, lin in self.linears() if isinstance(lin, LeanLinear))
+        """The lean matrices, the lean experts (S16) and Pyodide's staged resident matrices: they share one
+        weights scratch (layers run one after another)."""
+        yield from (lin for _, lin in self.linears()
+                    if isinstance(lin, LeanLinear) or isinstance(lin, DenseLinear) and lin.scratch_floats)
         yield from (v.experts for L in self.layers for v in L if isinstance(v, MoE) and v.experts.mode == "lean")
 
     @property
     def lean_floats(self) -> int:
-        """Floats of scratch the lean matrices and experts need (0 in resident mode)."""
+        """Floats of scratch the lean matrices, experts and staged resident matrices need (0: none)."""
         return max((u.scratch_floats for u in self._scratch_users()), default=0)
 
     def bind_scratch(self, lean: np.ndarray) -> None:
-        """Give every lean matrix (and lean experts) the arena's shared dequantization scratch."""
+        """Give every scratch user (lean matrices and experts, staged resident matrices) the arena's one scratch."""
         for u in self._scratch_users():
             u.scratch = lean
 

@@ -46,7 +46,7 @@ function readArray(cur: ByteCursor, what: string): MetaValue {
   if (type === STRING) {
     if (n * 8 > cur.length - cur.pos) throw new GGUFError(`truncated GGUF: array ${what} claims ${n} strings`);
     const out: string[] = new Array(n);
-    for (let i = 0; i < n; i++) out[i] = cur.string(`${what}[${i}]`);
+    for (let i = 0; i < n; i++) out[i] = cur.string(what, i);
     return out;
   }
   if (type === ARRAY) {

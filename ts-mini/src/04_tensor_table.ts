@@ -40,6 +40,7 @@ export interface TensorInfo {
 
 export interface GGUFFile {
   buffer: ArrayBufferLike; // an ArrayBuffer, or a SharedArrayBuffer when worker threads share the weights
+  byteLength: number; // the file's size: its bytes are buffer[0 .. byteLength) (a WebAssembly memory may be longer)
   version: number;
   alignment: number;
   metadata: Metadata;
@@ -57,10 +58,14 @@ export function tensor(g: GGUFFile, name: string): TensorInfo {
   return t;
 }
 
-/** Parse header, metadata and tensor table. The tensor data is not copied: offsets point into `buffer`. */
-export function parseGGUF(buffer: ArrayBufferLike): GGUFFile {
+/** Parse header, metadata and tensor table. The tensor data is not copied: offsets point into `buffer`, whose
+ * first `byteLength` bytes are the file (default: all of it). */
+export function parseGGUF(buffer: ArrayBufferLike, byteLength = buffer.byteLength): GGUFFile {
   if (!isBuffer(buffer)) throw new GGUFError("parseGGUF expects an ArrayBuffer");
-  const cur = new ByteCursor(buffer);
+  if (!Number.isInteger(byteLength) || byteLength < 0 || byteLength > buffer.byteLength) {
+    throw new RangeError(`parseGGUF: byteLength ${byteLength} is not within the buffer's ${buffer.byteLength} bytes`);
+  }
+  const cur = new ByteCursor(buffer, 0, byteLength);
   const { version, tensorCount, kvCount } = readHeader(cur);
   const metadata = readMetadata(cur, kvCount);
   const alignment = metaNumber(metadata, "general.alignment", 32);
@@ -93,11 +98,11 @@ export function parseGGUF(buffer: ArrayBufferLike): GGUFFile {
     const nbytes = rowBytes * rows;
     const offset = dataStart + rel;
     if (rel % alignment !== 0) throw new GGUFError(`corrupt GGUF: tensor "${name}" offset ${rel} is not aligned to ${alignment}`);
-    if (offset + nbytes > buffer.byteLength) {
-      throw new GGUFError(`truncated GGUF: tensor "${name}" needs bytes ${offset}..${offset + nbytes}, file has ${buffer.byteLength}`);
+    if (offset + nbytes > byteLength) {
+      throw new GGUFError(`truncated GGUF: tensor "${name}" needs bytes ${offset}..${offset + nbytes}, file has ${byteLength}`);
     }
     if (tensors.has(name)) throw new GGUFError(`corrupt GGUF: duplicate tensor "${name}"`);
     tensors.set(name, { name, shape: ne.slice().reverse(), type, offset, nbytes, rowLength, rows, rowBytes });
   }
-  return { buffer, version, alignment, metadata, tensors };
+  return { buffer, byteLength, version, alignment, metadata, tensors };
 }

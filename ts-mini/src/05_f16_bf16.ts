@@ -14,9 +14,15 @@ export function halfToFloat(h: number): number {
   return sign * (1 + frac / 1024) * 2 ** (exp - 15);
 }
 
+let halfTable: Float32Array | null = null; // computed once, copied into each arena (a load fills two tables)
+
 export function fillHalfTable(table: Float32Array): Float32Array {
   if (table.length !== 65536) throw new Error("half table must have 65536 entries");
-  for (let h = 0; h < 65536; h++) table[h] = halfToFloat(h);
+  if (!halfTable) {
+    halfTable = new Float32Array(65536);
+    for (let h = 0; h < 65536; h++) halfTable[h] = halfToFloat(h);
+  }
+  table.set(halfTable);
   return table;
 }
 

@@ -158,6 +158,12 @@ export function simdAvailable(): boolean {
 export interface SimdSpec { memory: WebAssembly.Memory; ggufBytes: number; maxIn: number; maxRows: number }
 
 const align = (n: number, a: number) => Math.ceil(n / a) * a;
+const isShared = (b: ArrayBufferLike) => typeof SharedArrayBuffer !== "undefined" && b instanceof SharedArrayBuffer;
+// Memories made by SimdKernels.reserve, by their buffer; the scratch room behind the file: the input (4.5 bytes
+// an input), the f16 table (256 KiB) and one output row block (4 bytes a row) of a 262144-token vocabulary and
+// 16384-wide rows fit (~1.4 MiB); a larger model is copied into a memory of its own size.
+const reserved = new WeakMap<ArrayBufferLike, WebAssembly.Memory>();
+const RESERVE_SCRATCH = 2 << 20;
 
 /** The kernels bound to one memory holding one GGUF at byte 0. */
 export class SimdKernels {
@@ -195,13 +201,28 @@ export class SimdKernels {
     return { xin, sc, half, out, end };
   }
 
-  /** Copy the GGUF in `gguf` into a new memory (shared for a thread pool) and bind the kernels to it. */
-  static create(gguf: ArrayBufferLike, maxIn: number, maxRows: number, shared: boolean): SimdKernels {
-    const L = SimdKernels.layout(gguf.byteLength, maxIn, maxRows), pages = Math.ceil(L.end / 65536);
-    const memory = new WebAssembly.Memory(shared ? { initial: pages, maximum: pages, shared: true } : { initial: pages });
-    new Uint8Array(memory.buffer).set(new Uint8Array(gguf));
+  /** Bind the kernels to a memory holding the GGUF whose first `ggufBytes` bytes are in `gguf`: the memory
+   * `reserve` made, when `gguf` is its buffer and it has room for the scratch; else a new memory (shared for a
+   * thread pool) the file is copied into. */
+  static create(gguf: ArrayBufferLike, maxIn: number, maxRows: number, shared: boolean,
+    ggufBytes = gguf.byteLength): SimdKernels {
+    const L = SimdKernels.layout(ggufBytes, maxIn, maxRows), pages = Math.ceil(L.end / 65536);
+    let memory = reserved.get(gguf);
+    if (!memory || memory.buffer !== gguf || gguf.byteLength < L.end || isShared(gguf) !== shared) {
+      memory = new WebAssembly.Memory(shared ? { initial: pages, maximum: pages, shared: true } : { initial: pages });
+      new Uint8Array(memory.buffer).set(new Uint8Array(gguf, 0, ggufBytes));
+    }
     fillHalfTable(new Float32Array(memory.buffer, L.half, 65536));
-    return new SimdKernels({ memory, ggufBytes: gguf.byteLength, maxIn, maxRows }, shared);
+    return new SimdKernels({ memory, ggufBytes, maxIn, maxRows }, shared);
+  }
+
+  /** A memory to read a GGUF of `ggufBytes` straight into (the file at byte 0, then RESERVE_SCRATCH bytes of
+   * room for the scratch), so that `create` takes it without a copy: returns the file's bytes, to be filled. */
+  static reserve(ggufBytes: number, shared: boolean): Uint8Array {
+    const pages = Math.ceil((ggufBytes + RESERVE_SCRATCH) / 65536);
+    const memory = new WebAssembly.Memory(shared ? { initial: pages, maximum: pages, shared: true } : { initial: pages });
+    reserved.set(memory.buffer, memory);
+    return new Uint8Array(memory.buffer, 0, ggufBytes);
   }
 
   /** A helper thread's kernels on the memory another thread created (SimdKernels.create(..., shared)). */

@@ -160,7 +160,7 @@ export class LlamaModel {
     const a = (this.arena = new Arena(L, !!opts.sharedArena));
     this.simd = null;
     if (opts.simd !== false && simdAvailable()) {
-      this.simd = SimdKernels.create(g.buffer, maxIn, Math.max(V, c.ffnDim, d, qDim, kvDim), !!opts.sharedArena);
+      this.simd = SimdKernels.create(g.buffer, maxIn, Math.max(V, c.ffnDim, d, qDim, kvDim), !!opts.sharedArena, g.byteLength);
       g.buffer = this.simd.buffer; // same bytes at the same offsets
     }
 

@@ -7,7 +7,7 @@
 import { GGUFError } from "./02_gguf_header.js";
 import { GGUFFile, isBuffer, parseGGUF } from "./04_tensor_table.js";
 import { MatmulPool, canShareMemory, toShared } from "./13b_matmul_pool.js";
-import { simdAvailable } from "./13c_simd.js";
+import { SimdKernels, simdAvailable } from "./13c_simd.js";
 import { Vocab, readVocab, tokenBytes } from "./08_vocab.js";
 import { BPEEncoder, ChatMessage, applyChatTemplate } from "./09_bpe_encode.js";
 import { Utf8Stream } from "./10_utf8_stream.js";
@@ -30,6 +30,7 @@ export type { ChatMessage } from "./09_bpe_encode.js";
 
 export interface LoadOptions extends ModelOptions {
   onProgress?: (stage: string, loaded: number, total: number) => void;
+  byteLength?: number; // the file's size when the buffer holds more (a memory from SimdKernels.reserve)
 }
 
 export interface ThreadedLoadOptions extends LoadOptions {
@@ -157,7 +158,7 @@ export function loadModel(buffer: ArrayBufferLike, opts: LoadOptions = {}): Engi
   const p = opts.onProgress ?? (() => {});
   const total = 3;
   p("parse", 0, total);
-  const gguf = parseGGUF(buffer);
+  const gguf = parseGGUF(buffer, opts.byteLength ?? buffer.byteLength);
   readConfig(gguf); // fail early (before the tokenizer and the arena) on a model we cannot run
   p("tokenizer", 1, total);
   const vocab = readVocab(gguf.metadata);
@@ -204,4 +205,28 @@ export async function loadModelThreaded(buffer: ArrayBufferLike, opts: ThreadedL
     e.threadNote = `one thread: the matmul workers did not start (${err instanceof Error ? err.message : String(err)})`;
   }
   return e;
+}
+
+/**
+ * loadModelThreaded for a Blob (a File, or the body of a stored Response): its bytes are read straight into the
+ * memory the SIMD kernels then use (SimdKernels.reserve), so the file is neither held twice nor copied (without
+ * SIMD: into an ArrayBuffer). A revisit's model comes from the page's store this way (web/model_store.js).
+ */
+export async function loadModelFromBlob(blob: Blob, opts: ThreadedLoadOptions = {}): Promise<Engine> {
+  const threads = opts.threads ?? defaultThreads();
+  if (!Number.isInteger(threads) || threads < 1) throw new RangeError(`threads must be an integer >= 1, got ${threads}`);
+  const into = opts.simd !== false && simdAvailable() ? SimdKernels.reserve(blob.size, threads > 1 && canShareMemory())
+    : new Uint8Array(blob.size);
+  const reader = blob.stream().getReader();
+  let at = 0;
+  for (;;) {
+    const { done, value } = await reader.read();
+    if (done) break;
+    if (at + value.byteLength > into.length) throw new GGUFError(`the model file has more than its ${into.length} bytes`);
+    into.set(value, at);
+    at += value.byteLength;
+    opts.onProgress?.("read", at, into.length);
+  }
+  if (at !== into.length) throw new GGUFError(`read ${at} of the model file's ${into.length} bytes`);
+  return loadModelThreaded(into.buffer, { ...opts, threads, byteLength: blob.size });
 }

@@ -1,5 +1,6 @@
 // Web worker front end (the same protocol as the Pyodide worker, docs/architecture.md):
-//   main -> worker  {type:"load", model: ArrayBuffer | ArrayBuffer[] (split GGUF parts), maxSeqLen?, threads?}
+//   main -> worker  {type:"load", model: ArrayBuffer | ArrayBuffer[] (split GGUF parts) | Blob, maxSeqLen?, threads?}
+//                   (a Blob, e.g. a stored model's body, is read straight into the SIMD kernels' memory: no copy)
 //                   (maxSeqLen: KV cache length, default 2048; threads: matmul threads, default 1 — the page sends
 //                   navigator.hardwareConcurrency)
 //                   {type:"generate", id, prompt, maxTokens, temperature, topP, topK, minP, repetitionPenalty,
@@ -19,7 +20,7 @@
 // Generation runs one token per turn of the event loop, so a "cancel" posted meanwhile is seen before the
 // next token. Requests are served one at a time, in arrival order.
 
-import { ChatMessage, Engine, loadModel, loadModelThreaded } from "./index.js";
+import { ChatMessage, Engine, loadModel, loadModelFromBlob, loadModelThreaded } from "./index.js";
 import { parseGGUF } from "./04_tensor_table.js";
 import { joinSplit } from "./04b_split.js";
 import { readConfig } from "./18_generate.js";
@@ -147,7 +148,8 @@ export function createHandler(post: Post): (msg: unknown) => void {
           if (Array.isArray(msg.model) && msg.model.length > 0 && msg.model.every((p) => p instanceof ArrayBuffer)) {
             msg.model = joinSplit(msg.model); // the parts of a split GGUF, in order (04b)
           }
-          if (!(msg.model instanceof ArrayBuffer)) throw new Error("load: 'model' must be an ArrayBuffer with the GGUF bytes (or an array of the parts of a split GGUF)");
+          const blob = typeof Blob !== "undefined" && msg.model instanceof Blob ? msg.model : null;
+          if (!blob && !(msg.model instanceof ArrayBuffer)) throw new Error("load: 'model' must be an ArrayBuffer or a Blob with the GGUF bytes (or an array of the parts of a split GGUF)");
           const t0 = performance.now();
           const maxSeqLen = (msg as { maxSeqLen?: number | null }).maxSeqLen ?? undefined; // optional extension
           const threads = (msg as { threads?: number | null }).threads ?? 1;
@@ -174,10 +176,16 @@ export function createHandler(post: Post): (msg: unknown) => void {
             // The previous model (if any) still serves requests; say so, as the Pyodide worker does.
             post({ type: "error", message: message(err), modelKept: engine !== null });
           };
+          if (blob) {                         // read asynchronously; requests sent meanwhile wait for it
+            loading = loadModelFromBlob(blob, { maxSeqLen, onProgress, threads }).then(ready, failed)
+              .finally(() => { loading = null; });
+            break;
+          }
+          const buffer = msg.model as ArrayBuffer;
           if (threads === 1) {
             let e: Engine;
             try {
-              e = loadModel(msg.model, { maxSeqLen, onProgress });
+              e = loadModel(buffer, { maxSeqLen, onProgress });
             } catch (err) {
               failed(err);
               break;
@@ -186,13 +194,12 @@ export function createHandler(post: Post): (msg: unknown) => void {
             break;
           }
           try {
-            readConfig(parseGGUF(msg.model)); // a file we cannot run is refused now, not after the pool starts
+            readConfig(parseGGUF(buffer)); // a file we cannot run is refused now, not after the pool starts
           } catch (err) {
             failed(err);
             break;
           }
-          const model = msg.model;
-          loading = loadModelThreaded(model, { maxSeqLen, onProgress, threads }).then(ready, failed)
+          loading = loadModelThreaded(buffer, { maxSeqLen, onProgress, threads }).then(ready, failed)
             .finally(() => { loading = null; });
           break;
         }

@@ -110,3 +110,42 @@ test("arena: one buffer, aligned non-overlapping views, checked names and kinds"
   assert.throws(() => A.f32("zz"), /no view named "zz"/);
   assert.throws(() => new ArenaLayout().add("a", "f32", 1).add("a", "f32", 1), /duplicate view "a"/);
 });
+
+test("GGUF strings decode exactly as TextDecoder does (the short-string path and its fall-backs)", async () => {
+  const { ByteCursor } = await import("../dist/02_gguf_header.js");
+  const dec = new TextDecoder("utf-8", { ignoreBOM: true });
+  const enc = new TextEncoder();
+  const cases = [
+    [], enc.encode("hello"), enc.encode("Ġthe"), enc.encode("ĊĊ"), enc.encode("é€𝄞"), [0xef, 0xbb, 0xbf, 0x41],
+    [0xc0, 0x80], [0xc1, 0xbf], [0x80], [0xc3], [0x41, 0xc3], [0xc3, 0x41], [0xff, 0xfe], [0xdf, 0xbf, 0xe0],
+    new Array(64).fill(0x61), new Array(65).fill(0x61), [...new Array(62).fill(0x61), 0xc3, 0xa9],
+    [...new Array(63).fill(0x61), 0xc3, 0xa9],
+  ].map((c) => Uint8Array.from(c));
+  for (const shared of [false, true]) {
+    const bytes = new Uint8Array(cases.reduce((a, c) => a + 8 + c.length, 0));
+    let o = 0;
+    for (const c of cases) {
+      new DataView(bytes.buffer).setUint32(o, c.length, true);
+      bytes.set(c, o + 8);
+      o += 8 + c.length;
+    }
+    const buf = shared ? new SharedArrayBuffer(bytes.length) : bytes.buffer;
+    if (shared) new Uint8Array(buf).set(bytes);
+    const cur = new ByteCursor(buf);
+    for (const c of cases) assert.equal(cur.string("s"), dec.decode(c), `${shared} ${Array.from(c)}`);
+  }
+});
+
+test("parseGGUF reads only the file's bytes of a longer buffer (a WebAssembly memory holding it)", { skip: NO_MODEL }, () => {
+  const file = new Uint8Array(modelBuffer());
+  const big = new Uint8Array(file.length + 4096);
+  big.set(file);
+  const g = parseGGUF(big.buffer, file.length);
+  assert.equal(g.byteLength, file.length);
+  assert.equal(g.tensors.size, parseGGUF(modelBuffer()).tensors.size);
+  const cut = new Uint8Array(file.length + 4096);
+  cut.set(file.subarray(0, file.length - 100));            // the last tensor 100 bytes short, zeros behind it
+  assert.throws(() => parseGGUF(cut.buffer, file.length - 100), /truncated GGUF: tensor/);
+  assert.doesNotThrow(() => parseGGUF(cut.buffer));         // (read whole, the zeros would pass for its bytes)
+  assert.throws(() => parseGGUF(big.buffer, big.length + 1), RangeError);
+});

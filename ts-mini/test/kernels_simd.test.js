@@ -4,7 +4,7 @@
 // the same greedy tokens (the threaded pool with them too).
 import { test } from "node:test";
 import assert from "node:assert/strict";
-import { loadModel, loadModelThreaded, parseGGUF, simdAvailable, SimdKernels } from "../dist/index.js";
+import { loadModel, loadModelFromBlob, loadModelThreaded, parseGGUF, simdAvailable, SimdKernels } from "../dist/index.js";
 import { fillHalfTable, makeWeightViews } from "../dist/05_f16_bf16.js";
 import { matvec, matvecRows, prepareMatvec } from "../dist/13_matmul.js";
 import { simdModuleBytes } from "../dist/13c_simd.js";
@@ -76,4 +76,32 @@ test("a model with SIMD kernels decodes the tokens it decodes without them, on 1
     } finally {
       pooled.close();
     }
+  });
+
+test("a GGUF read into SimdKernels.reserve's memory is used in place; a Blob loads that way, on 1 and 2 threads",
+  { skip: NO_MODEL || NO_SIMD }, async () => {
+    const buf = modelBuffer();
+    const into = SimdKernels.reserve(buf.byteLength, false);
+    into.set(new Uint8Array(buf));
+    assert.equal(SimdKernels.create(into.buffer, 1536, 49152, false, buf.byteLength).buffer, into.buffer); // no copy
+    const big = SimdKernels.create(into.buffer, 1536, 1 << 20, false, buf.byteLength); // more scratch than reserved
+    assert.notEqual(big.buffer, into.buffer);
+    assert.deepEqual(new Uint8Array(big.buffer, 0, buf.byteLength), new Uint8Array(buf));
+    const ref = loadModel(buf.slice(0));
+    const ids = ref.encode("The capital of France is");
+    const want = ref.generate(ids, { maxTokens: 8, ignoreEos: true, temperature: 0 }).tokenIds;
+    for (const threads of [1, 2]) {
+      const e = await loadModelFromBlob(new Blob([buf]), { threads });
+      try {
+        assert.equal(e.threads, threads, e.threadNote ?? "");
+        assert.equal(e.gguf.byteLength, buf.byteLength);
+        assert.equal(e.model.simd.buffer, e.gguf.buffer);
+        // the reserved memory (the file + 2 MiB of room, in 64 KiB pages), not a copy sized to the layout
+        assert.equal(e.gguf.buffer.byteLength, Math.ceil((buf.byteLength + (2 << 20)) / 65536) * 65536);
+        assert.deepEqual(e.generate(ids, { maxTokens: 8, ignoreEos: true, temperature: 0 }).tokenIds, want);
+      } finally {
+        e.close();
+      }
+    }
+    await assert.rejects(loadModelFromBlob(new Blob([buf.slice(0, 4096)]), { threads: 1 }), /truncated GGUF/);
   });

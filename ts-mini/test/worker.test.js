@@ -122,3 +122,20 @@ test("load -> progress + ready; generate streams tokens then done; cancel aborts
   const e = await h.until((m) => m.type === "error" && m.id === "e");
   assert.match(e.message, /topP/);
 });
+
+test("load from a Blob (a stored model's body): ready, the golden tokens; a truncated Blob keeps the model", { skip: NO_MODEL }, async () => {
+  const h = harness();
+  h.handle({ type: "load", model: new Blob([modelBuffer()]) });
+  const ready = await h.until((m) => m.type === "ready");
+  assert.equal(ready.info.vocabSize, 49152);
+  h.handle({ type: "generate", id: "b", prompt: FRANCE.prompt, maxTokens: 4, temperature: 0 });
+  const done = await h.until((m) => m.type === "done" && m.id === "b");
+  assert.deepEqual(done.tokenIds, FRANCE.greedy_ids.slice(0, 4));
+  h.handle({ type: "load", model: new Blob([modelBuffer().slice(0, 1 << 20)]) });
+  const err = await h.until((m) => m.type === "error");
+  assert.match(err.message, /truncated GGUF/);
+  assert.equal(err.modelKept, true);
+  h.handle({ type: "generate", id: "c", prompt: FRANCE.prompt, maxTokens: 2, temperature: 0 });
+  const again = await h.until((m) => m.type === "done" && m.id === "c");
+  assert.deepEqual(again.tokenIds, FRANCE.greedy_ids.slice(0, 2));
+});

@@ -15,10 +15,10 @@ import time
 # defaults size them for a server); long prompts are prefilled in chunks of max_num_batched_tokens.
 BROWSER_LIMITS = {"max_num_seqs": 2, "max_num_batched_tokens": 256}
 # Chosen by measurement (scripts/measure_web.py, headless Chromium, SmolLM2-135M Q4_1, 32 greedy tokens):
-#   resident (fp32 weights): wasm memory 890 MB, load 1.8 s, decode 2.5 tok/s
-#   lean (per-layer dequant): wasm memory 319 MB, load 0.7 s, decode 1.1 tok/s; since Q4_0/Q4_1 quants are held
-#   as int8 bytes in wasm (tuning.LEAN_LAYOUT, docs/performance.md): ~450 MB, decode ~0.85x resident per CPU-s
-# Decode speed is what a user watches, and 890 MB fits a desktop tab's 4 GB wasm32 limit, so resident is the
+#   resident (fp32 weights): wasm memory ~1000 MB, decode 9.4 tok/s on a quiet host (rows staged a block at a
+#   time, tuning.RESIDENT_STAGE_BYTES); lean: Q4_0/Q4_1 quants held as int8 bytes (tuning.LEAN_LAYOUT), ~450 MB,
+#   decode 7.7 tok/s (docs/performance.md, "The final table (session 12)")
+# Decode speed is what a user watches, and ~1000 MB fits a desktop tab's 4 GB wasm32 limit, so resident is the
 # default; the page asks for lean on devices reporting < 4 GB (navigator.deviceMemory) or with ?pymode=lean.
 DEFAULT_WEIGHTS_MODE = "resident"
 # ...for models whose float32 weights fit this budget; larger ones default to lean. Gemma 3 270M's 262144-token

@@ -218,14 +218,14 @@ export async function loadModelFromBlob(blob: Blob, opts: ThreadedLoadOptions = 
   const into = opts.simd !== false && simdAvailable() ? SimdKernels.reserve(blob.size, threads > 1 && canShareMemory())
     : new Uint8Array(blob.size);
   const reader = blob.stream().getReader();
-  let at = 0;
+  let at = 0, told = 0;
   for (;;) {
     const { done, value } = await reader.read();
     if (done) break;
     if (at + value.byteLength > into.length) throw new GGUFError(`the model file has more than its ${into.length} bytes`);
     into.set(value, at);
     at += value.byteLength;
-    opts.onProgress?.("read", at, into.length);
+    if (at - told >= into.length / 16 || at === into.length) opts.onProgress?.("read", (told = at), into.length);
   }
   if (at !== into.length) throw new GGUFError(`read ${at} of the model file's ${into.length} bytes`);
   return loadModelThreaded(into.buffer, { ...opts, threads, byteLength: blob.size });

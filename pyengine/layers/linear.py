@@ -158,12 +158,11 @@ class DenseLinear(Linear):
         weights scratch, bound by the runner like the lean matrices'; 0 rows: in place)."""
         rows = np.asarray(w, dtype=np.float32).T                     # (out, in): block b is rows b*c..b*c+c-1
         n_out, n_in = rows.shape
-        self.stage_rows, self.scratch = 0, None
+        self.stage_rows, self.scratch = stage_rows(n_out, n_in), None     # 0 unless the rows layout stages
         if tuning.RESIDENT_LAYOUT == "rows":
             self.out_in = np.ascontiguousarray(rows)
             self.blocks = self.tail = None
             self.shape, self.act, self.nbytes = (n_in, n_out), act, self.out_in.nbytes
-            self.stage_rows = stage_rows(n_out, n_in)
             return
         self.out_in = None
         c = col_block(n_in)

@@ -208,7 +208,7 @@ export class SimdKernels {
     ggufBytes = gguf.byteLength): SimdKernels {
     const L = SimdKernels.layout(ggufBytes, maxIn, maxRows), pages = Math.ceil(L.end / 65536);
     let memory = reserved.get(gguf);
-    if (!memory || memory.buffer !== gguf || gguf.byteLength < L.end || isShared(gguf) !== shared) {
+    if (!memory || gguf.byteLength < L.end || isShared(gguf) !== shared) {
       memory = new WebAssembly.Memory(shared ? { initial: pages, maximum: pages, shared: true } : { initial: pages });
       new Uint8Array(memory.buffer).set(new Uint8Array(gguf, 0, ggufBytes));
     }

@@ -176,9 +176,10 @@ export function createHandler(post: Post): (msg: unknown) => void {
             // The previous model (if any) still serves requests; say so, as the Pyodide worker does.
             post({ type: "error", message: message(err), modelKept: engine !== null });
           };
-          if (blob) {                         // read asynchronously; requests sent meanwhile wait for it
-            loading = loadModelFromBlob(blob, { maxSeqLen, onProgress, threads }).then(ready, failed)
-              .finally(() => { loading = null; });
+          // an asynchronous load (a Blob's read, a pool's start): requests sent meanwhile wait for it
+          const later = (p: Promise<Engine>) => { loading = p.then(ready, failed).finally(() => { loading = null; }); };
+          if (blob) {
+            later(loadModelFromBlob(blob, { maxSeqLen, onProgress, threads }));
             break;
           }
           const buffer = msg.model as ArrayBuffer;
@@ -199,8 +200,7 @@ export function createHandler(post: Post): (msg: unknown) => void {
             failed(err);
             break;
           }
-          loading = loadModelThreaded(buffer, { maxSeqLen, onProgress, threads }).then(ready, failed)
-            .finally(() => { loading = null; });
+          later(loadModelThreaded(buffer, { maxSeqLen, onProgress, threads }));
           break;
         }
         case "generate":
